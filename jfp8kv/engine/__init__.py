@@ -1,0 +1,1 @@
+"""Sampler, jitted steps, continuous-batching scheduler and the offline LLM API."""

@@ -1,0 +1,41 @@
+"""Attention and KV-store kernels behind one contract (see ``reference`` for it).
+
+``backend`` is one of:
+* ``"reference"``: the pure-jnp twins (any device, any dtype; XLA emulates fp8 on CPU);
+* ``"pallas"``: Pallas kernels on the Triton backend (NVIDIA GPU);
+* ``"pallas_interpret"``: the same Pallas kernels in interpret mode (CPU tests).
+"""
+
+from __future__ import annotations
+
+from jfp8kv.kernels import reference
+
+BACKENDS = ("reference", "pallas", "pallas_interpret")
+
+
+def store_kv(layer, k_new, v_new, slots, cfg, backend: str = "reference"):
+    if backend == "reference":
+        return reference.store_kv(layer, k_new, v_new, slots, cfg)
+    from jfp8kv.kernels import pallas_store
+
+    return pallas_store.store_kv(layer, k_new, v_new, slots, cfg,
+                                 interpret=backend == "pallas_interpret")
+
+
+def paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg, sm_scale,
+                    backend: str = "reference"):
+    """q [B, T, H, D]; T == 1 routes to the decode kernel on Pallas backends."""
+    if backend == "reference":
+        return reference.paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
+                                         sm_scale)
+    interpret = backend == "pallas_interpret"
+    if q.shape[1] == 1:
+        from jfp8kv.kernels import pallas_decode
+
+        out = pallas_decode.decode_attention(q[:, 0], layer, page_tables, seq_lens, cfg,
+                                             sm_scale, interpret=interpret)
+        return out[:, None]
+    from jfp8kv.kernels import pallas_prefill
+
+    return pallas_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
+                                            sm_scale, interpret=interpret)

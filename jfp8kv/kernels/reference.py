@@ -1,0 +1,127 @@
+"""Pure-jnp reference twins of the kernels: the oracle every Pallas kernel is tested against.
+
+Contracts (shared with ``jfp8kv.kernels.pallas_*``)
+--------------------------------------------------
+``store_kv(layer, k_new, v_new, slots, cfg) -> (layer, stats_row)``
+    k_new, v_new: [N, num_kv_heads, head_dim] in the compute dtype (post-RoPE).
+    slots: int32[N], flat slot = page * page_size + offset. Padding lanes point into page 0
+    (slot < page_size) and are excluded from the statistics.
+    Quantizes as ``jfp8kv.kvcache.fp8`` says (dynamic scales computed here) and scatters.
+    stats_row: float32[6] in ``STAT_FIELDS`` order; counts are for this call, amax too.
+
+``paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg, sm_scale) -> out``
+    q: [B, T, num_heads, head_dim] (compute dtype); T == 1 is decode.
+    page_tables: int32[B, max_pages]; seq_lens: int32[B], tokens cached for the sequence
+    *including* this step's; q_positions: int32[B, T], absolute position of each query.
+    Query (b, t) attends key j iff j < seq_lens[b] and j <= q_positions[b, t]. K/V are
+    always read through the storage format (dequantized). A row with no visible key
+    (an empty batch slot) returns zeros. out: [B, T, num_heads, head_dim] compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jfp8kv.config import CacheConfig
+from jfp8kv.kvcache import fp8
+from jfp8kv.kvcache.cache import STATIC_MODES, LayerKV
+
+
+def _quantize_rows(x, static_scale, cfg: CacheConfig):
+    """x: [N, H, D] -> (stored values [N, H, D], scales for the pool or None, saturated count)."""
+    dt = jnp.dtype(cfg.storage_dtype)
+    x32 = x.astype(jnp.float32)
+    if not cfg.is_fp8:
+        return x.astype(dt), None, jnp.float32(0)
+    if cfg.scale_mode in STATIC_MODES:
+        s = static_scale[None]  # [1, H, D]
+        return fp8.quantize(x32, s, dt), None, fp8.saturation_count(x32, s, dt)
+    if cfg.scale_mode == "token":
+        amax = jnp.max(jnp.abs(x32), axis=-1)  # [N, H]; NaN propagates -> scale 1.0
+        s = fp8.dynamic_scale(amax, dt, jnp.float32)
+        return fp8.quantize(x32, s[..., None], dt), s, fp8.saturation_count(x32, s[..., None], dt)
+    if cfg.scale_mode == "block":
+        n, h, d = x32.shape
+        nb = d // cfg.scale_block
+        xb = x32.reshape(n, h, nb, cfg.scale_block)
+        amax = jnp.max(jnp.abs(xb), axis=-1)  # [N, H, nb]
+        s = fp8.dynamic_scale(amax, dt, jnp.float16)
+        q = fp8.quantize(xb, s[..., None], dt).reshape(n, h, d)
+        return q, s, fp8.saturation_count(xb, s[..., None], dt)
+    raise ValueError(f"unknown kv_scale_mode {cfg.scale_mode!r}")
+
+
+def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig):
+    valid = slots >= cfg.page_size  # page 0 is the padding sink
+    vmask = valid[:, None, None]
+    h, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
+    # Statistics are over real tokens only: padding lanes are zeroed before counting.
+    k_in = jnp.where(vmask, k_new, 0)
+    v_in = jnp.where(vmask, v_new, 0)
+    kq, ks, k_sat = _quantize_rows(k_in, layer.k_scale, cfg)
+    vq, vs, v_sat = _quantize_rows(v_in, layer.v_scale, cfg)
+
+    def scatter(pages, rows):  # pages [H, P, S, ...], rows [N, H, ...]
+        flat = pages.reshape(h, p * s, *pages.shape[3:])
+        flat = flat.at[:, slots].set(jnp.moveaxis(rows, 0, 1).astype(pages.dtype))
+        return flat.reshape(pages.shape)
+
+    k_pages, v_pages = scatter(layer.k, kq), scatter(layer.v, vq)
+    k_scale, v_scale = layer.k_scale, layer.v_scale
+    if ks is not None:
+        k_scale, v_scale = scatter(k_scale, ks), scatter(v_scale, vs)
+    stats = jnp.stack([
+        k_sat, v_sat,
+        jnp.sum(jnp.isnan(k_in)).astype(jnp.float32),
+        jnp.sum(jnp.isnan(v_in)).astype(jnp.float32),
+        jnp.max(jnp.where(jnp.isnan(k_in), 0, jnp.abs(k_in)), initial=0).astype(jnp.float32),
+        jnp.max(jnp.where(jnp.isnan(v_in), 0, jnp.abs(v_in)), initial=0).astype(jnp.float32),
+    ])
+    return LayerKV(k_pages, v_pages, k_scale, v_scale), stats
+
+
+def gather_dequantized(pages, scale, page_tables, cfg: CacheConfig):
+    """[H, P, S, D] pages -> [B, H, max_pages * S, D] float32 values as attention sees them."""
+    g = pages[:, page_tables]  # [H, B, MP, S, D]
+    x = g.astype(jnp.float32)
+    if cfg.is_fp8:
+        if cfg.scale_mode in STATIC_MODES:
+            x = x * scale[:, None, None, None, :]
+        elif cfg.scale_mode == "token":
+            x = x * scale[:, page_tables][..., None]
+        elif cfg.scale_mode == "block":
+            sb = scale[:, page_tables].astype(jnp.float32)  # [H, B, MP, S, nb]
+            x = (x.reshape(*x.shape[:-1], -1, cfg.scale_block) * sb[..., None]).reshape(x.shape)
+    h, b, mp, s, d = x.shape
+    return jnp.moveaxis(x, 0, 1).reshape(b, h, mp * s, d)
+
+
+def paged_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: CacheConfig,
+                    sm_scale: float):
+    b, t, nh, d = q.shape
+    hkv = cfg.num_kv_heads
+    g = nh // hkv
+    k = gather_dequantized(layer.k, layer.k_scale, page_tables, cfg)  # [B, Hkv, L, D]
+    v = gather_dequantized(layer.v, layer.v_scale, page_tables, cfg)
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    logits = jnp.einsum("btkgd,bkld->bkgtl", qg, k) * sm_scale
+    kpos = jnp.arange(k.shape[2])
+    mask = (kpos[None, None, :] < seq_lens[:, None, None]) & (
+        kpos[None, None, :] <= q_positions[:, :, None])  # [B, T, L]
+    mask = mask[:, None, None]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    mx = jnp.max(logits, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - mx), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgtl,bkld->btkgd", p, v)
+    return out.reshape(b, t, nh, d).astype(q.dtype)
+
+
+def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig, sm_scale: float):
+    """Decode specialisation: q [B, num_heads, head_dim], one query at position seq_len - 1."""
+    out = paged_attention(q[:, None], layer, page_tables, seq_lens, (seq_lens - 1)[:, None],
+                          cfg, sm_scale)
+    return out[:, 0]
+

@@ -1,0 +1,1 @@
+"""Model definitions (Llama / Qwen2 / Qwen3 families) and checkpoint loaders."""

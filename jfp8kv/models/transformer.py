@@ -1,0 +1,151 @@
+"""Decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families.
+
+Family differences are flags on ``ModelConfig`` (``attention_bias`` for Qwen2,
+``qk_norm`` for Qwen3, ``rope_scaling`` for Llama 3.x); nothing else differs.
+
+Params pytree (weights stored [in, out], HF linear weights transposed by the loaders)::
+
+    embed [V, D], final_norm [D], lm_head [D, V] (absent when tied),
+    layers: list of {attn_norm [D], wq [D, H*hd], wk [D, Hkv*hd], wv [D, Hkv*hd],
+                     wo [H*hd, D], mlp_norm [D], w_gate [D, I], w_up [D, I], w_down [I, D],
+                     bq/bk/bv [..] (qwen2), q_norm/k_norm [hd] (qwen3)}
+
+The model knows nothing about how K/V are stored: it hands post-RoPE K/V to
+``kernels.store_kv`` and reads through ``kernels.paged_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfp8kv import kernels
+from jfp8kv.config import ModelConfig
+from jfp8kv.kvcache.cache import KVCache
+
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is not None:  # Llama 3.x frequency-dependent scaling
+        low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
+        wl = 2 * math.pi / inv
+        scaled = np.where(wl > low_wl, inv / rs.factor, inv)
+        smooth = (rs.original_max_position_embeddings / wl - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        is_mid = (wl >= high_wl) & (wl <= low_wl)
+        inv = np.where(is_mid, mid, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [B, T, H, D] with HF's rotate-half convention; positions [B, T]."""
+    ang = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None]
+    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rot * sin).astype(x.dtype)
+
+
+def _linear(x, w, b=None):
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_lens, *,
+            cfg: ModelConfig, backend: str = "reference"):
+    """Run the model over a (possibly padded) chunk of new tokens.
+
+    tokens, positions, slots: int32[B, T] (padding lanes: slot in page 0);
+    page_tables: int32[B, max_pages]; seq_lens: int32[B] cached length after this chunk.
+    Returns (hidden [B, T, D] after the final norm, updated cache). Static: cfg, backend.
+    """
+    b, t = tokens.shape
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    flat_slots = slots.reshape(-1)
+    new_k, new_v, k_scale, v_scale, stats = [], [], [], [], []
+    for i, lp in enumerate(params["layers"]):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q = _linear(h, lp["wq"], lp.get("bq")).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = _linear(h, lp["wk"], lp.get("bk")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = _linear(h, lp["wv"], lp.get("bv")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        layer, st = kernels.store_kv(
+            cache.layer(i), k.reshape(b * t, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(b * t, cfg.num_kv_heads, cfg.head_dim), flat_slots, cache.config, backend)
+        attn = kernels.paged_attention(q, layer, page_tables, seq_lens, positions, cache.config,
+                                       sm_scale, backend)
+        x = x + _linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        gate = _linear(h, lp["w_gate"])
+        up = _linear(h, lp["w_up"])
+        x = x + _linear((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(dtype), lp["w_down"])
+        new_k.append(layer.k)
+        new_v.append(layer.v)
+        k_scale.append(layer.k_scale)
+        v_scale.append(layer.v_scale)
+        stats.append(st)
+    st = jnp.stack(stats)
+    # Counts accumulate; amax columns keep the running maximum.
+    merged = jnp.concatenate([cache.stats[:, :4] + st[:, :4],
+                              jnp.maximum(cache.stats[:, 4:], st[:, 4:])], axis=1)
+    cache = KVCache(new_k, new_v, k_scale, v_scale, merged, cache.config)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def logits(params, hidden):
+    """hidden [..., D] -> float32 logits [..., V]."""
+    w = params.get("lm_head")
+    if w is None:
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"],
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02):
+    """Random weights with a real architecture's shapes (for speed benchmarks)."""
+    d, hd, i_sz = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = dict(attn_norm=(d,), wq=(d, cfg.num_heads * hd), wk=(d, cfg.num_kv_heads * hd),
+                  wv=(d, cfg.num_kv_heads * hd), wo=(cfg.num_heads * hd, d), mlp_norm=(d,),
+                  w_gate=(d, i_sz), w_up=(d, i_sz), w_down=(i_sz, d))
+    if cfg.attention_bias:
+        shapes.update(bq=(cfg.num_heads * hd,), bk=(cfg.num_kv_heads * hd,),
+                      bv=(cfg.num_kv_heads * hd,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(hd,), k_norm=(hd,))
+    keys = iter(jax.random.split(key, cfg.num_layers * len(shapes) + 2))
+
+    def make(name, shape):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
+
+    layers = [{n: make(n, s) for n, s in shapes.items()} for _ in range(cfg.num_layers)]
+    params = {"embed": make("embed", (cfg.vocab_size, d)), "final_norm": jnp.ones((d,), dtype),
+              "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = make("lm_head", (d, cfg.vocab_size))
+    return params

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: `python -m jfp8kv.serve`."""
