@@ -93,6 +93,9 @@ def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
     """
     s = jnp.maximum(amax.astype(jnp.float32) / fmax(dtype), SCALE_FLOOR)
     s = jnp.where(jnp.isfinite(s), s, 1.0)  # NaN/inf rows: the NaN survives in x, not in s
+    # amax / (amax / fmax) can round to just above fmax: nudge the scale up one ulp then.
+    a32 = amax.astype(jnp.float32)
+    s = jnp.where(a32 / s > fmax(dtype), jnp.nextafter(s, jnp.float32(jnp.inf)), s)
     if jnp.dtype(scale_dtype) == jnp.float32:
         return s
     floor = SCALE_FLOOR_F16 if jnp.dtype(scale_dtype) == jnp.float16 else SCALE_FLOOR

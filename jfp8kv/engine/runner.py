@@ -1,0 +1,189 @@
+"""Jitted, shape-bucketed model steps over the paged cache.
+
+The runner owns the device state (params, cache) and exposes three steps, each a pure
+function jitted once per bucket with the cache donated:
+
+* ``prefill``: a padded batch of new-token chunks [B, T]; samples one token per row from
+  the last real position (used only by rows whose chunk completes their prompt).
+* ``decode``: ``num_steps`` decode steps in one dispatch (a ``lax.scan``), sampling on
+  device and feeding each token back; slots are computed on device from the page tables.
+* ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
+
+Buckets: batch sizes and chunk lengths are padded to powers of two, and the page-table
+width to a power of two, so no request shape causes a new compile once warmed up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfp8kv.config import ModelConfig
+from jfp8kv.engine.sampler import sample
+from jfp8kv.kvcache.cache import KVCache
+from jfp8kv.models import transformer
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    b = max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return b if maximum is None else min(b, max(maximum, n))
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+    temperature: np.ndarray  # float32[B]
+    top_k: np.ndarray  # int32[B]
+    top_p: np.ndarray  # float32[B]
+    seeds: np.ndarray  # uint32[B]
+    counters: np.ndarray  # int32[B]
+
+    @classmethod
+    def empty(cls, b: int) -> "SamplingArrays":
+        return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
+                   np.zeros(b, np.uint32), np.zeros(b, np.int32))
+
+    def args(self):
+        return (self.temperature, self.top_k, self.top_p, self.seeds, self.counters)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy"),
+                   donate_argnames=("cache",))
+def _prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
+             temperature, top_k, top_p, seeds, counters, *, cfg, backend, all_greedy):
+    """Static: cfg, backend, all_greedy. Donated: cache."""
+    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
+                                        seq_lens, cfg=cfg, backend=backend)
+    last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
+    logits = transformer.logits(params, last)
+    toks = sample(logits, temperature, top_k, top_p, seeds, counters, all_greedy=all_greedy)
+    return toks, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "num_steps"),
+                   donate_argnames=("cache",))
+def _decode(params, cache, tokens, positions, page_tables, limits, temperature, top_k, top_p,
+            seeds, counters, *, cfg, backend, all_greedy, num_steps):
+    """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
+    inactive rows write to the sink page and attend nothing. Static: cfg, backend,
+    all_greedy, num_steps. Donated: cache. Returns (int32[B, num_steps], cache)."""
+    ps = cache.config.page_size
+
+    def body(carry, i):
+        cache, tok = carry
+        pos = positions + i
+        active = pos < limits
+        page = jnp.take_along_axis(page_tables, (pos // ps)[:, None] % page_tables.shape[1],
+                                   axis=1)[:, 0]
+        slot = jnp.where(active, page * ps + pos % ps, 0)
+        seq_len = jnp.where(active, pos + 1, 0)
+        hidden, cache = transformer.forward(params, cache, tok[:, None], pos[:, None],
+                                            slot[:, None], page_tables, seq_len, cfg=cfg,
+                                            backend=backend)
+        logits = transformer.logits(params, hidden[:, 0])
+        nxt = sample(logits, temperature, top_k, top_p, seeds, counters + i,
+                     all_greedy=all_greedy)
+        return (cache, nxt), nxt
+
+    (cache, _), toks = jax.lax.scan(body, (cache, tokens), jnp.arange(num_steps))
+    return toks.T, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
+def _nll(params, cache, tokens, positions, slots, page_tables, seq_lens, targets, *, cfg,
+         backend):
+    """Per-position NLL of ``targets`` [B, T]. Static: cfg, backend. Donated: cache."""
+    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
+                                        seq_lens, cfg=cfg, backend=backend)
+    logits = transformer.logits(params, hidden)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return nll, logits, cache
+
+
+class ModelRunner:
+    """Owns params and the cache; turns host-side batch descriptions into device calls."""
+
+    def __init__(self, model_cfg: ModelConfig, params, cache: KVCache, backend: str,
+                 max_pages_per_seq: int):
+        self.cfg = model_cfg
+        self.params = params
+        self.cache = cache
+        self.backend = backend
+        self.page_size = cache.config.page_size
+        self.max_pages_per_seq = max_pages_per_seq
+
+    def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
+        need = max([len(r) for r in rows] + [1])
+        w = width or bucket(need, 4, self.max_pages_per_seq)
+        pt = np.zeros((b, w), np.int32)
+        for i, r in enumerate(rows):
+            pt[i, :len(r)] = r
+        return pt
+
+    def _chunk_arrays(self, chunks, b: int, t: int):
+        """chunks: list of (token_ids, start_pos, pages). Returns padded host arrays."""
+        ps = self.page_size
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        slots = np.zeros((b, t), np.int32)
+        seq_lens = np.zeros(b, np.int32)
+        last_idx = np.zeros(b, np.int32)
+        for i, (ids, start, pages) in enumerate(chunks):
+            n = len(ids)
+            pos = np.arange(start, start + n)
+            tokens[i, :n] = ids
+            positions[i, :n] = pos
+            positions[i, n:] = start + n - 1
+            slots[i, :n] = np.asarray(pages, np.int32)[pos // ps] * ps + pos % ps
+            seq_lens[i] = start + n
+            last_idx[i] = n - 1
+        pt = self._page_table([c[2] for c in chunks], b)
+        return tokens, positions, slots, pt, seq_lens, last_idx
+
+    def prefill(self, chunks, sampling: SamplingArrays, all_greedy: bool):
+        """Returns a device array int32[B_bucket] of sampled tokens (row i <-> chunks[i])."""
+        b = bucket(len(chunks))
+        t = bucket(max(len(c[0]) for c in chunks), 16)
+        tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
+        toks, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
+                                    seq_lens, last_idx, *_pad_sampling(sampling, b).args(),
+                                    cfg=self.cfg, backend=self.backend, all_greedy=all_greedy)
+        return toks
+
+    def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int):
+        """rows: list of (last_token, position, pages, limit). Returns int32[B_bucket, steps]."""
+        b = bucket(len(rows))
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        limits = np.zeros(b, np.int32)
+        for i, (tok, pos, _, lim) in enumerate(rows):
+            tokens[i], positions[i], limits[i] = tok, pos, lim
+        pt = self._page_table([r[2] for r in rows], b)
+        toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
+                                   *_pad_sampling(sampling, b).args(), cfg=self.cfg,
+                                   backend=self.backend, all_greedy=all_greedy,
+                                   num_steps=num_steps)
+        return toks
+
+    def nll(self, ids, targets, start: int, pages, return_logits: bool = False):
+        t = bucket(len(ids), 16)
+        tokens, positions, slots, pt, seq_lens, _ = self._chunk_arrays([(ids, start, pages)], 1, t)
+        tgt = np.zeros((1, t), np.int32)
+        tgt[0, :len(targets)] = targets
+        nll, logits, self.cache = _nll(self.params, self.cache, tokens, positions, slots, pt,
+                                       seq_lens, tgt, cfg=self.cfg, backend=self.backend)
+        n = len(ids)
+        out = np.asarray(nll[0, :n])
+        return (out, np.asarray(logits[0, :n])) if return_logits else out
+
+
+def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:
+    n = len(s.temperature)
+    pad = SamplingArrays.empty(b)
+    for f in dataclasses.fields(SamplingArrays):
+        getattr(pad, f.name)[:n] = getattr(s, f.name)
+    return pad

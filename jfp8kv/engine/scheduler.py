@@ -1,0 +1,193 @@
+"""Continuous-batching scheduler: plain Python, no arrays, testable without a device.
+
+State of a sequence: ``tokens`` = prompt + generated; ``num_cached`` tokens have K/V in the
+cache. ``remaining = len(tokens) - num_cached`` tokens must still go through the model:
+remaining > 1 means prefill (chunked under the token budget), remaining == 1 means decode
+(the last sampled token is the input). Preemption frees all pages and sets num_cached = 0,
+so the sequence is recomputed by prefill later; its generated tokens are kept.
+
+Each step decodes every running sequence in decode state (decode has priority, so
+inter-token latency stays low while others prefill) and spends the remaining token budget
+on prefill chunks: first sequences part-way through their prompt, then new admissions
+in arrival order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+
+from jfp8kv.engine.types import SamplingParams
+from jfp8kv.kvcache.allocator import PageAllocator
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    prompt: str | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    num_preemptions: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    order: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_cached
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the last token, so a new token is sampled."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    seq: Sequence
+    steps: int  # tokens this row may produce in this dispatch
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    decode: list[DecodeRow]
+    prefill: list[PrefillChunk]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_steps = decode_steps
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._order = itertools.count()
+
+    # -- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.order = next(self._order)
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+        seq.pages = []
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _grow(self, seq: Sequence, num_tokens: int, protect: set) -> bool:
+        """Make ``seq`` own pages for ``num_tokens`` tokens, preempting newer sequences."""
+        need = self._pages_for(num_tokens) - len(seq.pages)
+        while need > 0 and not self.allocator.can_allocate(need):
+            victim = self._pick_victim(seq, protect)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        if need > 0:
+            seq.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def _pick_victim(self, seq: Sequence, protect: set) -> Sequence | None:
+        candidates = [s for s in self.running if s is not seq and s not in protect]
+        return max(candidates, key=lambda s: s.order) if candidates else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted.append(seq)
+        self.waiting.appendleft(seq)
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        self._preempted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        decode: list[DecodeRow] = []
+        protect: set = set()
+        # Oldest first, so preemption (newest first) spares the oldest.
+        for seq in sorted(self.running, key=lambda s: s.order):
+            if seq not in self.running or seq.remaining != 1 or budget <= 0:
+                continue
+            steps = min(self.decode_steps, seq.params.max_tokens - len(seq.output_ids),
+                        self.max_model_len - seq.num_cached)
+            if not self._grow(seq, seq.num_cached + steps, protect):
+                continue
+            protect.add(seq)
+            decode.append(DecodeRow(seq, steps))
+            budget -= 1
+        decode = [r for r in decode if r.seq in self.running]
+
+        prefill: list[PrefillChunk] = []
+        partial = [s for s in sorted(self.running, key=lambda s: s.order) if s.remaining > 1]
+        for seq in partial:
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue
+            chunk = self._prefill_chunk(seq, budget, protect)
+            if chunk:
+                prefill.append(chunk)
+                budget -= chunk.length
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if not self.allocator.can_allocate(self._pages_for(seq.num_cached + n) - len(seq.pages)):
+                break  # admission needs free pages; never preempt to admit
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunk = self._prefill_chunk(seq, budget, protect)
+            prefill.append(chunk)
+            budget -= chunk.length
+        return ScheduledStep(decode, prefill, self._preempted)
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, protect: set) -> PrefillChunk | None:
+        n = min(seq.remaining, budget)
+        if not self._grow(seq, seq.num_cached + n, protect):
+            return None
+        protect.add(seq)
+        return PrefillChunk(seq, seq.num_cached, n)

@@ -1,0 +1,130 @@
+"""Static fp8 scales: calibration over real text, the scales JSON file, and resolution.
+
+Calibration runs the model over text with an unquantized (float32) paged cache, then reads
+the pages back and takes the absolute maximum of post-RoPE K and V per layer, KV head and
+channel. The JSON file stores those amax values (format-independent); a scale for a given
+fp8 format is ``amax * headroom / fmax``. Tensor mode reduces over heads and channels.
+
+    python -m jfp8kv.calibrate --model M --text FILE... --out scales.json [--headroom 1.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import numpy as np
+
+from jfp8kv.kvcache import fp8
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+# A short built-in text for automatic start-up calibration (written for this project).
+BUILTIN_TEXT = """\
+The old lighthouse stood at the end of a narrow spit of land, where the river met the sea.
+For a hundred and twelve years its keepers had climbed the ninety-one steps each evening to
+light the lamp, and each morning they wrote in a ledger what the weather had done during
+the night: the direction of the wind, the height of the swell, the ships that passed.
+When the station was automated in 1987, the last keeper, a retired schoolteacher named Ada
+Lindqvist, carried the ledgers down the stairs in a wheelbarrow and donated them to the
+county archive. Historians later used them to reconstruct the storms of the nineteenth
+century, and a climate scientist counted how often the harbour froze: forty-three winters
+before 1900, nine after 1950. Questions people ask about the place are simple. How far can
+the light be seen? About eighteen nautical miles on a clear night. Why is the tower painted
+in red and white bands? So that sailors can tell it apart from the church spire by day.
+def keeper_log(date, wind, swell):
+    entry = {"date": date, "wind": wind, "swell_m": round(swell, 1)}
+    return json.dumps(entry, sort_keys=True)
+Today the lighthouse is a small museum. Visitors may climb the stairs between May and
+September, and on the first Saturday of each month the volunteers light the original
+paraffin lamp, which burns with a warm, slightly flickering yellow flame.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVAmax:
+    """Per-layer, per-KV-head, per-channel absolute maxima of post-RoPE K and V."""
+
+    k: np.ndarray  # float32 [layers, kv_heads, head_dim]
+    v: np.ndarray
+    model_fingerprint: dict
+    source: str = "calibration"
+
+    def scales(self, storage_dtype: str, mode: str, headroom: float = 1.0):
+        """Static scales [layers, kv_heads, head_dim] for ``mode`` in ("tensor", "channel")."""
+        m = fp8.fmax(storage_dtype)
+
+        def conv(a):
+            if mode == "tensor":
+                a = np.broadcast_to(a.max(axis=(1, 2), keepdims=True), a.shape)
+            return np.maximum(a * headroom / m, fp8.SCALE_FLOOR).astype(np.float32)
+
+        return conv(self.k), conv(self.v)
+
+    def to_json(self, path: str, headroom: float = 1.0) -> None:
+        doc = {"format_version": FORMAT_VERSION, "model": self.model_fingerprint,
+               "headroom": headroom, "source": self.source,
+               "k_amax": np.round(self.k * headroom, 6).tolist(),
+               "v_amax": np.round(self.v * headroom, 6).tolist()}
+        with open(path, "w") as f:
+            json.dump(doc, f)
+
+    @classmethod
+    def from_json(cls, path: str, expect_fingerprint: dict) -> "KVAmax":
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"kv_scales file {path!r} does not exist")
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: not a jfp8kv scales file (format_version "
+                             f"{doc.get('format_version')!r}, expected {FORMAT_VERSION})")
+        fp = doc.get("model", {})
+        if fp != expect_fingerprint:
+            diff = {k: (fp.get(k), v) for k, v in expect_fingerprint.items() if fp.get(k) != v}
+            raise ValueError(
+                f"{path} was made for another model (file vs this model: {diff}); run "
+                f"`python -m jfp8kv.calibrate --model <this model> --out scales.json`")
+        return cls(np.asarray(doc["k_amax"], np.float32), np.asarray(doc["v_amax"], np.float32),
+                   fp, source=path)
+
+
+def fingerprint(cfg) -> dict:
+    return {"name": cfg.name, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size}
+
+
+def measure_amax(model_cfg, params, token_chunks, *, page_size: int = 16,
+                 backend: str = "reference", chunk: int = 512) -> KVAmax:
+    """Run each token list through an unquantized float32 paged cache; return K/V amax."""
+    from jfp8kv.config import CacheConfig
+    from jfp8kv.engine.runner import ModelRunner
+    from jfp8kv.kvcache.cache import KVCache
+
+    longest = max(len(t) for t in token_chunks)
+    pages_per_seq = -(-longest // page_size)
+    ccfg = CacheConfig(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                       pages_per_seq + 1, page_size, "float32")
+    runner = ModelRunner(model_cfg, params, KVCache.init(ccfg), backend, pages_per_seq)
+    pages = list(range(1, pages_per_seq + 1))
+    shape = (model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
+    k_amax, v_amax = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for ids in token_chunks:
+        for s in range(0, len(ids), chunk):
+            part = ids[s:s + chunk]
+            runner.nll(part, part, s, pages)
+        n = len(ids)
+        for layer in range(model_cfg.num_layers):
+            for pool, acc in ((runner.cache.k[layer], k_amax), (runner.cache.v[layer], v_amax)):
+                x = np.asarray(pool[:, 1:]).reshape(model_cfg.num_kv_heads, -1,
+                                                    model_cfg.head_dim)[:, :n]
+                np.maximum(acc[layer], np.abs(x).max(axis=1), out=acc[layer])
+    return KVAmax(k_amax, v_amax, fingerprint(model_cfg))
+
+
+def calibrate_on_text(loaded, texts: list[str], **kw) -> KVAmax:
+    ids = [loaded.tokenizer.encode(t) for t in texts]
+    return measure_amax(loaded.config, loaded.params, ids, **kw)
