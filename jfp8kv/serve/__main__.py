@@ -1,0 +1,132 @@
+"""``python -m jfp8kv.serve``: run the OpenAI-compatible server (flag names follow vLLM's).
+
+Shutdown: the first SIGTERM/SIGINT starts a drain: new requests get 503 (with Retry-After),
+requests in flight run to completion (at most ``--drain-timeout`` seconds), then uvicorn
+shuts down and the engine thread stops. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import uvicorn
+
+from jfp8kv import LLM
+from jfp8kv.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES, KV_SCALE_MODES
+from jfp8kv.serve.app import build_app
+from jfp8kv.serve.async_engine import AsyncEngine
+
+logger = logging.getLogger("jfp8kv.serve")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jfp8kv.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF directory, .gguf file or known model name "
+                   "(default: the project's default model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use in 'model' (default: the engine's model name)")
+    p.add_argument("--dtype", default="bfloat16", choices=COMPUTE_DTYPES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--kv-scale-mode", default=None, choices=KV_SCALE_MODES)
+    p.add_argument("--kv-scales", default=None,
+                   help="static K/V scales (tensor/channel modes): a number or a scales JSON "
+                   "path (default: the checkpoint's, else calibration at start-up)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV cache pool (default: sized from free device memory)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="waiting requests beyond this are refused with 503")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds to wait for in-flight requests on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains in-flight requests before stopping."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, drain_timeout_s: float):
+        super().__init__(config)
+        self._async_engine = async_engine
+        self._drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:  # runs in the signal handler
+        if self._async_engine.draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._async_engine.draining
+            return
+        self._async_engine.draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        n = self._async_engine.num_inflight
+        logger.info("signal received: draining %d in-flight request(s) (new ones get 503)", n)
+        deadline = time.monotonic() + self._drain_timeout_s
+        while self._async_engine.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._async_engine.num_inflight:
+            logger.warning("drain timeout: %d request(s) still running are aborted",
+                           self._async_engine.num_inflight)
+        self.should_exit = True
+
+
+def cache_summary(info: dict) -> str:
+    """One line for the log from ``LLM.cache_info()``: KV cache dtype, pages and tokens."""
+    mode = f" ({info['kv_scale_mode']} scales)" if info.get("kv_scale_mode") else ""
+    return (f"KV cache: dtype {info['storage_dtype']}{mode}, {info['num_pages']} pages x "
+            f"{info['page_size']} tokens = {info['max_tokens']} tokens, "
+            f"{info['bytes_per_token']} bytes/token, backend {info['attention_backend']}")
+
+
+def parse_kv_scales(value: str | None):
+    """``--kv-scales``: a number (every layer) or a path to a scales JSON."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              kv_scale_mode=args.kv_scale_mode, kv_scales=parse_kv_scales(args.kv_scales),
+              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+              page_size=args.page_size, seed=args.seed, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len,
+              attention_backend=args.attention_backend)
+    engine = llm.engine
+    logger.info("model %s, max_model_len %d", engine.model_name, engine.max_model_len)
+    logger.info(cache_summary(llm.cache_info()))
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, served_model_name=args.served_model_name or engine.model_name,
+                    tokenizer=llm.tokenizer, chat_prompt=llm.chat_prompt,
+                    max_model_len=engine.max_model_len,
+                    vocab_size=llm.config.vocab_size)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_keep_alive=5)
+    server = DrainingServer(config, async_engine, args.drain_timeout)
+    server.run()
+
+
+if __name__ == "__main__":
+    main()

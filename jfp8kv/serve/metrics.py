@@ -1,0 +1,72 @@
+"""Prometheus metrics of the server, in a registry of its own (no process-global state).
+
+Two sources feed it:
+- the engine thread updates the counters and histograms below as outputs arrive
+  (prometheus_client metrics are thread-safe);
+- ``engine_snapshot`` is the latest ``engine.metrics()`` dict, replaced (never mutated) by the
+  engine thread after every step and every batch of commands; a custom collector turns it
+  into gauges (pages, queue) and counters (preemptions, fp8 saturation, NaN) at scrape time,
+  so /metrics never calls into the engine from the event loop.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Latency buckets in seconds: fine at the low end for ITL, up to minutes for TTFT under load.
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+# engine.metrics() key -> (metric name, help, kind)
+_ENGINE_METRICS = {
+    "pages_used": ("jfp8kv_kv_cache_pages_used", "KV cache pages held by requests", "gauge"),
+    "pages_total": ("jfp8kv_kv_cache_pages_total", "KV cache pages usable by requests", "gauge"),
+    "num_waiting": ("jfp8kv_queue_length", "Requests waiting to be scheduled", "gauge"),
+    "num_running": ("jfp8kv_num_requests_running", "Requests being decoded or prefilled", "gauge"),
+    "num_preemptions_total": ("jfp8kv_preemptions", "Requests preempted for KV pages", "counter"),
+    "kv_saturated_total": ("jfp8kv_kv_cache_saturated",
+                           "K/V values clipped to the fp8 range on store", "counter"),
+    "kv_nan_total": ("jfp8kv_kv_cache_nan", "NaN K/V values seen on store", "counter"),
+}
+
+
+class _EngineCollector:
+    def __init__(self, owner: "ServerMetrics"):
+        self._owner = owner
+
+    def collect(self):
+        snapshot = self._owner.engine_snapshot
+        for key, (name, doc, kind) in _ENGINE_METRICS.items():
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield family(name, doc, value=float(snapshot.get(key, 0)))
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("jfp8kv_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.generated_tokens = Counter("jfp8kv_generated_tokens", "Tokens generated",
+                                        registry=r)
+        self.prompt_tokens = Counter("jfp8kv_prompt_tokens", "Prompt tokens prefilled",
+                                     registry=r)
+        self.ttft = Histogram("jfp8kv_time_to_first_token_seconds",
+                              "Arrival to first generated token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("jfp8kv_inter_token_latency_seconds",
+                             "Gap between consecutive generated tokens", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("jfp8kv_e2e_request_latency_seconds",
+                             "Arrival to last token", buckets=_E2E_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(finish_reason=reason)  # export zeros from the start
+        self.engine_snapshot: dict = {}
+        r.register(_EngineCollector(self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
