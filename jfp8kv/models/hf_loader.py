@@ -1,0 +1,217 @@
+"""Hugging Face checkpoint directories (config.json + safetensors) -> params pytree.
+
+Hugging Face tensor naming is also the canonical intermediate for other formats: the GGUF
+loader renames its tensors to HF names and goes through ``build_params`` too, so the
+name -> pytree mapping, shape checks and transposes live here once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable, NamedTuple
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from jfp8kv.config import ModelConfig
+from jfp8kv.models.loader import LoadedModel
+
+NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+             "float32": np.dtype(np.float32)}
+# Checkpoint storage dtypes we read (fp8/int weights are quantized checkpoints: unsupported).
+SOURCE_DTYPES = set(NP_DTYPES.values())
+# End-of-turn markers that chat templates emit; added to the stop ids when the template does.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+_KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")
+_IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|self_attn\.(k_scale|v_scale|kv_scale))$")
+
+
+class TensorSpec(NamedTuple):
+    """One checkpoint tensor: HF name and shape, where it goes, whether to transpose."""
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int | None  # None: top-level key of params
+    key: str
+    transpose: bool
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor ``cfg`` needs, with HF names and HF shapes (linear weights [out, in])."""
+    v, d, i_sz, hd = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_dim, kv_dim = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    specs = [TensorSpec("model.embed_tokens.weight", (v, d), None, "embed", False)]
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (d,), n, "attn_norm", False),
+            TensorSpec(p + "self_attn.q_proj.weight", (q_dim, d), n, "wq", True),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv_dim, d), n, "wk", True),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv_dim, d), n, "wv", True),
+            TensorSpec(p + "self_attn.o_proj.weight", (d, q_dim), n, "wo", True),
+            TensorSpec(p + "post_attention_layernorm.weight", (d,), n, "mlp_norm", False),
+            TensorSpec(p + "mlp.gate_proj.weight", (i_sz, d), n, "w_gate", True),
+            TensorSpec(p + "mlp.up_proj.weight", (i_sz, d), n, "w_up", True),
+            TensorSpec(p + "mlp.down_proj.weight", (d, i_sz), n, "w_down", True),
+        ]
+        if cfg.attention_bias:
+            specs += [TensorSpec(p + f"self_attn.{x}_proj.bias", (dim,), n, f"b{x}", False)
+                      for x, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
+        if cfg.qk_norm:
+            specs += [TensorSpec(p + f"self_attn.{x}_norm.weight", (hd,), n, f"{x}_norm", False)
+                      for x in ("q", "k")]
+    specs.append(TensorSpec("model.norm.weight", (d,), None, "final_norm", False))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (v, d), None, "lm_head", True))
+    return specs
+
+
+def build_params(cfg: ModelConfig, fetch: Callable[[str], np.ndarray | None], dtype: str,
+                 source: str) -> dict[str, Any]:
+    """Assemble the params pytree from HF-named host arrays.
+
+    ``fetch(name)`` returns the tensor as a numpy array in HF layout, or None when the
+    checkpoint lacks it. Raises ValueError naming the tensor on a missing tensor, a shape
+    mismatch or an unsupported storage dtype.
+    """
+    out_dtype = NP_DTYPES[dtype]
+    params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
+    for spec in tqdm(tensor_specs(cfg), desc=f"loading {Path(source).name}", unit="tensor",
+                     leave=False):
+        arr = fetch(spec.name)
+        if arr is None:
+            hint = " (or set tie_word_embeddings)" if spec.key == "lm_head" else ""
+            raise ValueError(f"checkpoint {source} is missing tensor {spec.name}{hint}")
+        if arr.dtype not in SOURCE_DTYPES:
+            raise ValueError(f"tensor {spec.name} in {source} has unsupported dtype {arr.dtype}; "
+                             "jfp8kv reads float32, float16 and bfloat16 weights")
+        if tuple(arr.shape) != spec.shape:
+            raise ValueError(f"tensor {spec.name} in {source} has shape {tuple(arr.shape)}, "
+                             f"expected {spec.shape}")
+        host = np.ascontiguousarray(arr.T if spec.transpose else arr, dtype=out_dtype)
+        target = params if spec.layer is None else params["layers"][spec.layer]
+        target[spec.key] = jnp.asarray(host)
+    return params
+
+
+def read_kv_scales(names: Iterable[str], fetch: Callable[[str], np.ndarray | None],
+                   num_layers: int, source: str) -> dict[str, np.ndarray] | None:
+    """Per-layer fp8 K/V scales from ``self_attn.{k,v}_scale`` (legacy ``kv_scale``: both)."""
+    found: dict[str, dict[int, float]] = {"k": {}, "v": {}}
+    for name in names:
+        m = _KV_SCALE_RE.fullmatch(name)
+        if m is None:
+            continue
+        layer, kind = int(m.group(1)), m.group(2)
+        value = np.asarray(fetch(name), dtype=np.float32)
+        if value.size != 1:
+            raise ValueError(f"{name} in {source} has shape {value.shape}; expected one "
+                             "per-tensor scale")
+        for which in ("k", "v") if kind == "kv_scale" else (kind[0],):
+            found[which].setdefault(layer, float(value.reshape(())))
+    if not found["k"] and not found["v"]:
+        return None
+    scales = {}
+    for which in ("k", "v"):
+        missing = sorted(set(range(num_layers)) - set(found[which]))
+        if missing:
+            raise ValueError(f"checkpoint {source} has fp8 {which}_scale tensors for some "
+                             f"layers but not for layers {missing}")
+        scales[which] = np.array([found[which][n] for n in range(num_layers)], np.float32)
+    return scales
+
+
+def check_no_unused(names: Iterable[str], cfg: ModelConfig, source: str) -> None:
+    """Raise when the checkpoint holds tensors the model would silently drop."""
+    used = {s.name for s in tensor_specs(cfg)}
+    if cfg.tie_word_embeddings:
+        used.add("lm_head.weight")
+    unused = sorted(n for n in names if n not in used and not _IGNORED_RE.search(n))
+    if unused:
+        more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+        raise ValueError(f"checkpoint {source} has tensors jfp8kv's {cfg.family} model does not "
+                         f"use: {unused[:5]}{more}; this variant (quantized weights, extra "
+                         "biases, ...) is not supported")
+
+
+def with_stop_ids(cfg: ModelConfig, tokenizer: Any, extra: Iterable[int] = ()) -> ModelConfig:
+    """Add the tokenizer's eos and the chat template's end-of-turn markers to the stop ids."""
+    ids = list(cfg.eos_token_ids) + [int(i) for i in extra]
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab]
+    return dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(ids)))
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file holding it."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        files = {f: path / f for f in set(weight_map.values())}
+        for f, p in files.items():
+            if not p.is_file():
+                raise FileNotFoundError(f"shard {f} listed in {index_file} does not exist")
+        return {name: files[f] for name, f in weight_map.items()}
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors file in {path} (PyTorch .bin checkpoints are "
+                                "not supported; re-save with safe_serialization=True)")
+    from safetensors import safe_open
+
+    index = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="numpy") as f:
+            index.update({name: shard for name in f.keys()})
+    return index
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise FileNotFoundError(f"could not load a tokenizer from {path} (it needs "
+                                f"tokenizer.json or tokenizer_config.json): {e}") from e
+
+
+def load_hf_dir(path: Path, dtype: str) -> LoadedModel:
+    """Load a Hugging Face checkpoint directory (see ``loader.load_model``)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    name = path.resolve().name
+    cfg_dict = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf_dict(cfg_dict, name=name)
+    if cfg_dict.get("use_sliding_window"):
+        raise ValueError(f"{path}: use_sliding_window=true is not supported; use a checkpoint "
+                         "with full attention in every layer")
+    files = _tensor_files(path)
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="numpy"))
+                   for f in set(files.values())}
+
+        def fetch(tensor: str) -> np.ndarray | None:
+            f = files.get(tensor)
+            return None if f is None else handles[f].get_tensor(tensor)
+
+        params = build_params(cfg, fetch, dtype, source=str(path))
+        kv_scales = read_kv_scales(files, fetch, cfg.num_layers, source=str(path))
+        check_no_unused(files, cfg, source=str(path))
+    tokenizer = _load_tokenizer(path)
+    gen_file = path / "generation_config.json"
+    gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
+    extra = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
+    cfg = with_stop_ids(cfg, tokenizer, extra)
+    return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, kv_scales=kv_scales,
+                       name=name)

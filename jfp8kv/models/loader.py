@@ -1,0 +1,70 @@
+"""Model resolution: turn a ``--model`` string into config, params, tokenizer and KV scales.
+
+``load_model`` accepts
+
+- ``None`` or ``"smollm2-135m-instruct"``: the embedded default model (see ``hub.py``);
+- a directory holding ``config.json`` and ``*.safetensors``: a Hugging Face checkpoint;
+- a path ending in ``.gguf``: a llama.cpp GGUF file (dequantized to the compute dtype).
+
+Checkpoint naming lives in the loaders alone; the forward pass only sees the params pytree
+documented in ``jfp8kv/models/transformer.py``. Nothing is downloaded from the hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jfp8kv.config import COMPUTE_DTYPES, ModelConfig
+from jfp8kv.models.hub import DEFAULT_MODEL_NAME
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """Everything needed to run a checkpoint.
+
+    ``params``: the transformer pytree (weights [in, out], jnp arrays in the compute dtype,
+    ``lm_head`` absent when embeddings are tied). ``tokenizer``: a transformers tokenizer
+    (with the checkpoint's chat template when it has one). ``kv_scales``: checkpoint fp8
+    scales ``{"k": float32[num_layers], "v": float32[num_layers]}`` or None when absent.
+    """
+
+    config: ModelConfig
+    params: dict[str, Any]
+    tokenizer: Any
+    kv_scales: dict[str, np.ndarray] | None
+    name: str
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"unsupported compute dtype {dtype!r}; use one of {COMPUTE_DTYPES}")
+    return dtype
+
+
+def load_model(model: str | None = None, dtype: str = "bfloat16") -> LoadedModel:
+    """Resolve ``model`` (see module docstring) and load it with weights in ``dtype``."""
+    _check_dtype(dtype)
+    # Lazy imports: the sub-loaders import this module for LoadedModel.
+    from jfp8kv.models import gguf_loader, hf_loader, hub
+
+    if model is None or model.lower() == DEFAULT_MODEL_NAME:
+        return gguf_loader.load_gguf(hub.default_gguf_path(), dtype, name=DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return gguf_loader.load_gguf(path, dtype)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory without config.json; a Hugging Face checkpoint "
+                "directory needs config.json and *.safetensors")
+        return hf_loader.load_hf_dir(path, dtype)
+    raise FileNotFoundError(
+        f"cannot resolve model {model!r}: pass a Hugging Face checkpoint directory (with "
+        f"config.json and *.safetensors), a path to a .gguf file, or the name "
+        f"{DEFAULT_MODEL_NAME!r} (the embedded default)")
