@@ -5,11 +5,21 @@ the same by construction.
 
 Numerics contract
 -----------------
-* quantize(x, s) = cast(clip(x / s, -fmax, fmax)) with round-to-nearest-even, bit-identical
-  to ``ml_dtypes`` (a raw ``astype`` turns |x| >= 480 into NaN for e4m3: we clip first).
+* quantize(x, s) = cast(clip(x * fl(1/s), -fmax, fmax)) with round-to-nearest-even,
+  bit-identical to ``ml_dtypes`` applied to the same float32 value. A raw ``astype`` turns
+  e4m3 values above 464 (and +-inf) into NaN and e5m2 values from 61440 into inf: we clip
+  first. For a power-of-two ``s`` the value cast is exactly ``x / s``.
+* Why a reciprocal and not ``x / s``: XLA (seen on CPU, jax 0.10.2) rewrites a divide by a
+  broadcast scale into a multiply by its reciprocal, but not a divide by a full array or
+  an eager scalar, and Triton's ``/`` is ``div.full.f32`` (not correctly rounded); so
+  ``x / s`` gives different bits in different places. One correctly rounded reciprocal per
+  scale, then one multiply per element, is reproducible everywhere; kernels must do
+  exactly that (a correctly rounded ``1 / s``, e.g. ``div_rn``, never ``div.full``).
 * NaN stays NaN (``clip`` propagates it) and is counted by the store.
-* Dynamic scales are ``amax / fmax`` floored at a tiny positive value, so an all-zero row
-  quantizes to zeros instead of 0/0.
+* Dynamic scales are ``amax * fl(1/fmax)`` floored at a tiny positive value (an all-zero
+  row quantizes to zeros instead of 0/0), rounded up to the scale dtype and nudged one
+  step up where ``amax * fl(1/s)`` would still exceed fmax: dynamic modes never saturate
+  a finite row (fp16 block scales cap at 65504: rows beyond 65504 x fmax do saturate).
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ _KV_DTYPE_ALIASES = {
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # Largest finite value of each format.
 FMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# fl(1 / fmax) in float32: dynamic scales multiply by it (see dynamic_scale).
+INV_FMAX = {k: float(np.float32(1.0) / np.float32(v)) for k, v in FMAX.items()}
 # Floor of dynamic scales: keeps x / s finite for all-zero rows.
 SCALE_FLOOR = 1e-12
 # Floor of fp16 block scales: the smallest positive fp16 subnormal.
@@ -76,9 +88,19 @@ def saturating_cast(y, dtype):
     return jnp.clip(y, -m, m).astype(dtype)
 
 
+def scaled(x, scale):
+    """The float32 value that is cast: ``x * fl(1 / scale)``; ``scale`` broadcasts.
+
+    The reciprocal is taken on ``scale`` as given (before broadcasting), so pass scales in
+    their compact shape ([..., 1], not broadcast to x).
+    """
+    inv = 1.0 / jnp.asarray(scale, jnp.float32)
+    return jnp.asarray(x).astype(jnp.float32) * inv
+
+
 def quantize(x, scale, dtype):
-    """``cast(clip(x / scale, -fmax, fmax))``; ``scale`` broadcasts against ``x``."""
-    return saturating_cast(x.astype(jnp.float32) / scale.astype(jnp.float32), dtype)
+    """``cast(clip(x * fl(1/scale), -fmax, fmax))``; ``scale`` broadcasts against ``x``."""
+    return saturating_cast(scaled(x, scale), dtype)
 
 
 def dequantize(q, scale, out_dtype=jnp.float32):
@@ -88,26 +110,34 @@ def dequantize(q, scale, out_dtype=jnp.float32):
 def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
     """Scale mapping ``amax`` onto ``fmax``, floored, rounded *up* to ``scale_dtype``.
 
-    Rounding the scale up (never down) guarantees |x / s| <= fmax for the row's own values,
-    so dynamic modes never saturate finite inputs.
+    Rounding the scale up (never down) guarantees |x * fl(1/s)| <= fmax for the row's own
+    values, so dynamic modes never saturate finite inputs -- except fp16 scales, which cap
+    at 65504 instead of overflowing to inf (rows with amax > 65504 x fmax saturate, counted).
+    Rows with NaN or +-inf get scale 1.0: the NaN survives in the data, inf saturates.
     """
-    s = jnp.maximum(amax.astype(jnp.float32) / fmax(dtype), SCALE_FLOOR)
-    s = jnp.where(jnp.isfinite(s), s, 1.0)  # NaN/inf rows: the NaN survives in x, not in s
-    # amax / (amax / fmax) can round to just above fmax: nudge the scale up one ulp then.
-    a32 = amax.astype(jnp.float32)
-    s = jnp.where(a32 / s > fmax(dtype), jnp.nextafter(s, jnp.float32(jnp.inf)), s)
-    if jnp.dtype(scale_dtype) == jnp.float32:
-        return s
-    floor = SCALE_FLOOR_F16 if jnp.dtype(scale_dtype) == jnp.float16 else SCALE_FLOOR
-    s = jnp.maximum(s, floor)
-    r = s.astype(scale_dtype)
-    up = jnp.nextafter(r, jnp.array(jnp.inf, scale_dtype))
-    return jnp.where(r.astype(jnp.float32) < s, up, r)
+    m = fmax(dtype)
+    sdt = jnp.dtype(scale_dtype)
+    amax = amax.astype(jnp.float32)
+    # An explicit multiply: XLA on CPU rewrites ``amax / fmax`` into it anyway; others may not.
+    s = jnp.maximum(amax * jnp.float32(INV_FMAX[jnp.dtype(dtype).name]), SCALE_FLOOR)
+    s = jnp.where(jnp.isfinite(s), s, 1.0)
+    if sdt != jnp.float32:
+        floor = SCALE_FLOOR_F16 if sdt == jnp.float16 else SCALE_FLOOR
+        s = jnp.maximum(s, floor)
+        r = s.astype(sdt)
+        s = jnp.where(r.astype(jnp.float32) < s, jnp.nextafter(r, jnp.array(jnp.inf, sdt)), r)
+    # fl(amax * fl(1/s)) can still land one float32 ulp above fmax (~0.3% of rows with f32
+    # scales): one step up in the scale dtype fixes it. Same arithmetic as ``scaled``.
+    over = jnp.isfinite(amax) & (amax * (1.0 / s.astype(jnp.float32)) > m)
+    s = jnp.where(over, jnp.nextafter(s, jnp.array(jnp.inf, sdt)), s)
+    if sdt != jnp.float32:  # fp16 overflow: cap, so the row saturates instead of 0 * inf = NaN
+        s = jnp.minimum(s, jnp.array(jnp.finfo(sdt).max, sdt))
+    return s
 
 
 def saturation_count(x, scale, dtype):
     """Number of finite elements whose scaled magnitude exceeds fmax (would be clipped)."""
-    y = x.astype(jnp.float32) / scale.astype(jnp.float32)
+    y = scaled(x, scale)
     return jnp.sum((jnp.abs(y) > fmax(dtype)) & jnp.isfinite(x)).astype(jnp.float32)
 
 
@@ -121,12 +151,12 @@ def warn_unit_scale(k_or_v: str = "K/V") -> None:
 
 
 def np_reference_quantize(x: np.ndarray, scale: float, dtype) -> np.ndarray:
-    """ml_dtypes oracle used by tests: clip in float64, cast through ml_dtypes (RNE)."""
+    """ml_dtypes oracle used by tests: clip(x * fl(1/scale)) in float32, cast by ml_dtypes."""
     import ml_dtypes
 
     target = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}[
         jnp.dtype(dtype).name
     ]
     m = fmax(dtype)
-    y = np.clip(x.astype(np.float32) / np.float32(scale), -m, m)
+    y = np.clip(x.astype(np.float32) * (np.float32(1) / np.asarray(scale, np.float32)), -m, m)
     return y.astype(np.float32).astype(target)
