@@ -1,0 +1,159 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints and the packaged SmolLM2 GGUF.
+
+``tiny_hf_checkpoint(family, dtype="float32", tied=None, sharded=None)`` writes (once per
+session and argument set) a 2-layer model with transformers' ``save_pretrained`` plus a small
+byte-level BPE tokenizer with a ChatML chat template, and returns the directory. Families:
+
+    llama    LlamaConfig, GQA 4/2, untied
+    llama3   LlamaConfig with llama3 rope_scaling, GQA 4/2, tied, sharded safetensors
+    mistral  MistralConfig (sliding_window=None), MQA 4/1, untied
+    qwen2    Qwen2Config (q/k/v biases), GQA 4/2, tied
+    qwen3    Qwen3Config (q/k norms, head_dim 32 so heads*head_dim != hidden), GQA 4/2, untied
+
+Weights are re-drawn at a larger scale than HF's init (norm weights and biases too), so that
+logits are not near-uniform and parity tests can see real differences. Load the reference
+with ``AutoModelForCausalLM.from_pretrained(path)`` (local, offline).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+VOCAB_SIZE = 384  # model rows; the tokenizer has fewer (like real padded vocabularies)
+TOKENIZER_VOCAB = 320
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you very much.",
+    "Paged attention stores keys and values in fixed-size pages of the cache.",
+    "def add(a, b):\n    return a + b\n",
+    "1 2 3 4 5 6 7 8 9 10 100 1000 3.14159",
+]
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+_DEFAULTS = {  # family -> (tied, sharded)
+    "llama": (False, False), "llama3": (True, True), "mistral": (False, False),
+    "qwen2": (True, False), "qwen3": (False, False),
+}
+
+
+def build_tiny_tokenizer(path: Path):
+    """Train a tiny byte-level BPE offline; specials 0..2 = endoftext, im_start, im_end."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _hf_config(family: str, tied: bool):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=tied)
+    if family == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if family == "llama3":
+        return LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
+                             rope_theta=1e6)
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=32, rope_theta=1e6, use_sliding_window=False)
+    raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
+
+
+def _randomize(model, seed: int) -> None:
+    """Larger-than-init random weights: matrices N(0, 1/in), embeddings N(0, 0.25)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
+                          tied: bool | None = None, sharded: bool | None = None,
+                          tokenizer_dir: Path | None = None) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d_tied, d_sharded = _DEFAULTS[family]
+    tied = d_tied if tied is None else tied
+    sharded = d_sharded if sharded is None else sharded
+    cfg = _hf_config(family, tied)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    _randomize(model, seed=FAMILIES.index(family))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(path), max_shard_size="40KB" if sharded else "5GB")
+    if tokenizer_dir is None:
+        build_tiny_tokenizer(path)
+    else:
+        AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(
+            str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """Factory: ``tiny_hf_checkpoint(family, dtype="float32", tied=None, sharded=None)``."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str, dtype: str = "float32", tied: bool | None = None,
+             sharded: bool | None = None) -> Path:
+        key = (family, dtype, tied, sharded)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}-{dtype}")
+            made[key] = build_tiny_checkpoint(path, family, dtype, tied, sharded,
+                                              tokenizer_dir=tiny_tokenizer_dir)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The packaged SmolLM2-135M-Instruct Q4_1 GGUF (fetched once into the cache if needed)."""
+    from jfp8kv.models import hub
+
+    return hub.default_gguf_path()
