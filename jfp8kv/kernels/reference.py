@@ -37,14 +37,14 @@ def _quantize_rows(x, static_scale, cfg: CacheConfig):
         s = static_scale[None]  # [1, H, D]
         return fp8.quantize(x32, s, dt), None, fp8.saturation_count(x32, s, dt)
     if cfg.scale_mode == "token":
-        amax = jnp.max(jnp.abs(x32), axis=-1)  # [N, H]; NaN propagates -> scale 1.0
+        amax = fp8.amax_ignoring_nan(x32)  # [N, H]; inf -> scale 1.0
         s = fp8.dynamic_scale(amax, dt, jnp.float32)
         return fp8.quantize(x32, s[..., None], dt), s, fp8.saturation_count(x32, s[..., None], dt)
     if cfg.scale_mode == "block":
         n, h, d = x32.shape
         nb = d // cfg.scale_block
         xb = x32.reshape(n, h, nb, cfg.scale_block)
-        amax = jnp.max(jnp.abs(xb), axis=-1)  # [N, H, nb]
+        amax = fp8.amax_ignoring_nan(xb)  # [N, H, nb]
         s = fp8.dynamic_scale(amax, dt, jnp.float16)
         q = fp8.quantize(xb, s[..., None], dt).reshape(n, h, d)
         return q, s, fp8.saturation_count(xb, s[..., None], dt)

@@ -107,13 +107,24 @@ def dequantize(q, scale, out_dtype=jnp.float32):
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(out_dtype)
 
 
+def amax_ignoring_nan(x, axis=-1):
+    """max |x| along ``axis`` with NaN ignored (+-inf kept); 0 for an all-NaN row.
+
+    Explicit because XLA's CPU reduce-max drops NaN in its vectorised path and propagates
+    it elsewhere: the dynamic scale of a row with a NaN would otherwise depend on shapes.
+    """
+    ax = jnp.abs(jnp.asarray(x).astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(ax), 0.0, ax), axis=axis)
+
+
 def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
     """Scale mapping ``amax`` onto ``fmax``, floored, rounded *up* to ``scale_dtype``.
 
     Rounding the scale up (never down) guarantees |x * fl(1/s)| <= fmax for the row's own
     values, so dynamic modes never saturate finite inputs -- except fp16 scales, which cap
     at 65504 instead of overflowing to inf (rows with amax > 65504 x fmax saturate, counted).
-    Rows with NaN or +-inf get scale 1.0: the NaN survives in the data, inf saturates.
+    ``amax`` comes from ``amax_ignoring_nan``: a NaN element stays NaN in the data and the
+    rest of its row keeps a proper scale. A NaN/inf amax gives scale 1.0 (inf saturates).
     """
     m = fmax(dtype)
     sdt = jnp.dtype(scale_dtype)
