@@ -15,7 +15,7 @@ import time
 import uvicorn
 
 from jfp8kv import LLM
-from jfp8kv.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES, KV_SCALE_MODES
+from jfp8kv.cli import add_engine_args, llm_kwargs
 from jfp8kv.serve.app import build_app
 from jfp8kv.serve.async_engine import AsyncEngine
 
@@ -25,26 +25,11 @@ logger = logging.getLogger("jfp8kv.serve")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jfp8kv.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF directory, .gguf file or known model name "
-                   "(default: the project's default model)")
+    add_engine_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: the engine's model name)")
-    p.add_argument("--dtype", default="bfloat16", choices=COMPUTE_DTYPES)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--kv-scale-mode", default=None, choices=KV_SCALE_MODES)
-    p.add_argument("--kv-scales", default=None,
-                   help="static K/V scales (tensor/channel modes): a number or a scales JSON "
-                   "path (default: the checkpoint's, else calibration at start-up)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the KV cache pool (default: sized from free device memory)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="waiting requests beyond this are refused with 503")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    p.add_argument("--seed", type=int, default=0)
+                   help="waiting requests beyond this are refused with 503 + Retry-After")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -94,26 +79,11 @@ def cache_summary(info: dict) -> str:
             f"{info['bytes_per_token']} bytes/token, backend {info['attention_backend']}")
 
 
-def parse_kv_scales(value: str | None):
-    """``--kv-scales``: a number (every layer) or a path to a scales JSON."""
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              kv_scale_mode=args.kv_scale_mode, kv_scales=parse_kv_scales(args.kv_scales),
-              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-              page_size=args.page_size, seed=args.seed, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_queue_len=args.max_queue_len,
-              attention_backend=args.attention_backend)
+    llm = LLM(**llm_kwargs(args), max_queue_len=args.max_queue_len)
     engine = llm.engine
     logger.info("model %s, max_model_len %d", engine.model_name, engine.max_model_len)
     logger.info(cache_summary(llm.cache_info()))

@@ -201,6 +201,7 @@ class AsyncEngine:
             self._fail_all(self.thread_error)
 
     def _loop_body(self) -> None:
+        self._refresh_engine_metrics()  # /metrics shows the pool from the first scrape on
         has_work = False
         while True:
             with self._cond:
