@@ -65,7 +65,7 @@ def build_tiny_tokenizer(path: Path):
 def _hf_config(family: str, tied: bool):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96,
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=tied)

