@@ -124,7 +124,8 @@ def tiny_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def _servers(tiny_model_dir, tmp_path_factory, request):
     """Launch the main and the spare server together; stop both at session end."""
-    jax_cache = request.config.cache.mkdir("jfp8kv-jax-compilation-cache")
+    jax_cache = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or request.config.cache.mkdir("jfp8kv-jax-compilation-cache"))
     logs = tmp_path_factory.mktemp("server-logs")
     started = [ServerProcess(tiny_model_dir, logs / f"{name}.log", jax_cache, *SERVER_FLAGS)
                for name in ("main", "spare")]

@@ -1,0 +1,50 @@
+"""bench/serving.py against the real server: token accounting and the JSON record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .conftest import REPO_ROOT, metric_values
+
+
+def _bench(server, out_file, *flags: str) -> dict:
+    cmd = [sys.executable, "bench/serving.py", "--base-url", server.url, "--disable-tqdm",
+           "--output-file", str(out_file), "--token-id-range", "100", "20000", *flags]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout
+    return json.loads(out_file.read_text().splitlines()[-1])
+
+
+def test_fixed_lengths_exact_token_counts(server, tmp_path):
+    before = metric_values(server.url)["jfp8kv_prompt_tokens_total"]
+    rec = _bench(server, tmp_path / "out.jsonl", "--num-prompts", "8", "--random-input-len", "12",
+                 "--random-output-len", "6", "--max-concurrency", "4", "--ignore-eos",
+                 "--warmup-requests", "1")
+    assert rec["completed"] == 8 and rec["failed"] == 0
+    assert rec["total_input_tokens"] == 8 * 12 and rec["total_output_tokens"] == 8 * 6
+    assert rec["prompt_len_mismatches"] == 0 and rec["output_len_mismatches"] == 0
+    # the server saw exactly the warm-up plus the timed prompts, token for token
+    assert metric_values(server.url)["jfp8kv_prompt_tokens_total"] - before == 9 * 12
+    for key in ("median_ttft_ms", "mean_itl_ms", "p99_tpot_ms", "std_e2e_latency_ms"):
+        assert rec[key] > 0, key
+    assert rec["mean_e2e_latency_ms"] >= rec["mean_ttft_ms"]
+    assert rec["output_throughput"] == rec["total_output_tokens"] / rec["duration"]
+    assert rec["request_throughput"] > 0 and rec["total_token_throughput"] == rec["total_throughput"]
+    assert rec["model"] == "tiny" and "--random-input-len 12" in rec["command"]
+    assert rec["request_rate"] == "inf"
+
+
+def test_ranged_lengths_and_poisson_rate(server, tmp_path):
+    out = tmp_path / "out.jsonl"
+    rec = _bench(server, out, "--num-prompts", "6", "--random-input-len", "14",
+                 "--random-output-len", "4", "--random-range-ratio", "0.5", "--request-rate", "50",
+                 "--ignore-eos", "--warmup-requests", "0", "--seed", "3")
+    assert rec["completed"] == 6 and rec["prompt_len_mismatches"] == 0
+    assert all(7 <= n <= 14 for n in rec["input_lens"]) and len(set(rec["input_lens"])) > 1
+    assert all(2 <= n <= 4 for n in rec["output_lens"])
+    assert rec["total_input_tokens"] == sum(rec["input_lens"])
+    assert rec["total_output_tokens"] == sum(rec["output_lens"])
+    assert len(out.read_text().splitlines()) == 1
