@@ -32,12 +32,19 @@ def has_gpu() -> bool:
         return False
 
 
-# Each kernel test runs in interpret mode on the CPU, and natively under ``-m gpu``.
-EXEC_MODES = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param("gpu", id="gpu", marks=[
-        pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]),
-]
+_GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
+
+
+def sweep(cases, ids, cpu_subset):
+    """(case, exec_mode) params: every case natively under ``-m gpu``; the cases whose index
+    is in ``cpu_subset`` also in interpret mode (each interpret config costs ~7 s of XLA
+    compile on 2 cores, so the CPU sweep is a chosen subset)."""
+    params = []
+    for i, (case, name) in enumerate(zip(cases, ids)):
+        if i in cpu_subset:
+            params.append(pytest.param(case, "interpret", id=f"{name}-interpret"))
+        params.append(pytest.param(case, "gpu", id=f"{name}-gpu", marks=_GPU_MARKS))
+    return params
 
 
 def _put(tree, device):

@@ -1,0 +1,120 @@
+"""Pallas fused quantize-and-store vs the reference store: bit-exact bytes, scales and stats.
+
+Pages and dynamic scales are NaN-poisoned before the store, so a slot the kernel should
+not touch must still be NaN afterwards and a slot it should write cannot pass by accident.
+Inputs mix magnitudes (1e-3..1e3 per row), exact zeros rows, and NaN / inf / huge
+elements; padding lanes (slots in page 0, repeated) and a token count that is not a
+multiple of the kernel's block are included. The kernel's own fp32 -> fp8 encoder is
+checked against ml_dtypes over every bf16 bit pattern and the float32 tie points.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jfp8kv.kernels import pallas_store, reference
+from jfp8kv.kvcache import fp8
+from jfp8kv.kvcache.cache import KVCache
+
+from .cases import make_cfg, on_cpu, on_exec, sweep
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+ML = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+ref_store = jax.jit(reference.store_kv, static_argnums=4)
+
+
+def _encode_vs_ml_dtypes(y: np.ndarray, name: str):
+    m = fp8.FMAX[name]
+    yc = np.where(np.isnan(y), y, np.clip(y, -m, m)).astype(np.float32)
+    got = np.asarray(jax.jit(pallas_store.f32_to_fp8_bits, static_argnums=1)(yc, name))
+    want = yc.astype(ML[name]).view(np.uint8).astype(np.int32)
+    nan = np.isnan(yc)
+    assert (got[~nan] == want[~nan]).all(), yc[~nan][got[~nan] != want[~nan]][:8]
+    assert ((got[nan] & 0x7F) == {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}[name]).all()
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_encoder_all_bf16_patterns(name):
+    y = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
+    _encode_vs_ml_dtypes(y.astype(np.float32), name)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_encoder_f32_ties_and_neighbours(name):
+    # Every fp8 value v and its successor: the midpoint and one f32 ulp either side of it.
+    codes = np.arange(256, dtype=np.uint8).view(ML[name]).astype(np.float32)
+    codes = np.unique(codes[np.isfinite(codes) & (codes >= 0)])
+    mids = ((codes[:-1].astype(np.float64) + codes[1:]) / 2).astype(np.float32)
+    ys = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), codes,
+                         np.float32([1e-30, 1e-45, 0.0, np.nan, np.inf])])
+    _encode_vs_ml_dtypes(np.concatenate([ys, -ys]), name)
+
+
+CASES = [  # (storage, mode, page_size, head_dim, kv_heads, new tokens, block_n)
+    ("bfloat16", None, 16, 64, 2, 45, 16),
+    ("float8_e4m3fn", "tensor", 8, 64, 2, 45, 32),
+    ("float8_e4m3fn", "token", 16, 128, 2, 45, 16),
+    ("float8_e4m3fn", "block", 8, 64, 3, 37, 16),
+    ("float8_e5m2", "token", 32, 64, 2, 45, 32),
+    ("float8_e5m2", "channel", 16, 64, 1, 20, 16),
+    # GPU only:
+    ("float16", None, 8, 128, 2, 45, 32),
+    ("float32", None, 16, 64, 2, 45, 16),
+    ("float8_e5m2", "block", 16, 128, 8, 300, 32),
+    ("float8_e4m3fn", "token", 16, 128, 8, 1000, 64),
+    ("float8_e4m3fn", "channel", 64, 256, 2, 100, 32),
+    ("float8_e4m3fn", "tensor", 128, 128, 4, 513, 32),
+]
+IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-Hkv{c[4]}-N{c[5]}-bn{c[6]}" for c in CASES]
+
+
+def _rows(rng, n, h, d):
+    x = rng.standard_normal((n, h, d)).astype(np.float32)
+    x *= 10.0 ** rng.integers(-3, 4, (n, h, 1))  # per-row magnitudes 1e-3 .. 1e3
+    x[rng.integers(n), rng.integers(h)] = 0.0  # an all-zero row
+    for val in (np.nan, np.inf, -np.inf, 1e30):
+        x[rng.integers(n), rng.integers(h), rng.integers(d)] = val
+    return x
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(6)))
+def test_store_matches_reference_bit_exact(case, exec_mode):
+    storage, mode, s, d, hkv, n, bn = case
+    rng = np.random.default_rng()
+    num_pages = 2 + -(-n // s) * 2
+    cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
+    static = None
+    if mode in ("tensor", "channel"):
+        static = rng.uniform(0.002, 0.05, (hkv, 1 if mode == "tensor" else d)) * np.ones((hkv, d))
+    layer = KVCache.init(cfg, static, static).layer(0)
+    nan_like = lambda a: jnp.full(a.shape, jnp.nan, a.dtype)  # noqa: E731
+    layer.k, layer.v = nan_like(layer.k), nan_like(layer.v)
+    if mode in ("token", "block"):
+        layer.k_scale, layer.v_scale = nan_like(layer.k_scale), nan_like(layer.v_scale)
+    slots = (rng.permutation((num_pages - 1) * s)[:n] + s).astype(np.int32)
+    pad = rng.choice(n, size=min(3, n), replace=False)
+    slots[pad] = rng.integers(0, s, size=pad.size)  # padding lanes into the sink page
+    slots[pad[0]] = slots[pad[-1]]  # two padding lanes on one slot
+    k = jnp.asarray(_rows(rng, n, hkv, d), jnp.bfloat16)
+    v = jnp.asarray(_rows(rng, n, hkv, d), jnp.bfloat16)
+    want_layer, want_stats = on_cpu(ref_store, layer, k, v, jnp.asarray(slots), cfg)
+    got_layer, got_stats = on_exec(exec_mode, pallas_store.store_kv, layer, k, v,
+                                   jnp.asarray(slots), cfg, block_n=bn)
+    for field in ("k", "v", "k_scale", "v_scale"):
+        got, want = np.asarray(getattr(got_layer, field)), np.asarray(getattr(want_layer, field))
+        assert got.shape == want.shape and got.dtype == want.dtype, field
+        gnan = np.isnan(got.astype(np.float32))
+        wnan = np.isnan(want.astype(np.float32))
+        assert (gnan == wnan).all(), f"{field}: NaN positions differ ({(gnan != wnan).sum()})"
+        diff = (_bits(got) != _bits(want)) & ~wnan
+        assert not diff.any(), f"{field}: {diff.sum()} elements differ, first at {np.argwhere(diff)[:3]}"
+    np.testing.assert_array_equal(np.asarray(got_stats), np.asarray(want_stats))
