@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import struct
 import time
 
 import httpx
@@ -129,25 +130,52 @@ def test_client_disconnect_mid_stream_frees_pages(server):
     assert m["jfp8kv_kv_cache_pages_used"] == 0
 
 
-def _abrupt(url_port: int, i: int) -> None:
-    body = json.dumps({"prompt": f"disconnect {i}", "max_tokens": 100, "ignore_eos": True,
-                       "temperature": 0, "stream": i % 2 == 0}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection(("127.0.0.1", url_port), timeout=60) as s:
-        s.sendall(head + body)
+def test_client_disconnect_while_waiting_non_streaming_aborts(server):
+    before = metric_values(server.url)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(_raw_request({"prompt": "wait for me", "max_tokens": 100, "ignore_eos": True,
+                                "temperature": 0}))
+        for _ in range(200):  # until the engine holds pages for it (bounded: 20 s)
+            if metric_values(server.url)["jfp8kv_kv_cache_pages_used"] > 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("request never started")
+    m = wait_idle(server.url)
+    key = 'jfp8kv_requests_total{finish_reason=%s}'
+    assert m[key % "abort"] == before[key % "abort"] + 1
+    assert m[key % "length"] == before[key % "length"]
+
+
+def _raw_request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def _abrupt(port: int, i: int) -> None:
+    req = _raw_request({"prompt": f"disconnect {i}", "max_tokens": 100, "ignore_eos": True,
+                        "temperature": 0, "stream": i % 2 == 0})
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(req)
         if i % 6 == 0:
             s.recv(1)  # a stream has started: vanish mid-response
         else:
             time.sleep(0.01 * (i % 5))  # vanish while queued, prefilling or decoding
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        # RST instead of FIN (SO_LINGER 0); the server may drop a request it had not read yet
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 def test_200_abrupt_disconnects_leave_pool_whole(server):
+    key = 'jfp8kv_requests_total{finish_reason=%s}'
+    before = metric_values(server.url)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda i: _abrupt(server.port, i), range(200)))
     m = wait_idle(server.url, limit_s=120)
     assert m["jfp8kv_kv_cache_pages_used"] == 0
+    # every request that reached the engine was aborted, none ran to its 100 tokens
+    assert m[key % "abort"] - before[key % "abort"] >= 20
+    assert m[key % "length"] == before[key % "length"]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert complete(server, "still alive?", max_tokens=3)["usage"]["completion_tokens"] == 3
 
