@@ -9,8 +9,8 @@ function jitted once per bucket with the cache donated:
   device and feeding each token back; slots are computed on device from the page tables.
 * ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
 
-Buckets: batch sizes and chunk lengths are padded to powers of two, and the page-table
-width to a power of two, so no request shape causes a new compile once warmed up.
+Buckets: batch sizes and chunk lengths are padded to powers of two and the page-table width
+is fixed (max_model_len / page_size), so no request shape causes a new compile once warmed up.
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ class ModelRunner:
         self.page_size = cache.config.page_size
         self.max_pages_per_seq = max_pages_per_seq
 
-    def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
-        need = max([len(r) for r in rows] + [1])
-        w = width or bucket(need, 4, self.max_pages_per_seq)
-        pt = np.zeros((b, w), np.int32)
+    def _page_table(self, rows: list[list[int]], b: int) -> np.ndarray:
+        # Fixed width: kernels stop at each row's length, and one width means one compile
+        # per (batch, chunk) bucket instead of one per context-length bucket too.
+        pt = np.zeros((b, self.max_pages_per_seq), np.int32)
         for i, r in enumerate(rows):
             pt[i, :len(r)] = r
         return pt

@@ -27,7 +27,7 @@ def hf_logits(path, seqs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         return [model(torch.tensor([s])).logits[0].numpy() for s in seqs]
 
