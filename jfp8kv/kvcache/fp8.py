@@ -11,10 +11,11 @@ Numerics contract
   first. For a power-of-two ``s`` the value cast is exactly ``x / s``.
 * Why a reciprocal and not ``x / s``: XLA (seen on CPU, jax 0.10.2) rewrites a divide by a
   broadcast scale into a multiply by its reciprocal, but not a divide by a full array or
-  an eager scalar, and Triton's ``/`` is ``div.full.f32`` (not correctly rounded); so
-  ``x / s`` gives different bits in different places. One correctly rounded reciprocal per
-  scale, then one multiply per element, is reproducible everywhere; kernels must do
-  exactly that (a correctly rounded ``1 / s``, e.g. ``div_rn``, never ``div.full``).
+  an eager scalar, and XLA on GPU and Triton divide with ``div.full.f32`` (not correctly
+  rounded); so ``x / s`` gives different bits in different places. One correctly rounded
+  reciprocal per scale (``reciprocal``: integer arithmetic, exact on every backend), then
+  one float32 multiply per element, is reproducible everywhere; kernels must do exactly
+  that (call ``reciprocal``, or ``div_rn``; never a plain ``/``).
 * NaN stays NaN (``clip`` propagates it) and is counted by the store.
 * Dynamic scales are ``amax * fl(1/fmax)`` floored at a tiny positive value (an all-zero
   row quantizes to zeros instead of 0/0), rounded up to the scale dtype and nudged one
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -88,14 +90,44 @@ def saturating_cast(y, dtype):
     return jnp.clip(y, -m, m).astype(dtype)
 
 
+def reciprocal(s):
+    """Correctly rounded float32 ``1 / s`` on every backend, by integer long division.
+
+    XLA on GPU and Triton lower float32 division to ``div.full.f32`` (up to 1-2 ulp off;
+    measured on an H200 with jax 0.11.2: 1/s differs from IEEE for 14% of random s), so
+    ``1.0 / s`` is not the same number everywhere. Here, for s = M * 2^(e - 150) with
+    M in [2^23, 2^24): 1/s = round(2^47 / M) * 2^(103 - e), the quotient taken 8 bits at a
+    time in uint32 (no tie is possible unless M = 2^23, an exact power of two). Zero,
+    subnormal, huge (>= 2^126), inf and NaN inputs fall back to ``1.0 / s``; scales never
+    take those values.
+    """
+    s = jnp.asarray(s, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
+    e = (bits >> 23) & 0xFF  # biased exponent
+    m = (bits & 0x7FFFFF) | 0x800000  # 24-bit significand
+    r = jnp.full_like(m, 1 << 23)  # remainder of 2^23 / m (< m)
+    q = jnp.zeros_like(m)
+    for _ in range(3):  # 3 x 8 quotient bits: q = floor(2^47 / m)
+        t = r << 8  # < 2^32 as r < m < 2^24
+        d = t // m
+        r = t - d * m
+        q = (q << 8) | d
+    q = q + (2 * r > m).astype(jnp.uint32)  # round to nearest (never a tie)
+    pow2 = m == 0x800000  # 1/s exact: 2^(127 - unbiased e)
+    exp = jnp.where(pow2, 254 - e, 253 - e)
+    mant = jnp.where(pow2, 0, q - 0x800000)
+    out = (bits & jnp.uint32(0x80000000)) | (exp << 23) | mant
+    normal = (e >= 1) & (e <= 252)
+    return jnp.where(normal, jax.lax.bitcast_convert_type(out, jnp.float32), 1.0 / s)
+
+
 def scaled(x, scale):
     """The float32 value that is cast: ``x * fl(1 / scale)``; ``scale`` broadcasts.
 
     The reciprocal is taken on ``scale`` as given (before broadcasting), so pass scales in
     their compact shape ([..., 1], not broadcast to x).
     """
-    inv = 1.0 / jnp.asarray(scale, jnp.float32)
-    return jnp.asarray(x).astype(jnp.float32) * inv
+    return jnp.asarray(x).astype(jnp.float32) * reciprocal(scale)
 
 
 def quantize(x, scale, dtype):
@@ -117,33 +149,49 @@ def amax_ignoring_nan(x, axis=-1):
     return jnp.max(jnp.where(jnp.isnan(ax), 0.0, ax), axis=axis)
 
 
+def _ceil_to_f16(s):
+    """Smallest fp16 value >= s, as an exactly representable float32 (s >= 2^-24, finite).
+
+    Bit arithmetic, no fp16 conversion: XLA on GPU (default ``xla_allow_excess_precision``)
+    elides f32 -> f16 -> f32 round trips, so ``s.astype(f16) < s`` is never true there and
+    a conversion-based round-up silently rounds to nearest instead.
+    """
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint32)
+    up = jax.lax.bitcast_convert_type((bits + 0x1FFF) & jnp.uint32(0xFFFFE000), jnp.float32)
+    sub = jnp.ceil(s * 2.0**24) * 2.0**-24  # fp16 subnormals: a 2^-24 grid
+    return jnp.where(s >= 2.0**-14, up, sub)  # normals: 11 significant bits
+
+
 def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
     """Scale mapping ``amax`` onto ``fmax``, floored, rounded *up* to ``scale_dtype``.
 
-    Rounding the scale up (never down) guarantees |x * fl(1/s)| <= fmax for the row's own
-    values, so dynamic modes never saturate finite inputs -- except fp16 scales, which cap
-    at 65504 instead of overflowing to inf (rows with amax > 65504 x fmax saturate, counted).
+    ``scale_dtype`` is float32 (token mode) or float16 (block mode). Rounding the scale up
+    (never down) guarantees |x * fl(1/s)| <= fmax for the row's own values, so dynamic modes
+    never saturate finite inputs -- except fp16 scales, which cap at 65504 instead of
+    overflowing to inf (rows with amax > 65504 x fmax saturate, and are counted).
     ``amax`` comes from ``amax_ignoring_nan``: a NaN element stays NaN in the data and the
     rest of its row keeps a proper scale. A NaN/inf amax gives scale 1.0 (inf saturates).
     """
     m = fmax(dtype)
     sdt = jnp.dtype(scale_dtype)
+    if sdt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dynamic scales are float32 or float16, not {sdt}")
     amax = amax.astype(jnp.float32)
-    # An explicit multiply: XLA on CPU rewrites ``amax / fmax`` into it anyway; others may not.
+    # An explicit multiply: XLA rewrites ``amax / fmax`` into it anyway; others may not.
     s = jnp.maximum(amax * jnp.float32(INV_FMAX[jnp.dtype(dtype).name]), SCALE_FLOOR)
     s = jnp.where(jnp.isfinite(s), s, 1.0)
-    if sdt != jnp.float32:
-        floor = SCALE_FLOOR_F16 if sdt == jnp.float16 else SCALE_FLOOR
-        s = jnp.maximum(s, floor)
-        r = s.astype(sdt)
-        s = jnp.where(r.astype(jnp.float32) < s, jnp.nextafter(r, jnp.array(jnp.inf, sdt)), r)
+    if sdt == jnp.float16:
+        s = _ceil_to_f16(jnp.maximum(s, SCALE_FLOOR_F16))
     # fl(amax * fl(1/s)) can still land one float32 ulp above fmax (~0.3% of rows with f32
     # scales): one step up in the scale dtype fixes it. Same arithmetic as ``scaled``.
-    over = jnp.isfinite(amax) & (amax * (1.0 / s.astype(jnp.float32)) > m)
-    s = jnp.where(over, jnp.nextafter(s, jnp.array(jnp.inf, sdt)), s)
-    if sdt != jnp.float32:  # fp16 overflow: cap, so the row saturates instead of 0 * inf = NaN
-        s = jnp.minimum(s, jnp.array(jnp.finfo(sdt).max, sdt))
-    return s
+    over = jnp.isfinite(amax) & (amax * reciprocal(s) > m)
+    step_up = jnp.nextafter(s, jnp.float32(jnp.inf))
+    if sdt == jnp.float32:
+        return jnp.where(over, step_up, s)
+    s = jnp.where(over, _ceil_to_f16(step_up), s)
+    # fp16 overflow: cap, so the row saturates instead of reading back 0 * inf = NaN. The
+    # value is exactly representable, so this cast does not round.
+    return jnp.minimum(s, 65504.0).astype(jnp.float16)
 
 
 def saturation_count(x, scale, dtype):

@@ -218,6 +218,24 @@ def _binade(lo_exp: int) -> np.ndarray:
     return (base + np.arange(1 << 23, dtype=np.uint32)).view(np.float32)
 
 
+def test_reciprocal_is_correctly_rounded():
+    """fp8.reciprocal == IEEE float32 1/s (numpy) bit for bit: every significand (one full
+    binade; the exponent only shifts the result), the extreme binades of its exact range,
+    and random bit patterns of either sign across it. Outside it: 1/0 = inf, 1/inf = 0."""
+    f = jax.jit(fp8.reciprocal)
+    one = np.float32(1)
+    for e in (0, -126, 125):
+        s = _binade(e)
+        np.testing.assert_array_equal(np.asarray(f(s)).view(np.uint32), (one / s).view(np.uint32))
+    rng = np.random.default_rng(3)
+    bits = rng.integers(1 << 23, 253 << 23, 1 << 20, dtype=np.uint32)
+    bits |= rng.integers(0, 2, bits.size, dtype=np.uint32) << 31
+    s = bits.view(np.float32)
+    np.testing.assert_array_equal(np.asarray(f(s)).view(np.uint32), (one / s).view(np.uint32))
+    sp = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
+    np.testing.assert_array_equal(np.asarray(f(sp)), [np.inf, -np.inf, 0.0, -0.0, np.nan])
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_dynamic_scale_float32_never_saturates_exhaustive(name):
     """For every float32 amax in a binade, amax * fl(1/s) <= fmax and s is tight."""
