@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.serve import protocol as P
-from jfp8kv.serve.async_engine import AsyncEngine, RequestStream, ServerDraining
+from jfp8kv.serve.async_engine import AsyncEngine, EngineUnavailable, RequestStream, ServerDraining
 
 logger = logging.getLogger("jfp8kv.serve")
 
@@ -96,6 +96,11 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
     async def _on_api(request: Request, exc: ApiError):
         return _error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def _on_bug(request: Request, exc: Exception):  # logged by Starlette as well
+        return _error_response(ApiError(500, f"internal error: {exc!r}", None, "internal_error",
+                                        "server_error"))
+
     def check_common(req: P._SamplingFields) -> None:
         if req.model is not None and req.model != served_model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
@@ -121,7 +126,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
             raise ApiError(503, str(e), None, "shutting_down", "server_error") from None
         except EngineOverloaded as e:  # the waiting queue is at its bound
             raise ApiError(503, str(e), None, "server_overloaded", "server_error") from None
-        except RuntimeError as e:  # the engine thread is unhealthy
+        except EngineUnavailable as e:  # the engine thread is down or keeps failing
             raise ApiError(503, str(e), None, "unhealthy", "server_error") from None
 
     async def collect(stream: RequestStream, request: Request):

@@ -13,7 +13,9 @@ finished (client disconnect, handler error, cancellation) always sends that abor
 Failure isolation: an exception while handling one request's output finishes only that
 request (with ``finish_reason="error"``) and aborts it in the engine; an exception from
 ``engine.step()`` itself cannot be attributed, so every request in flight is finished with an
-error and aborted, and the thread keeps serving new requests.
+error and aborted, and the thread keeps serving new requests. After
+``UNHEALTHY_AFTER_FAILED_STEPS`` failed steps in a row the engine is taken as broken: new
+requests get 503 and /health says 503, so that a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ UNHEALTHY_AFTER_FAILED_STEPS = 3
 METRICS_REFRESH_S = 0.1
 
 
-class ServerDraining(RuntimeError):
-    """Raised for new requests once shutdown began (HTTP 503)."""
+class EngineUnavailable(RuntimeError):
+    """New requests cannot be served now (HTTP 503): shutdown began or the engine is down."""
+
+
+class ServerDraining(EngineUnavailable):
+    """Raised for new requests once shutdown began."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +154,11 @@ class AsyncEngine:
 
     async def submit(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
         """Add a request; raises what ``engine.add_request`` raised (ValueError: a 400,
-        EngineOverloaded: a 503), or ServerDraining once shutdown began."""
+        EngineOverloaded: a 503), or EngineUnavailable (ServerDraining once shutdown began)."""
         if self.draining:
             raise ServerDraining("server is shutting down")
         if not self.healthy:
-            raise RuntimeError(self.thread_error or "engine is unhealthy")
+            raise EngineUnavailable(self.thread_error or "engine is unhealthy (steps keep failing)")
         queue: asyncio.Queue = asyncio.Queue()
         accepted = self._loop.create_future()
         self._inflight.add(request_id)

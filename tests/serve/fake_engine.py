@@ -4,7 +4,8 @@ Token t of a request is ``(sum(prompt) + t) % 100``; its text is ``f"<{id}>"``. 
 ``step()`` advances each running request by one token. It keeps the real engine's contract:
 not thread-safe (it asserts that one thread calls it), cumulative outputs, ValueError for long
 prompts, EngineOverloaded past ``max_queue_len``. ``fail_steps`` makes the next steps raise;
-``poison`` names requests whose output is malformed (``token_ids=None``).
+``poison`` names requests (or ``poison_token`` marks prompts) whose output is malformed
+(``token_ids=None``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class FakeEngine:
         self.max_tokens: dict[str, int] = {}
         self.fail_steps = 0
         self.poison: set[str] = set()
+        self.poison_token = 666
         self.steps = 0
         self._thread = None
 
@@ -72,7 +74,7 @@ class FakeEngine:
                 del self.running[rid]
             snapshot = RequestOutput(rid, out.prompt_token_ids, list(out.token_ids), out.text,
                                      out.finish_reason)
-            if rid in self.poison:
+            if rid in self.poison or self.poison_token in out.prompt_token_ids:
                 snapshot.token_ids = None
             outs.append(snapshot)
         return outs
