@@ -54,7 +54,10 @@ try:
     import aiohttp
 except ImportError:  # httpx is the fallback transport
     aiohttp = None
+try:
     import httpx
+except ImportError:
+    httpx = None
 
 
 @dataclasses.dataclass
@@ -71,11 +74,15 @@ class RequestResult:
 
 
 class Transport:
-    """POST a JSON body and iterate the response's lines (aiohttp if installed, else httpx)."""
+    """POST a JSON body and iterate the response's lines with aiohttp or httpx."""
 
-    def __init__(self, timeout_s: float, max_connections: int):
-        self.name = "aiohttp" if aiohttp else "httpx"
-        if aiohttp:
+    def __init__(self, kind: str, timeout_s: float, max_connections: int):
+        if kind == "auto":
+            kind = "aiohttp" if aiohttp else "httpx"
+        if {"aiohttp": aiohttp, "httpx": httpx}[kind] is None:
+            raise SystemExit(f"--transport {kind}: the package is not installed")
+        self.name = kind
+        if kind == "aiohttp":
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
                 connector=aiohttp.TCPConnector(limit=max_connections))
@@ -85,7 +92,7 @@ class Transport:
                                                        max_keepalive_connections=max_connections))
 
     async def get_json(self, url: str, headers: dict) -> dict:
-        if aiohttp:
+        if self.name == "aiohttp":
             async with self._session.get(url, headers=headers) as r:
                 r.raise_for_status()
                 return await r.json()
@@ -94,8 +101,8 @@ class Transport:
         return r.json()
 
     async def stream_lines(self, url: str, body: dict, headers: dict):
-        """Yields (status, None) first, then decoded lines."""
-        if aiohttp:
+        """Yields (status, None) first, then (None, line) for each line."""
+        if self.name == "aiohttp":
             async with self._session.post(url, json=body, headers=headers) as r:
                 yield r.status, None
                 if r.status != 200:
@@ -113,7 +120,7 @@ class Transport:
                 yield None, line.strip()
 
     async def close(self):
-        if aiohttp:
+        if self.name == "aiohttp":
             await self._session.close()
         else:
             await self._client.aclose()
@@ -235,7 +242,7 @@ async def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     requests = make_requests(args, rng)
     max_conn = args.max_concurrency or args.num_prompts
-    transport = Transport(args.timeout, max(1, max_conn) + 1)
+    transport = Transport(args.transport, args.timeout, max(1, max_conn) + 1)
     try:
         model = args.model or (await transport.get_json(base + "/v1/models", headers))["data"][0]["id"]
         url = base + "/v1/completions"
@@ -342,6 +349,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=6 * 3600, help="per-request timeout, seconds")
     p.add_argument("--output-file", default=None, help="append one JSON line with the results")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--transport", default="auto", choices=("auto", "aiohttp", "httpx"),
+                   help="HTTP client (auto: aiohttp if installed, else httpx)")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--num-prompts and --random-*-len must be >= 1")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO_ROOT, metric_values
+
+TRANSPORTS = [pytest.param(t, marks=pytest.mark.skipif(
+    importlib.util.find_spec(t) is None, reason=f"{t} is not installed")) for t in ("aiohttp", "httpx")]
 
 
 def _bench(server, out_file, *flags: str) -> dict:
@@ -18,11 +24,13 @@ def _bench(server, out_file, *flags: str) -> dict:
     return json.loads(out_file.read_text().splitlines()[-1])
 
 
-def test_fixed_lengths_exact_token_counts(server, tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fixed_lengths_exact_token_counts(server, tmp_path, transport):
     before = metric_values(server.url)["jfp8kv_prompt_tokens_total"]
     rec = _bench(server, tmp_path / "out.jsonl", "--num-prompts", "8", "--random-input-len", "12",
                  "--random-output-len", "6", "--max-concurrency", "4", "--ignore-eos",
-                 "--warmup-requests", "1")
+                 "--warmup-requests", "1", "--transport", transport)
+    assert rec["backend"] == f"openai-completions ({transport})"
     assert rec["completed"] == 8 and rec["failed"] == 0
     assert rec["total_input_tokens"] == 8 * 12 and rec["total_output_tokens"] == 8 * 6
     assert rec["prompt_len_mismatches"] == 0 and rec["output_len_mismatches"] == 0
