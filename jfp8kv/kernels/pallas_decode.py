@@ -53,6 +53,8 @@ class DecodeTuning:
     num_warps: int = 4
     num_stages: int = 3
     target_programs: int = 4 * NUM_SMS_H200
+    # Code-generation variants (swept on the GPU): "" plain casts; "vmask" selects on the
+    # upcast V tile; "asm" / "vasm" convert fp8 with inline PTX (both tiles / V only).
     variant: str = ""
 
 
@@ -107,18 +109,24 @@ def load_kv_tile(pages_ref, scale_ref, h, rows, valid, kind, cdt, block: int, va
     x = plgpu.load(pages_ref.at[h, rows[:, None], cols(d)], mask=mask2, other=0.0)  # [BK, D]
     tok_scale = None
     if kind == "block":
+        # One fp16 scale per `block` channels: load [BK, nb], broadcast along the block.
         nb = d // block
-        idx = rows[:, None] * nb + cols(d) // block  # [BK, D] into [P*S*nb]
-        sc = plgpu.load(scale_ref.at[h, idx], mask=mask2, other=0.0)  # [BK, D] f16
+        idx = rows[:, None] * nb + cols(nb)  # [BK, nb] into [P*S*nb]
+        sc = plgpu.load(scale_ref.at[h, idx], mask=jnp.broadcast_to(valid[:, None], (bk, nb)),
+                        other=0.0)  # [BK, nb] f16
+        sc = jnp.broadcast_to(sc[:, :, None], (bk, nb, block)).reshape(bk, d)
         x = (x.astype(jnp.float32) * sc.astype(jnp.float32)).astype(cdt)
     elif "asm" in variant and jnp.dtype(x.dtype).name in ("float8_e4m3fn", "float8_e5m2"):
         x = fp8_to_f16_asm(x)
     else:
         x = x.astype(cdt)
-        if "vmask" in variant:
-            x = jnp.where(mask2, x, jnp.zeros((), cdt))
-        if kind == "token":
-            tok_scale = plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
+    if "vmask" in variant:
+        # A select on the upcast tile keeps the fp8->f16 conversion in the load layout, so
+        # Triton transposes f16 (ldmatrix.trans) instead of gathering single bytes for the
+        # P.V operand.
+        x = jnp.where(mask2, x, jnp.zeros((), cdt))
+    if kind == "token":
+        tok_scale = plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
     return x, tok_scale
 
 
@@ -172,7 +180,7 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
         page = plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)  # [BK]
         rows = page * page_size + tok % page_size
         k, k_tok = load_kv_tile(k_ref, ks_ref, h, rows, valid, kind, cdt, scale_block,
-                                variant.replace("vasm", ""))
+                                variant.replace("vasm", "").replace("vmask", ""))
         s = dot_nt(q, k)  # [Gp, BK] f32
         if k_tok is not None:
             s = s * k_tok[None, :]
@@ -247,6 +255,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {d}")
     kind = scale_kind(cfg)
+    variant = tuning.variant.replace("asm", "") if interpret else tuning.variant  # PTX only
     ns = choose_splits(b, hkv, max_pages * s, tuning)
     tps = -(-(max_pages * s) // ns)
     tps = -(-tps // tuning.block_k) * tuning.block_k
@@ -266,7 +275,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), page_size=s, tokens_per_split=tps,
         num_groups=g, kind=kind, cdt=compute_dtype_for(cfg), block_k=tuning.block_k,
-        scale_block=cfg.scale_block, split=split, variant=tuning.variant)
+        scale_block=cfg.scale_block, split=split, variant=variant)
     outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, ns),

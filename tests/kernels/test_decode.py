@@ -17,7 +17,7 @@ import pytest
 
 from jfp8kv.kernels import pallas_decode, reference
 
-from .cases import assert_close, attention_case, make_cfg, on_cpu, on_exec, sweep
+from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec, sweep
 
 ref_decode = jax.jit(reference.decode_attention, static_argnums=(4, 5))
 
@@ -43,7 +43,7 @@ IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-bk{c[7]}" for c i
 
 
 @pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(7)))
-def test_decode_matches_reference(case, exec_mode):
+def test_decode_matches_reference(case, exec_mode, variant=""):
     storage, mode, s, d, nh, hkv, ns, bk = case
     rng = np.random.default_rng()
     max_pages = max(2, -(-150 // s))
@@ -56,7 +56,7 @@ def test_decode_matches_reference(case, exec_mode):
     q_dtype = np.float32 if storage == "float32" else "bfloat16"
     q = jnp.asarray(rng.standard_normal((len(lens), nh, d)), q_dtype)
     sm_scale = 1.0 / np.sqrt(d)
-    tuning = pallas_decode.DecodeTuning(block_k=bk, num_splits=ns)
+    tuning = pallas_decode.DecodeTuning(block_k=bk, num_splits=ns, variant=variant)
     out = on_exec(exec_mode, pallas_decode.decode_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, cfg, sm_scale, tuning=tuning)
     ref = on_cpu(ref_decode, q, case_.clean, case_.page_tables,
@@ -64,6 +64,16 @@ def test_decode_matches_reference(case, exec_mode):
     assert_close(out, ref, exact_f32=storage == "float32")
     empty = np.asarray(case_.seq_lens) == 0
     assert (np.asarray(out, np.float32)[empty] == 0).all(), "empty slots must return zeros"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["vmask", "asm", "vasm"])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 4, 8, 11)],
+                         ids=[IDS[i] for i in (0, 3, 4, 8, 11)])
+def test_decode_codegen_variants_gpu(case, variant):
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    test_decode_matches_reference(case, "gpu", variant)
 
 
 @pytest.mark.parametrize("batch,kv_heads,max_tokens,expect_min", [
