@@ -4,7 +4,8 @@
 
 - ``None`` or ``"smollm2-135m-instruct"``: the embedded default model (see ``hub.py``);
 - a directory holding ``config.json`` and ``*.safetensors``: a Hugging Face checkpoint;
-- a path ending in ``.gguf``: a llama.cpp GGUF file (dequantized to the compute dtype).
+- a path ending in ``.gguf``: a llama.cpp GGUF file (dequantized to the compute dtype);
+- ``random:<preset>``: a real architecture's shapes with random weights (``presets.py``).
 
 Checkpoint naming lives in the loaders alone; the forward pass only sees the params pytree
 documented in ``jfp8kv/models/transformer.py``. Nothing is downloaded from the hub.
@@ -53,6 +54,10 @@ def load_model(model: str | None = None, dtype: str = "bfloat16") -> LoadedModel
 
     if model is None or model.lower() == DEFAULT_MODEL_NAME:
         return gguf_loader.load_gguf(hub.default_gguf_path(), dtype, name=DEFAULT_MODEL_NAME)
+    if model.lower().startswith("random:"):
+        from jfp8kv.models.presets import load_random
+
+        return load_random(model.split(":", 1)[1], dtype)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():

@@ -1,0 +1,73 @@
+"""Real architectures' shapes with random weights, for speed benchmarks on the GPU.
+
+``load_model("random:qwen3-8b")`` gives a model with Qwen3-8B's config (36 layers, 32 query
+heads, 8 KV heads, head_dim 128) and random weights, plus a tokenizer that needs no files:
+token id ``i`` decodes to `` t<i>``. Quality is meaningless; bytes moved and FLOPs are real.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jfp8kv.config import ModelConfig
+
+PRESETS = {
+    "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                     qk_norm=True, eos_token_ids=(151645,)),
+    "qwen3-0.6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                       qk_norm=True, tie_word_embeddings=True, eos_token_ids=(151645,)),
+    "llama-3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, rope_theta=5e5, max_position_embeddings=8192,
+                       eos_token_ids=(128009,)),
+    "smollm2-135m": dict(family="llama", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                         head_dim=64, rope_theta=1e5, max_position_embeddings=8192,
+                         tie_word_embeddings=True, eos_token_ids=(2,)),
+}
+
+
+class IdTokenizer:
+    """A file-free tokenizer for random-weight models: ids <-> `` t<id>`` words."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = None
+        self.chat_template = None
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out = []
+        for w in text.split():
+            body = w[1:] if w.startswith("t") else w
+            out.append(int(body) % self.vocab_size if body.isdigit() else
+                       sum(map(ord, w)) % self.vocab_size)
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" t{int(i)}" for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+        text = " ".join(m["content"] for m in messages)
+        return self.encode(text) if tokenize else text
+
+
+def load_random(preset: str, dtype: str, seed: int = 0):
+    from jfp8kv.models.loader import LoadedModel
+    from jfp8kv.models.transformer import init_random_params
+
+    key = preset.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown random preset {preset!r}; choose one of "
+                         f"{['random:' + k for k in PRESETS]}")
+    cfg = ModelConfig(**PRESETS[key], name=f"random:{key}")
+    params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype=dtype)
+    tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)
