@@ -364,17 +364,20 @@ def main():
     big = [(32, 4096), (64, 8192), (8, 32768), (1, 131072)] if not sm else [(2, 64)]
     smol = [(64, 8192)] if not sm else [(2, 64)]
     base = pallas_decode.DecodeTuning()
-    tuned = {"float8_e4m3fn": base, "bfloat16": base}
+    tuned = {name: pallas_decode.default_tuning(cache_cfg(name, "token", 8, 128, 2))
+             for name in ("float8_e4m3fn", "bfloat16")}
     if args.sweep:
         shapes = [(32, 4096), (8, 32768)] if not sm else [(2, 64)]
         grid = [dict(variant=v, block_k=bk, num_warps=nw)
                 for v in ("", "vmask", "asm") for bk, nw in ((64, 4), (128, 4), (128, 8))]
+        grid.append(dict(variant="vmask", block_k=256, num_warps=8))
         if sm:
             grid = grid[:2]
         best = sweep_decode(b, shapes, "float8_e4m3fn", "token", base, grid)
         grid2 = [dict(num_stages=ns, target_programs=tp) for ns in (2, 3, 4)
                  for tp in (264, 1056)]
-        tuned["float8_e4m3fn"] = sweep_decode(b, shapes, "float8_e4m3fn", "token", best,
+        shapes2 = shapes + ([(1, 131072)] if not sm else [])
+        tuned["float8_e4m3fn"] = sweep_decode(b, shapes2, "float8_e4m3fn", "token", best,
                                               grid2[:2] if sm else grid2)
         grid3 = [dict(block_k=bk, num_warps=nw, num_stages=ns)
                  for bk, nw in ((64, 4), (128, 8)) for ns in (2, 3)]

@@ -58,6 +58,14 @@ class DecodeTuning:
     variant: str = ""
 
 
+def default_tuning(cfg: CacheConfig) -> DecodeTuning:
+    """The measured best per storage family (see docs/kernels-notes.md)."""
+    if cfg.is_fp8:  # head_dim 256: half the tile keeps registers and shared memory in bounds
+        bk = 128 if cfg.head_dim <= 128 else 64
+        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, variant="vmask")
+    return DecodeTuning(block_k=64, num_warps=4, num_stages=3)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -245,7 +253,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
 
     Static: cfg, sm_scale, interpret, tuning. Nothing is donated.
     """
-    tuning = tuning or DecodeTuning()
+    tuning = tuning or default_tuning(cfg)
     b, nh, d = q.shape
     hkv, s = cfg.num_kv_heads, cfg.page_size
     g = nh // hkv
@@ -255,7 +263,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {d}")
     kind = scale_kind(cfg)
-    variant = tuning.variant.replace("asm", "") if interpret else tuning.variant  # PTX only
+    variant = tuning.variant if cfg.is_fp8 else ""  # the variants only touch fp8 upcasts
+    variant = variant.replace("asm", "") if interpret else variant  # inline PTX: GPU only
     ns = choose_splits(b, hkv, max_pages * s, tuning)
     tps = -(-(max_pages * s) // ns)
     tps = -(-tps // tuning.block_k) * tuning.block_k
