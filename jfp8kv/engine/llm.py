@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 # Chosen from bench/results/quality-cpu.json (see README, "Choosing the default scale mode").
 DEFAULT_FP8_SCALE_MODE = "token"
 CPU_DEFAULT_CACHE_MEMORY = 1 << 30
+# GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
+# compiles; several decode steps per dispatch hide host overhead.
+GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
+GPU_MIN_CHUNK = 128
+GPU_DECODE_STEPS = 8
 GPU_CACHE_FRACTION = 0.85
 
 
@@ -124,9 +129,12 @@ class LLM:
         k_s, v_s = self._static_scales(loaded, kv_scales)
         cache = KVCache.init(self.cache_config, k_s, v_s)
         max_pages = math.ceil(max_model_len / page_size)
-        runner = ModelRunner(cfg, loaded.params, cache, self.backend, max_pages)
+        on_gpu = device.platform == "gpu"
+        runner = ModelRunner(cfg, loaded.params, cache, self.backend, max_pages,
+                             decode_buckets=GPU_DECODE_BUCKETS if on_gpu else None,
+                             min_chunk=GPU_MIN_CHUNK if on_gpu else 16)
         if decode_steps is None:
-            decode_steps = 8 if device.platform == "gpu" else 1
+            decode_steps = GPU_DECODE_STEPS if on_gpu else 1
         scheduler = Scheduler(PageAllocator(usable + 1), page_size, max_model_len, max_num_seqs,
                               max_num_batched_tokens, decode_steps)
         eos = set(cfg.eos_token_ids)
@@ -138,6 +146,13 @@ class LLM:
         self.max_model_len = max_model_len
         self._ids = itertools.count()
         log.info("KV cache: %s", self.cache_info())
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the decode and prefill buckets now (the server does this at start-up)."""
+        sched = self.engine.scheduler
+        runner = self.engine.runner
+        shapes = runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens)
+        runner.warmup(shapes, sched.decode_steps, progress)
 
     @staticmethod
     def _default_cache_memory(device, bpt, max_model_len, max_num_seqs) -> int:

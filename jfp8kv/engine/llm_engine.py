@@ -94,9 +94,10 @@ class LLMEngine:
             seqs = [r.seq for r in plan.decode]
             rows = [(s.tokens[-1], s.num_cached, s.pages, s.num_cached + r.steps)
                     for s, r in zip(seqs, plan.decode)]
-            steps = max(r.steps for r in plan.decode)
-            steps = self.scheduler.decode_steps if steps > 1 else 1
-            decode_out = self.runner.decode(rows, self._sampling(seqs), self._greedy(seqs), steps)
+            # One scan length for every dispatch (one compile per batch bucket); rows that
+            # need fewer steps go inactive at their limit.
+            decode_out = self.runner.decode(rows, self._sampling(seqs), self._greedy(seqs),
+                                            self.scheduler.decode_steps)
         if plan.prefill:
             seqs = [c.seq for c in plan.prefill]
             chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages)

@@ -108,13 +108,60 @@ class ModelRunner:
     """Owns params and the cache; turns host-side batch descriptions into device calls."""
 
     def __init__(self, model_cfg: ModelConfig, params, cache: KVCache, backend: str,
-                 max_pages_per_seq: int):
+                 max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
+                 min_chunk: int = 16):
+        """``decode_buckets``: allowed decode batch sizes (None: powers of two). Decode is
+        memory-bound, so padding a batch up to a coarse bucket costs little and saves
+        compiles. ``min_chunk``: the smallest prefill chunk bucket."""
         self.cfg = model_cfg
         self.params = params
         self.cache = cache
         self.backend = backend
         self.page_size = cache.config.page_size
         self.max_pages_per_seq = max_pages_per_seq
+        self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
+        self.min_chunk = min_chunk
+
+    def decode_bucket(self, n: int) -> int:
+        if self.decode_buckets is None:
+            return bucket(n)
+        return next((b for b in self.decode_buckets if b >= n), bucket(n))
+
+    def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int):
+        """(kind, batch, length) shapes compiled by ``warmup``: every decode bucket up to
+        max_num_seqs, and single-sequence prefill chunks of every length bucket."""
+        top = self.decode_bucket(max_num_seqs)
+        if self.decode_buckets is None:
+            dec = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        else:
+            dec = [b for b in self.decode_buckets if b <= top]
+        lens, t = [], bucket(1, self.min_chunk)
+        while t <= bucket(max_num_batched_tokens, self.min_chunk):
+            lens.append(t)
+            t *= 2
+        return [("decode", b, 1) for b in dec] + [("prefill", 1, t) for t in lens]
+
+    def warmup(self, shapes, num_steps: int, progress: bool = True) -> None:
+        """Compile (and run once, writing only to the sink page) each shape, greedy and
+        sampled decode alike."""
+        from tqdm import tqdm
+
+        for kind, b, t in tqdm(shapes, desc="compiling buckets", disable=not progress):
+            z = np.zeros(b, np.int32)
+            pt = np.zeros((b, self.max_pages_per_seq), np.int32)
+            if kind == "decode":
+                for greedy in (True, False):
+                    toks, self.cache = _decode(
+                        self.params, self.cache, z, z, pt, z,
+                        *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
+                        all_greedy=greedy, num_steps=num_steps)
+            else:
+                zz = np.zeros((b, t), np.int32)
+                toks, self.cache = _prefill(
+                    self.params, self.cache, zz, zz, zz, pt, z, z,
+                    *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
+                    all_greedy=True)
+            jax.block_until_ready(toks)
 
     def _page_table(self, rows: list[list[int]], b: int) -> np.ndarray:
         # Fixed width: kernels stop at each row's length, and one width means one compile
@@ -147,7 +194,7 @@ class ModelRunner:
     def prefill(self, chunks, sampling: SamplingArrays, all_greedy: bool):
         """Returns a device array int32[B_bucket] of sampled tokens (row i <-> chunks[i])."""
         b = bucket(len(chunks))
-        t = bucket(max(len(c[0]) for c in chunks), 16)
+        t = bucket(max(len(c[0]) for c in chunks), self.min_chunk)
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
         toks, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
                                     seq_lens, last_idx, *_pad_sampling(sampling, b).args(),
@@ -156,7 +203,7 @@ class ModelRunner:
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int):
         """rows: list of (last_token, position, pages, limit). Returns int32[B_bucket, steps]."""
-        b = bucket(len(rows))
+        b = self.decode_bucket(len(rows))
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         limits = np.zeros(b, np.int32)
