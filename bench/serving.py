@@ -316,13 +316,14 @@ def print_report(m: dict) -> None:
     print("{:=^60}".format(" Serving Benchmark Result "))
     for k, v in rows:
         print(f"{k + ':':<42} {v:.2f}" if isinstance(v, float) else f"{k + ':':<42} {v}")
-    for title, key in [("End-to-End Latency", "e2e_latency"), ("Time to First Token", "ttft"),
-                       ("Time per Output Token (excl. 1st token)", "tpot"),
-                       ("Inter-token Latency", "itl")]:
+    for title, key, short in [("End-to-End Latency", "e2e_latency", "E2E Latency"),
+                              ("Time to First Token", "ttft", "TTFT"),
+                              ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
+                              ("Inter-token Latency", "itl", "ITL")]:
         print("{:-^60}".format(title))
         for stat in ("mean", "median", "p99"):
-            print(f"{stat.capitalize() + ' ' + key.upper() + ' (ms):':<42} "
-                  f"{m[f'{stat}_{key}_ms']:.2f}")
+            label = f"{'P99' if stat == 'p99' else stat.capitalize()} {short} (ms):"
+            print(f"{label:<42} {m[f'{stat}_{key}_ms']:.2f}")
     print("=" * 60)
 
 
