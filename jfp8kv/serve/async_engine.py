@@ -65,14 +65,29 @@ class Update:
 class _ReqState:  # owned by the engine thread
     queue: asyncio.Queue
     arrival: float
+    stop: tuple[str, ...] = ()
     num_tokens: int = 0
     num_prompt_tokens: int = 0
     last_token_time: float | None = None
 
 
-def safe_text(text: str, finished: bool) -> str:
-    """Hold back trailing U+FFFD of a running request: it may be half a UTF-8 character."""
-    return text if finished else text.rstrip("\ufffd")
+def safe_text(text: str, finished: bool, stop: tuple[str, ...] = ()) -> str:
+    """The part of a request's cumulative text that can be streamed without retraction.
+
+    While running, hold back (1) a trailing U+FFFD, which may be half a UTF-8 character, and
+    (2) the longest suffix that is a prefix of a stop string: if the stop string completes,
+    the engine cuts the text before it, and a stream must not have sent its beginning.
+    """
+    if finished:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return text[:len(text) - hold]
 
 
 class RequestStream:
@@ -238,7 +253,8 @@ class AsyncEngine:
         except Exception as e:  # reported to the submitter (400 / 503 / 500)
             self._post(_settle, accepted, e)
             return
-        self._states[rid] = _ReqState(queue=queue, arrival=arrival)
+        self._states[rid] = _ReqState(queue=queue, arrival=arrival,
+                                      stop=tuple(getattr(params, "stop", None) or ()))
         self._post(_settle, accepted, None)
 
     def _abort(self, rid: str, reason: str, error: str | None = None) -> None:
@@ -302,7 +318,8 @@ class AsyncEngine:
             state.num_prompt_tokens = len(out.prompt_token_ids)
             m.requests.labels(finish_reason=out.finish_reason).inc()
             m.e2e.observe(now - state.arrival)
-        return Update(safe_text(out.text, finished), state.num_tokens, state.num_prompt_tokens,
+        return Update(safe_text(out.text, finished, state.stop), state.num_tokens,
+                      state.num_prompt_tokens,
                       out.finish_reason)
 
     def _fail_all(self, message: str) -> None:

@@ -39,6 +39,18 @@ def test_safe_text_holds_back_incomplete_utf8():
     assert safe_text("a\ufffdb", finished=False) == "a\ufffdb"
 
 
+def test_safe_text_holds_back_partial_stop_strings():
+    stops = ("Paris", "\n\n")
+    assert safe_text("It is Par", False, stops) == "It is "
+    assert safe_text("It is P", False, stops) == "It is "
+    assert safe_text("It is Pa!", False, stops) == "It is Pa!"
+    assert safe_text("one\n", False, stops) == "one"
+    assert safe_text("one\n", True, stops) == "one\n"
+    assert safe_text("aaa", False, ("aab",)) == "a"  # longest suffix that starts a stop string
+    for text in ["", "x", "Pari", "PaPa"]:  # never more than the text, always a prefix of it
+        assert text.startswith(safe_text(text, False, stops))
+
+
 def test_concurrent_requests_complete_with_expected_tokens():
     fake = FakeEngine(max_running=3)
 

@@ -99,11 +99,20 @@ def test_seed_and_stop_are_forwarded(server):
     a = complete(server, "Once upon a time", max_tokens=8, temperature=0.9, seed=7)
     b = complete(server, "Once upon a time", max_tokens=8, temperature=0.9, seed=7)
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
-    full = complete(server, "Once upon a time", max_tokens=8)["choices"][0]["text"]
-    stop = full[len(full) // 2:len(full) // 2 + 2]
-    assert stop.strip(), full
+    c = client(server)
+    deltas = [ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)]
+    full = "".join(deltas)
+    # a stop string straddling two streamed pieces: its first half was streamable on its own
+    i = next(i for i in range(len(deltas) - 1) if deltas[i] and deltas[i + 1])
+    stop = deltas[i][-1] + deltas[i + 1][0]
+    expect = full[:full.find(stop)]
     cut = complete(server, "Once upon a time", max_tokens=8, stop=[stop])["choices"][0]
-    assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.find(stop)]
+    assert cut["finish_reason"] == "stop" and cut["text"] == expect
+    chunks = list(c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
+                                       temperature=0, stop=[stop], stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == expect
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_token_id_prompt_and_one_element_list(server):
