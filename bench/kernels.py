@@ -45,8 +45,8 @@ def _jaxlib_version() -> str:
 USER_NAME = {"bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 
-def timed(fn, *args, est_ms: float, calls: int = 10, target_ms: float = 2.0,
-          max_reps: int = 32):
+def timed(fn, *args, est_ms: float, calls: int = 10, target_ms: float = 4.0,
+          max_reps: int = 48):
     """Median ms per op. ``fn(reps)`` returns a jitted f(*args) running the op reps times;
     reps is chosen from the estimate so one timed call lasts about ``target_ms``."""
     reps = int(min(max_reps, max(2, target_ms / max(est_ms, 1e-3))))
@@ -67,10 +67,12 @@ def copy_tbps(smoke: bool) -> float:
     f = jax.jit(lambda x: x * 1.0001)  # one read + one write per element
     jax.block_until_ready(f(x))
     samples = []
-    for _ in range(10):
+    for _ in range(5):  # 10 back-to-back launches per sample: host sync amortized
         t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        samples.append(time.perf_counter() - t)
+        ys = [f(x) for _ in range(10)]
+        jax.block_until_ready(ys)
+        samples.append((time.perf_counter() - t) / 10)
+        del ys
     return 2 * n * 4 / statistics.median(samples) / 1e12
 
 
@@ -367,22 +369,21 @@ def main():
     tuned = {name: pallas_decode.default_tuning(cache_cfg(name, "token", 8, 128, 2))
              for name in ("float8_e4m3fn", "bfloat16")}
     if args.sweep:
-        shapes = [(32, 4096), (8, 32768)] if not sm else [(2, 64)]
-        grid = [dict(variant=v, block_k=bk, num_warps=nw)
-                for v in ("", "vmask", "asm") for bk, nw in ((64, 4), (128, 4), (128, 8))]
-        grid.append(dict(variant="vmask", block_k=256, num_warps=8))
-        if sm:
-            grid = grid[:2]
-        best = sweep_decode(b, shapes, "float8_e4m3fn", "token", base, grid)
-        grid2 = [dict(num_stages=ns, target_programs=tp) for ns in (2, 3, 4)
-                 for tp in (264, 1056)]
-        shapes2 = shapes + ([(1, 131072)] if not sm else [])
-        tuned["float8_e4m3fn"] = sweep_decode(b, shapes2, "float8_e4m3fn", "token", best,
-                                              grid2[:2] if sm else grid2)
-        grid3 = [dict(block_k=bk, num_warps=nw, num_stages=ns)
-                 for bk, nw in ((64, 4), (128, 8)) for ns in (2, 3)]
-        tuned["bfloat16"] = sweep_decode(b, shapes[:1], "bfloat16", None, base,
-                                         grid3[:2] if sm else grid3)
+        shapes = [(32, 4096), (8, 32768), (1, 131072)] if not sm else [(2, 64)]
+        D = pallas_decode.DecodeTuning
+        grid = [D(128, 0, 4, 4, 1056, "asm"),  # best of the first GPU sweep (no page prefetch)
+                D(128, 0, 4, 3, 1056, "pagepf+asm"), D(128, 0, 4, 3, 528, "pagepf+asm"),
+                D(64, 0, 4, 3, 1056, "pagepf+asm"), D(64, 0, 4, 4, 1056, "pagepf+asm"),
+                D(64, 0, 4, 3, 1056, "pagepf+vmask"), D(128, 0, 4, 3, 1056, "pagepf+vmask"),
+                D(128, 0, 8, 3, 1056, "pagepf+asm"), D(128, 0, 4, 3, 1056, "pagepf"),
+                D(64, 0, 4, 1, 1056, "regpf+asm"), D(128, 0, 8, 1, 1056, "regpf")]
+        grid = [dataclasses.asdict(t) for t in (grid[:2] if sm else grid)]
+        tuned["float8_e4m3fn"] = sweep_decode(b, shapes, "float8_e4m3fn", "token", base, grid)
+        grid3 = [D(128, 0, 8, 3, 528, ""), D(128, 0, 8, 3, 528, "pagepf"),
+                 D(64, 0, 4, 3, 528, "pagepf"), D(128, 0, 4, 3, 528, "pagepf"),
+                 D(64, 0, 4, 4, 528, "pagepf")]
+        grid3 = [dataclasses.asdict(t) for t in (grid3[:2] if sm else grid3)]
+        tuned["bfloat16"] = sweep_decode(b, shapes[:2], "bfloat16", None, base, grid3)
     b.doc["tuned"] = {k: dataclasses.asdict(v) for k, v in tuned.items()}
     if "decode" not in skip:
         for (batch, ctx), (hq, hkv, d) in [(x, (32, 8, 128)) for x in big] + \
@@ -408,7 +409,9 @@ def main():
         batch, chunk, prefix = (1, 2048, 2048) if not sm else (1, 32, 16)
         for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token"),
                               ("float8_e4m3fn", "tensor")):
-            b.prefill(storage, mode, batch, chunk, prefix)
+            for pt in (pallas_prefill.PrefillTuning(),
+                       pallas_prefill.PrefillTuning(64, 64, 4, 2, page_prefetch=False)):
+                b.prefill(storage, mode, batch, chunk, prefix, tuning=pt)
     try:
         plot(b.doc, os.path.splitext(args.out)[0] + ".png")
     except Exception as e:  # noqa: BLE001 - the JSON is the result; the plot is a view of it

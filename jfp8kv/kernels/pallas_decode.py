@@ -53,8 +53,10 @@ class DecodeTuning:
     num_warps: int = 4
     num_stages: int = 3
     target_programs: int = 4 * NUM_SMS_H200
-    # Code-generation variants (swept on the GPU): "" plain casts; "vmask" selects on the
-    # upcast V tile; "asm" / "vasm" convert fp8 with inline PTX (both tiles / V only).
+    # Code-generation variants, "+"-joined (swept on the GPU). Upcast: "vmask" selects on
+    # the upcast V tile; "asm" / "vasm" convert fp8 with inline PTX (both tiles / V only).
+    # Loop: "pagepf" loads page indices one tile ahead so Triton's pipeliner double-buffers
+    # K/V; "regpf" prefetches tiles into registers by hand (use num_stages=1).
     variant: str = ""
 
 
@@ -62,8 +64,9 @@ def default_tuning(cfg: CacheConfig) -> DecodeTuning:
     """The measured best per storage family (see docs/kernels-notes.md)."""
     if cfg.is_fp8:  # head_dim 256: half the tile keeps registers and shared memory in bounds
         bk = 128 if cfg.head_dim <= 128 else 64
-        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, variant="vmask")
-    return DecodeTuning(block_k=64, num_warps=4, num_stages=3)
+        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, target_programs=1056,
+                            variant="pagepf+asm")
+    return DecodeTuning(block_k=128, num_warps=8, num_stages=3, variant="pagepf")
 
 
 def next_pow2(n: int) -> int:
@@ -103,25 +106,35 @@ def flat_scales(scale, cfg: CacheConfig):
     return scale
 
 
-def load_kv_tile(pages_ref, scale_ref, h, rows, valid, kind, cdt, block: int, variant=""):
-    """Gather a [BK, D] K or V tile for KV head ``h``; masked rows read nothing.
+def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kind, block: int):
+    """Gather a [BK, D] K or V tile (storage dtype) and its scales; masked rows read nothing.
 
-    pages_ref [Hkv, P*S, D] storage dtype; rows int32[BK] flat token rows; valid bool[BK].
-    Returns (tile [BK, D] in ``cdt`` with block scales applied, per-token scale [BK] f32 or
-    None). Masked rows are zero (scale zero too). Every index is an integer array (the
-    interpret mode discharges only all-array or all-slice indexers).
+    pages_ref [Hkv, P*S, D]; rows int32[BK] flat token rows; valid bool[BK]. Returns (tile,
+    scales): token [BK] f32, block [BK, nb] f16, else None. Masked rows (and their scales)
+    are zero. Every index is an integer array (the interpret mode discharges only
+    all-array or all-slice indexers).
     """
     bk = rows.shape[0]
     d = pages_ref.shape[-1]
-    mask2 = jnp.broadcast_to(valid[:, None], (bk, d))
-    x = plgpu.load(pages_ref.at[h, rows[:, None], cols(d)], mask=mask2, other=0.0)  # [BK, D]
-    tok_scale = None
+    x = plgpu.load(pages_ref.at[h, rows[:, None], cols(d)],
+                   mask=jnp.broadcast_to(valid[:, None], (bk, d)), other=0.0)  # [BK, D]
+    sc = None
     if kind == "block":
-        # One fp16 scale per `block` channels: load [BK, nb], broadcast along the block.
         nb = d // block
         idx = rows[:, None] * nb + cols(nb)  # [BK, nb] into [P*S*nb]
         sc = plgpu.load(scale_ref.at[h, idx], mask=jnp.broadcast_to(valid[:, None], (bk, nb)),
-                        other=0.0)  # [BK, nb] f16
+                        other=0.0)
+    elif kind == "token":
+        sc = plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
+    return x, sc
+
+
+def dequant_kv(x, sc, valid, kind, cdt, block: int, variant=""):
+    """(raw tile, scales) -> (tile [BK, D] in ``cdt`` with block scales applied, per-token
+    scale [BK] f32 or None)."""
+    bk, d = x.shape
+    if kind == "block":  # one fp16 scale per `block` channels, broadcast along the block
+        nb = d // block
         sc = jnp.broadcast_to(sc[:, :, None], (bk, nb, block)).reshape(bk, d)
         x = (x.astype(jnp.float32) * sc.astype(jnp.float32)).astype(cdt)
     elif "asm" in variant and jnp.dtype(x.dtype).name in ("float8_e4m3fn", "float8_e5m2"):
@@ -132,10 +145,14 @@ def load_kv_tile(pages_ref, scale_ref, h, rows, valid, kind, cdt, block: int, va
         # A select on the upcast tile keeps the fp8->f16 conversion in the load layout, so
         # Triton transposes f16 (ldmatrix.trans) instead of gathering single bytes for the
         # P.V operand.
-        x = jnp.where(mask2, x, jnp.zeros((), cdt))
-    if kind == "token":
-        tok_scale = plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
-    return x, tok_scale
+        x = jnp.where(jnp.broadcast_to(valid[:, None], (bk, d)), x, jnp.zeros((), cdt))
+    return x, (sc if kind == "token" else None)
+
+
+def load_kv_tile(pages_ref, scale_ref, h, rows, valid, kind, cdt, block: int, variant=""):
+    """``load_kv_raw`` then ``dequant_kv``."""
+    x, sc = load_kv_raw(pages_ref, scale_ref, h, rows, valid, kind, block)
+    return dequant_kv(x, sc, valid, kind, cdt, block, variant)
 
 
 def fp8_to_f16_asm(x):
@@ -180,15 +197,27 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     q = q.astype(cdt)
     qk_scale = sm_scale * LOG2E
 
-    def body(i, carry):
-        acc, m_i, l_i = carry  # [Gp, D], [Gp], [Gp] f32
+    k_variant = variant.replace("vasm", "").replace("vmask", "")  # V-only upcast variants
+
+    def tile_pos(i):
         tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
-        valid = tok < end
+        return tok, tok < end
+
+    def load_pages(i):
+        tok, valid = tile_pos(i)
         slot = jnp.minimum(tok // page_size, max_pages - 1)
-        page = plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)  # [BK]
+        return plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)  # [BK]
+
+    def load_tiles(i, page):
+        tok, valid = tile_pos(i)
         rows = page * page_size + tok % page_size
-        k, k_tok = load_kv_tile(k_ref, ks_ref, h, rows, valid, kind, cdt, scale_block,
-                                variant.replace("vasm", "").replace("vmask", ""))
+        return (load_kv_raw(k_ref, ks_ref, h, rows, valid, kind, scale_block)
+                + load_kv_raw(v_ref, vs_ref, h, rows, valid, kind, scale_block))
+
+    def attend(i, acc, m_i, l_i, tiles):
+        _, valid = tile_pos(i)
+        k_raw, k_sc, v_raw, v_sc = tiles
+        k, k_tok = dequant_kv(k_raw, k_sc, valid, kind, cdt, scale_block, k_variant)
         s = dot_nt(q, k)  # [Gp, BK] f32
         if k_tok is not None:
             s = s * k_tok[None, :]
@@ -198,7 +227,7 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s - m_use[:, None])  # masked keys: exp2(-inf) = 0
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        v, v_tok = load_kv_tile(v_ref, vs_ref, h, rows, valid, kind, cdt, scale_block, variant)
+        v, v_tok = dequant_kv(v_raw, v_sc, valid, kind, cdt, scale_block, variant)
         if v_tok is not None:
             p = p * v_tok[None, :]
         acc = acc * alpha[:, None] + dot_nn(p.astype(cdt), v)
@@ -207,7 +236,37 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     acc0 = jnp.zeros((gp, d), jnp.float32)
     m0 = jnp.full((gp,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((gp,), jnp.float32)
-    acc, m_i, l_i = jax.lax.fori_loop(0, n_iter, body, (acc0, m0, l0))
+    if "regpf" in variant:
+        # Software pipelining by hand (launch with num_stages=1): iteration i issues the
+        # loads of tile i+1 and of the page indices of tile i+2 before computing on tile i,
+        # so their latency overlaps the math. Triton's own pipeliner waits on every
+        # outstanding copy at the top of each iteration here (the page-table load feeds
+        # the next addresses), which exposes the full memory latency per tile.
+        def body(i, carry):
+            acc, m_i, l_i, tiles, page_next = carry
+            nxt = load_tiles(i + 1, page_next)
+            page_next2 = load_pages(i + 2)
+            acc, m_i, l_i = attend(i, acc, m_i, l_i, tiles)
+            return acc, m_i, l_i, nxt, page_next2
+
+        init = (acc0, m0, l0, load_tiles(0, load_pages(0)), load_pages(1))
+        acc, m_i, l_i, _, _ = jax.lax.fori_loop(0, n_iter, body, init)
+    elif "pagepf" in variant:
+        # Page indices one tile ahead (loop-carried); the K/V loads are left to Triton's
+        # pipeliner, their addresses now come from a loop-carried value.
+        def body(i, carry):
+            acc, m_i, l_i, page = carry
+            tiles = load_tiles(i, page)
+            acc, m_i, l_i = attend(i, acc, m_i, l_i, tiles)
+            return acc, m_i, l_i, load_pages(i + 1)
+
+        acc, m_i, l_i, _ = jax.lax.fori_loop(0, n_iter, body, (acc0, m0, l0, load_pages(0)))
+    else:
+        def body(i, carry):
+            acc, m_i, l_i = carry  # [Gp, D], [Gp], [Gp] f32
+            return attend(i, acc, m_i, l_i, load_tiles(i, load_pages(i)))
+
+        acc, m_i, l_i = jax.lax.fori_loop(0, n_iter, body, (acc0, m0, l0))
     if kind == "static":
         acc = acc * plgpu.load(vs_ref.at[h, cols(d)]).astype(jnp.float32)
 
@@ -263,8 +322,12 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {d}")
     kind = scale_kind(cfg)
-    variant = tuning.variant if cfg.is_fp8 else ""  # the variants only touch fp8 upcasts
-    variant = variant.replace("asm", "") if interpret else variant  # inline PTX: GPU only
+    parts = set(filter(None, tuning.variant.split("+")))
+    if not cfg.is_fp8:
+        parts -= {"vmask", "asm", "vasm"}  # these only change how fp8 is upcast
+    if interpret:
+        parts -= {"asm", "vasm"}  # inline PTX runs on the GPU only
+    variant = "+".join(sorted(parts))
     ns = choose_splits(b, hkv, max_pages * s, tuning)
     tps = -(-(max_pages * s) // ns)
     tps = -(-tps // tuning.block_k) * tuning.block_k

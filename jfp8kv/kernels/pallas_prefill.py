@@ -33,15 +33,16 @@ from jfp8kv.kvcache.cache import LayerKV
 class PrefillTuning:
     """Static launch knobs: ``block_m`` rows (queries x padded group) and ``block_k`` keys."""
 
-    block_m: int = 64
+    block_m: int = 128
     block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8
+    num_stages: int = 3
+    page_prefetch: bool = True  # page indices one tile ahead (see pallas_decode "pagepf")
 
 
 def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, *,
                     sm_scale, page_size, num_groups, group_pad, kind, cdt, block_m, block_k,
-                    scale_block):
+                    scale_block, page_prefetch):
     # len_ref [B]; pt_ref [B, MP]; pos_ref [B, T] i32; q_ref/o_ref [B, T, Hkv, G, D]
     # k_ref/v_ref [Hkv, P*S, D]; scales as in pallas_decode
     b, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -65,12 +66,14 @@ def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     n_iter = (jnp.maximum(kv_end, 0) + block_k - 1) // block_k
     qk_scale = sm_scale * LOG2E
 
-    def body(i, carry):
-        acc, m_i, l_i = carry  # [M, D], [M], [M]
+    def load_pages(i):
+        tok = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        slot = jnp.minimum(tok // page_size, max_pages - 1)
+        return plgpu.load(pt_ref.at[b, slot], mask=tok < kv_end, other=0)
+
+    def attend(i, acc, m_i, l_i, page):
         tok = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
         valid = tok < kv_end
-        slot = jnp.minimum(tok // page_size, max_pages - 1)
-        page = plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)
         rows = page * page_size + tok % page_size
         k, k_tok = load_kv_tile(k_ref, ks_ref, h, rows, valid, kind, cdt, scale_block)
         s = dot_nt(q, k)  # [M, BK]
@@ -92,7 +95,18 @@ def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     acc0 = jnp.zeros((block_m, d), jnp.float32)
     m0 = jnp.full((block_m,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((block_m,), jnp.float32)
-    acc, _, l_i = jax.lax.fori_loop(0, n_iter, body, (acc0, m0, l0))
+    if page_prefetch:
+        def body(i, carry):
+            acc, m_i, l_i, page = carry
+            acc, m_i, l_i = attend(i, acc, m_i, l_i, page)
+            return acc, m_i, l_i, load_pages(i + 1)
+
+        acc, _, l_i, _ = jax.lax.fori_loop(0, n_iter, body, (acc0, m0, l0, load_pages(0)))
+    else:
+        def body(i, carry):
+            return attend(i, *carry, load_pages(i))
+
+        acc, _, l_i = jax.lax.fori_loop(0, n_iter, body, (acc0, m0, l0))
     if kind == "static":
         acc = acc * plgpu.load(vs_ref.at[h, cols(d)]).astype(jnp.float32)
     out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
@@ -124,7 +138,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     kernel = functools.partial(
         _prefill_kernel, sm_scale=float(sm_scale), page_size=cfg.page_size, num_groups=g,
         group_pad=gp, kind=kind, cdt=compute_dtype_for(cfg), block_m=block_m,
-        block_k=tuning.block_k, scale_block=cfg.scale_block)
+        block_k=tuning.block_k, scale_block=cfg.scale_block,
+        page_prefetch=tuning.page_prefetch)
     out = pl.pallas_call(
         kernel,
         grid=(b, hkv, -(-t // bt)),
