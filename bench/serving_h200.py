@@ -71,7 +71,7 @@ def run_server_matrix(shape, kv, workloads, args, port) -> list[dict]:
             bench = [sys.executable, os.path.join(ROOT, "bench", "serving.py"), "--port",
                      str(port), "--num-prompts", str(n), "--random-input-len", str(inp),
                      "--random-output-len", str(out), "--max-concurrency", str(conc),
-                     "--ignore-eos", "--warmup-requests", str(min(conc, 4)),
+                     "--ignore-eos", "--warmup-requests", str(conc),
                      "--disable-tqdm", "--output-file", path,
                      "--token-id-range", *map(str, args.token_id_range)]
             subprocess.run(bench, cwd=ROOT, check=True, timeout=args.run_timeout)
