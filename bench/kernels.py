@@ -375,8 +375,7 @@ def main():
                 D(128, 0, 4, 3, 1056, "pagepf+asm"), D(128, 0, 4, 3, 528, "pagepf+asm"),
                 D(64, 0, 4, 3, 1056, "pagepf+asm"), D(64, 0, 4, 4, 1056, "pagepf+asm"),
                 D(64, 0, 4, 3, 1056, "pagepf+vmask"), D(128, 0, 4, 3, 1056, "pagepf+vmask"),
-                D(128, 0, 8, 3, 1056, "pagepf+asm"), D(128, 0, 4, 3, 1056, "pagepf"),
-                D(64, 0, 4, 1, 1056, "regpf+asm"), D(128, 0, 8, 1, 1056, "regpf")]
+                D(128, 0, 8, 3, 1056, "pagepf+asm"), D(128, 0, 4, 3, 1056, "pagepf")]
         grid = [dataclasses.asdict(t) for t in (grid[:2] if sm else grid)]
         tuned["float8_e4m3fn"] = sweep_decode(b, shapes, "float8_e4m3fn", "token", base, grid)
         grid3 = [D(128, 0, 8, 3, 528, ""), D(128, 0, 8, 3, 528, "pagepf"),

@@ -25,6 +25,13 @@ Dequantization happens in registers (the numerics contract of ``reference.py``):
 Softmax runs in base 2 (``sm_scale * log2(e)`` folded into the logits). With more than one
 split, each split writes (unnormalized acc [Gp, D], running max m, sum l) and a log-sum-exp
 merge in plain jnp combines them; with one split the kernel writes the final output.
+
+Performance notes (H200, docs/kernels-notes.md): the page indices of tile i+1 are loaded
+while tile i is computed ("pagepf"), otherwise Triton's pipeliner, seeing the K/V
+addresses depend on a load in the same iteration, waits on every outstanding copy at the
+top of each iteration and the memory latency is exposed per tile. fp8 is upcast with
+inline PTX ("asm"); the fp8 kernel is then bound by instructions per byte (the P.V
+operand needs the fp8 V tile transposed, which Triton does byte by byte), not by HBM.
 """
 
 from __future__ import annotations
@@ -53,10 +60,11 @@ class DecodeTuning:
     num_warps: int = 4
     num_stages: int = 3
     target_programs: int = 4 * NUM_SMS_H200
-    # Code-generation variants, "+"-joined (swept on the GPU). Upcast: "vmask" selects on
-    # the upcast V tile; "asm" / "vasm" convert fp8 with inline PTX (both tiles / V only).
-    # Loop: "pagepf" loads page indices one tile ahead so Triton's pipeliner double-buffers
-    # K/V; "regpf" prefetches tiles into registers by hand (use num_stages=1).
+    # Code-generation variants, "+"-joined (swept on the GPU, docs/kernels-notes.md).
+    # Upcast: "asm" converts fp8 with inline PTX (cvt.rn.f16x2.e4m3x2, 4 per instance);
+    # "vmask" selects on the upcast V tile (f16 transpose instead of byte gathers).
+    # Loop: "pagepf" loads page indices one tile ahead, so Triton's pipeliner double-buffers
+    # K/V (without it, the indirect page-table load made it wait on every copy).
     variant: str = ""
 
 
@@ -64,9 +72,10 @@ def default_tuning(cfg: CacheConfig) -> DecodeTuning:
     """The measured best per storage family (see docs/kernels-notes.md)."""
     if cfg.is_fp8:  # head_dim 256: half the tile keeps registers and shared memory in bounds
         bk = 128 if cfg.head_dim <= 128 else 64
-        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, target_programs=1056,
+        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, target_programs=528,
                             variant="pagepf+asm")
-    return DecodeTuning(block_k=128, num_warps=8, num_stages=3, variant="pagepf")
+    return DecodeTuning(block_k=64, num_warps=4, num_stages=3, target_programs=528,
+                        variant="pagepf")
 
 
 def next_pow2(n: int) -> int:
@@ -197,7 +206,7 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     q = q.astype(cdt)
     qk_scale = sm_scale * LOG2E
 
-    k_variant = variant.replace("vasm", "").replace("vmask", "")  # V-only upcast variants
+    k_variant = variant.replace("vmask", "")  # a V-only upcast variant
 
     def tile_pos(i):
         tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
@@ -236,22 +245,7 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     acc0 = jnp.zeros((gp, d), jnp.float32)
     m0 = jnp.full((gp,), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((gp,), jnp.float32)
-    if "regpf" in variant:
-        # Software pipelining by hand (launch with num_stages=1): iteration i issues the
-        # loads of tile i+1 and of the page indices of tile i+2 before computing on tile i,
-        # so their latency overlaps the math. Triton's own pipeliner waits on every
-        # outstanding copy at the top of each iteration here (the page-table load feeds
-        # the next addresses), which exposes the full memory latency per tile.
-        def body(i, carry):
-            acc, m_i, l_i, tiles, page_next = carry
-            nxt = load_tiles(i + 1, page_next)
-            page_next2 = load_pages(i + 2)
-            acc, m_i, l_i = attend(i, acc, m_i, l_i, tiles)
-            return acc, m_i, l_i, nxt, page_next2
-
-        init = (acc0, m0, l0, load_tiles(0, load_pages(0)), load_pages(1))
-        acc, m_i, l_i, _, _ = jax.lax.fori_loop(0, n_iter, body, init)
-    elif "pagepf" in variant:
+    if "pagepf" in variant:
         # Page indices one tile ahead (loop-carried); the K/V loads are left to Triton's
         # pipeliner, their addresses now come from a loop-carried value.
         def body(i, carry):
@@ -324,9 +318,9 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     kind = scale_kind(cfg)
     parts = set(filter(None, tuning.variant.split("+")))
     if not cfg.is_fp8:
-        parts -= {"vmask", "asm", "vasm"}  # these only change how fp8 is upcast
+        parts -= {"vmask", "asm"}  # these only change how fp8 is upcast
     if interpret:
-        parts -= {"asm", "vasm"}  # inline PTX runs on the GPU only
+        parts -= {"asm"}  # inline PTX runs on the GPU only
     variant = "+".join(sorted(parts))
     ns = choose_splits(b, hkv, max_pages * s, tuning)
     tps = -(-(max_pages * s) // ns)

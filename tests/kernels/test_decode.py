@@ -69,7 +69,7 @@ def test_decode_matches_reference(case, exec_mode, variant=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "asm", "vmask", "regpf", "pagepf+vmask"])
+@pytest.mark.parametrize("variant", ["", "asm", "vmask", "pagepf+vmask"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (3, 4, 11)],
                          ids=[IDS[i] for i in (3, 4, 11)])
 def test_decode_codegen_variants_gpu(case, variant):
