@@ -12,6 +12,7 @@ timed over full batches whose pages hold random data (never zeros).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -30,22 +31,25 @@ from jfp8kv.engine.runner import SamplingArrays  # noqa: E402
 from jfp8kv.kvcache.cache import KVCache  # noqa: E402
 
 
-def fill_random(cache: KVCache, key) -> KVCache:
-    """Random pages (and plausible scales) so no timing runs on zeros."""
+def fill_random(cache: KVCache, key) -> None:
+    """Overwrite pages (and dynamic scales) with random data, one layer at a time, in place,
+    so the pool never exists twice on the device and no timing runs on zeros."""
+    @jax.jit
     def rnd(x, k):
-        if x.size == 0:
-            return x
-        if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 3:
-            return (jax.random.normal(k, x.shape, jnp.float32) * 2).astype(x.dtype)
-        return x
-    keys = jax.random.split(key, 4 * len(cache.k))
-    k = [rnd(x, keys[i]) for i, x in enumerate(cache.k)]
-    v = [rnd(x, keys[len(k) + i]) for i, x in enumerate(cache.v)]
-    ks = [x if x.ndim < 3 else (jax.random.uniform(keys[2 * len(k) + i], x.shape) * 0.02 + 0.001
-                                ).astype(x.dtype) for i, x in enumerate(cache.k_scale)]
-    vs = [x if x.ndim < 3 else (jax.random.uniform(keys[3 * len(k) + i], x.shape) * 0.02 + 0.001
-                                ).astype(x.dtype) for i, x in enumerate(cache.v_scale)]
-    return KVCache(k, v, ks, vs, cache.stats, cache.config)
+        return (jax.random.normal(k, x.shape, jnp.float32) * 2).astype(x.dtype)
+
+    @jax.jit
+    def rnd_scale(x, k):
+        return (jax.random.uniform(k, x.shape) * 0.02 + 0.001).astype(x.dtype)
+
+    for i in range(len(cache.k)):
+        for j, (arrs, fn) in enumerate(((cache.k, rnd), (cache.v, rnd),
+                                        (cache.k_scale, rnd_scale), (cache.v_scale, rnd_scale))):
+            if arrs[i].ndim >= 3:  # pages and dynamic scales; static scales stay
+                k = jax.random.fold_in(key, 4 * i + j)
+                old = arrs[i]
+                arrs[i] = fn(old, k)
+                old.delete()
 
 
 def measure(model, kv, mode, batch, context, steps, reps, dtype):
@@ -65,7 +69,7 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype):
     mem = (batch * pages_per_seq + 2) * 16 * bpt + (1 << 24)
     llm = LLM(loaded=loaded, **probe, kv_cache_memory=mem)
     runner = llm.engine.runner
-    runner.cache = fill_random(runner.cache, jax.random.PRNGKey(1))
+    fill_random(runner.cache, jax.random.PRNGKey(1))
     rows = [(7 + i, context, list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
              context + steps) for i in range(batch)]
     samp = SamplingArrays.empty(batch)
@@ -80,6 +84,7 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype):
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(loaded.params))
     kv_bytes = batch * (context + steps / 2) * bpt
     del llm, runner, loaded
+    gc.collect()
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, batch=batch, context=context,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),
                 bytes_per_token=bpt, decode_steps=steps, reps=reps,
