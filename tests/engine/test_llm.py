@@ -207,3 +207,20 @@ def test_generate_convenience(tiny_hf_checkpoint):
     out = jfp8kv.generate(["hello world"], model=str(tiny_hf_checkpoint("llama")), dtype="float32",
                           max_model_len=64, kv_cache_memory=1 << 20, sampling_params=GREEDY)
     assert len(out) == 1 and len(out[0].token_ids) == 12 and isinstance(out[0].text, str)
+
+
+def test_calibrate_cli_writes_a_file_the_engine_loads(tiny_hf_checkpoint, tmp_path):
+    from jfp8kv.calibrate import main as calibrate_main
+
+    path = tiny_hf_checkpoint("qwen3")
+    text = tmp_path / "text.txt"
+    text.write_text(calibrate.BUILTIN_TEXT * 2)
+    out = tmp_path / "scales.json"
+    assert calibrate_main(["--model", str(path), "--text", str(text), "--out", str(out),
+                           "--headroom", "1.25"]) == 0
+    doc = json.load(open(out))
+    assert doc["headroom"] == 1.25 and np.asarray(doc["k_amax"]).shape == (2, 2, 32)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8_e4m3", kv_scale_mode="tensor",
+              kv_scales=str(out), max_model_len=64, kv_cache_memory=1 << 20)
+    k = np.asarray(llm.engine.runner.cache.k_scale[0])
+    np.testing.assert_allclose(k, np.asarray(doc["k_amax"])[0].max() / 448.0, rtol=1e-5)
