@@ -9,12 +9,12 @@ Uses the engine's own accounting (``bytes_per_token`` and ``plan_num_pages``, th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import command_line, write_result  # noqa: E402
 from jfp8kv.kvcache.cache import bytes_per_token, plan_num_pages  # noqa: E402
 from jfp8kv.models.presets import PRESETS  # noqa: E402
 
@@ -54,11 +54,9 @@ def main(argv=None) -> int:
             print(f"{name:13s} {USER[storage]:9s} {mode or '-':8s} {bpt:8d} B/token "
                   f"{tokens:>10,d} tokens {seqs:5d} seqs@{args.context} "
                   f"x{rec['token_ratio_vs_bf16']:.3f}")
-    doc = dict(command=" ".join(["python"] + sys.argv), memory_gib=args.memory_gib,
+    doc = dict(command=command_line(), memory_gib=args.memory_gib,
                page_size=args.page_size, records=records)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_result(args.out, doc)
     return 0
 
 

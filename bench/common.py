@@ -33,3 +33,18 @@ def copy_bandwidth_tbps(n_floats: int = 1 << 30) -> float:
         jax.block_until_ready(f(x))
         samples.append(time.perf_counter() - t)
     return 2 * n_floats * 4 / statistics.median(samples) / 1e12
+
+
+def command_line() -> str:
+    import sys
+
+    return " ".join(["python"] + sys.argv)
+
+
+def write_result(path: str, doc: dict) -> None:
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -25,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import copy_bandwidth_tbps, machine_info  # noqa: E402
+from bench.common import command_line, copy_bandwidth_tbps, machine_info, write_result  # noqa: E402
 from jfp8kv import LLM  # noqa: E402
 from jfp8kv.engine.runner import SamplingArrays  # noqa: E402
 from jfp8kv.kvcache.cache import KVCache  # noqa: E402
@@ -115,11 +114,9 @@ def main(argv=None) -> int:
         print(f"{args.model} {kv:9s} {mode or '-':7s} B={args.batch} ctx={args.context}: "
               f"step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({r['step_over_floor']:.2f}x)", flush=True)
-    doc = dict(machine=machine_info(), command=" ".join(["python"] + sys.argv),
+    doc = dict(machine=machine_info(), command=command_line(),
                copy_tbps=copy, floor=records)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_result(args.out, doc)
     return 0
 
 

@@ -95,7 +95,7 @@ def run_server_matrix(shape, kv, workloads, args, port) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from bench.common import machine_info
+    from bench.common import command_line, machine_info, write_result
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", default="random:qwen3-8b")
@@ -116,13 +116,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/serving-h200.json")
     args = p.parse_args(argv)
     workloads = [tuple(int(x) for x in w.split(":")) for w in args.workloads.split(",")]
-    doc = {"machine": machine_info(), "command": " ".join(["python"] + sys.argv),
+    doc = {"machine": machine_info(), "command": command_line(),
            "runs": [], "floor": [], "peer": [], "errors": []}
 
     def save():
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_result(args.out, doc)
 
     port = 8321
     for shape in args.shapes.split(","):
