@@ -1,0 +1,204 @@
+"""An independent fake quantization of the KV cache: numpy + ml_dtypes, and a transformers hook.
+
+This is the reference the engine's fp8 cache is judged against, so it does not import
+``jfp8kv.kvcache.fp8`` (or anything that does): it re-implements the numerics contract
+from its text (docs/architecture.md, "Numerics contract"):
+
+* quantize(x, s) = cast(clip(x * fl(1/s), -fmax, fmax)), round-to-nearest-even (ml_dtypes);
+  dequantize(q, s) = float32(q) * s. fl(1/s) is IEEE float32 division, correctly rounded.
+* tensor / channel: static float32 scales, one per (layer, KV head, channel); "tensor" is
+  the same number for every head and channel of a layer.
+* token: one dynamic float32 scale per (token, KV head): max(amax * fl(1/fmax), 1e-12),
+  moved one float32 step up where amax * fl(1/s) would still exceed fmax (never saturates).
+* block: one dynamic scale per (token, KV head, 32 channels), rounded *up* to float16
+  (floored at 2^-24, capped at 65504), one float16 step up where it would still saturate.
+
+NaN/inf inputs are not handled specially (real text has none).
+
+``install(model)`` registers an attention function with transformers that fake-quantizes
+the post-RoPE ``key``/``value`` [B, Hkv, T, D] of every layer before calling the stock sdpa
+attention; ``set_quantizer(model, q)`` picks what it does (``None``: no quantization).
+Text helpers (``natural_text``) live here too so the test and the benchmark share them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+FORMATS = {  # user-facing name -> (ml_dtypes type, largest finite value)
+    "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+}
+BLOCK = 32
+SCALE_FLOOR = 1e-12
+F16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
+F16_MAX = 65504.0
+
+
+def cast_fp8(y: np.ndarray, fmt: str) -> np.ndarray:
+    """Saturating RNE cast of float32 ``y`` to ``fmt``; returns the fp8 array."""
+    dt, m = FORMATS[fmt]
+    return np.clip(y.astype(F32), -m, m).astype(dt)
+
+
+def fake_quant(x: np.ndarray, s: np.ndarray, fmt: str) -> np.ndarray:
+    """dequantize(quantize(x, s)): x float32, s broadcasts against x (compact shape)."""
+    s = np.asarray(s, F32)
+    inv = (F32(1) / s).astype(F32)
+    return cast_fp8(x.astype(F32) * inv, fmt).astype(F32) * s
+
+
+def _nudge_up(s: np.ndarray, amax: np.ndarray, fmax: float, step) -> np.ndarray:
+    over = amax * (F32(1) / s) > F32(fmax)
+    return np.where(over, step(s), s).astype(F32)
+
+
+def token_scale(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x [..., D] -> float32 scales [..., 1]: one per row (token, head)."""
+    fmax = FORMATS[fmt][1]
+    amax = np.abs(x.astype(F32)).max(axis=-1, keepdims=True)
+    s = np.maximum(amax * (F32(1) / F32(fmax)), F32(SCALE_FLOOR)).astype(F32)
+    return _nudge_up(s, amax, fmax, lambda a: np.nextafter(a, F32(np.inf)))
+
+
+def _f16_ceil(s: np.ndarray) -> np.ndarray:
+    """Smallest float16 >= s (s float32, 2^-24 <= s <= 65504), as float32."""
+    h = s.astype(np.float16)  # round to nearest
+    h = np.where(h.astype(F32) < s, np.nextafter(h, np.float16(np.inf)), h)
+    return h.astype(F32)
+
+
+def block_scale(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x [..., D] -> float32 values of the float16 scales [..., D/32, 1]."""
+    fmax = FORMATS[fmt][1]
+    xb = x.astype(F32).reshape(*x.shape[:-1], -1, BLOCK)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    s = np.maximum(amax * (F32(1) / F32(fmax)), F32(SCALE_FLOOR))
+    s = _f16_ceil(np.clip(s, F16_TINY, F16_MAX).astype(F32))
+    up16 = lambda a: _f16_ceil(np.nextafter(a, F32(np.inf)))  # noqa: E731  next float16 up
+    return np.minimum(_nudge_up(s, amax, fmax, up16), F32(F16_MAX))
+
+
+def fake_quant_rows(x: np.ndarray, fmt: str, mode: str, static_scale=None) -> np.ndarray:
+    """Fake-quantize K or V rows of one layer as the cache would store them.
+
+    x: [B, H, T, D] float32 (transformers' layout). static_scale (tensor/channel): [H, D].
+    """
+    x = np.asarray(x, F32)
+    if mode in ("tensor", "channel"):
+        return fake_quant(x, np.asarray(static_scale, F32)[None, :, None, :], fmt)
+    if mode == "token":
+        return fake_quant(x, token_scale(x, fmt), fmt)
+    if mode == "block":
+        xb = x.reshape(*x.shape[:-1], -1, BLOCK)
+        return fake_quant(xb, block_scale(x, fmt), fmt).reshape(x.shape)
+    raise ValueError(f"unknown scale mode {mode!r}")
+
+
+class KVQuantizer:
+    """What the attention hook does to each layer's K and V.
+
+    static_k/static_v: [layers, H, D] float32 scales for tensor/channel modes.
+    """
+
+    def __init__(self, fmt: str, mode: str, static_k=None, static_v=None):
+        if mode in ("tensor", "channel") and (static_k is None or static_v is None):
+            raise ValueError(f"mode {mode!r} needs static scales")
+        self.fmt, self.mode = fmt, mode
+        self.static_k, self.static_v = static_k, static_v
+
+    def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
+        sk = None if self.static_k is None else self.static_k[layer]
+        sv = None if self.static_v is None else self.static_v[layer]
+        return (fake_quant_rows(k, self.fmt, self.mode, sk),
+                fake_quant_rows(v, self.fmt, self.mode, sv))
+
+
+def static_scales(fmt: str, mode: str, num_layers: int, heads: int, head_dim: int,
+                  constant: float | None = None, scales_json: str | None = None):
+    """[layers, H, D] K and V scales: a constant, or amax / fmax from a jfp8kv scales JSON
+    (k_amax / v_amax per layer, head, channel; "tensor" takes the layer's maximum)."""
+    shape = (num_layers, heads, head_dim)
+    if constant is not None:
+        s = np.full(shape, constant, F32)
+        return s, s
+    with open(scales_json) as f:
+        doc = json.load(f)
+    fmax = F32(FORMATS[fmt][1])
+
+    def conv(amax):
+        a = np.asarray(amax, F32)
+        if mode == "tensor":
+            a = np.broadcast_to(a.max(axis=(1, 2), keepdims=True), a.shape)
+        return np.maximum(a / fmax, F32(SCALE_FLOOR)).astype(F32)
+
+    return conv(doc["k_amax"]), conv(doc["v_amax"])
+
+
+# -- transformers hook --------------------------------------------------------------------
+ATTN_NAME = "jfp8kv_fakequant"
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """key/value: [B, Hkv, T, D] post-RoPE torch tensors; fake-quantized, then stock sdpa."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q = getattr(module, "jfp8kv_kv_quantizer", None)
+    if q is not None:
+        k, v = q(module.layer_idx, key.detach().float().cpu().numpy(),
+                 value.detach().float().cpu().numpy())
+        key = torch.from_numpy(k).to(key.dtype)
+        value = torch.from_numpy(v).to(value.dtype)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def install(model) -> None:
+    """Route ``model``'s attention through the fake-quant hook (no quantizer set yet)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    model.set_attn_implementation(ATTN_NAME)
+    set_quantizer(model, None)
+
+
+def set_quantizer(model, quantizer) -> None:
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "k_proj"):
+            m.jfp8kv_kv_quantizer = quantizer
+
+
+def hf_nll(model, ids) -> np.ndarray:
+    """Per-position next-token NLL [len(ids) - 1] from one full forward pass (float32)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits[0, :-1].float()
+        return torch.nn.functional.cross_entropy(logits, torch.tensor(list(ids[1:])),
+                                                 reduction="none").numpy()
+
+
+# -- text ----------------------------------------------------------------------------------
+def natural_text() -> str:
+    """Python's own documentation topics: natural English prose shipped with CPython."""
+    from pydoc_data import topics
+
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def paragraph_offset(chars: int) -> int:
+    """The first paragraph start at or after character ``chars`` of ``natural_text()``."""
+    text = natural_text()
+    return 0 if chars == 0 else text.index("\n\n", chars) + 2
+
+
+def natural_text_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
+    """``n_tokens`` token ids of ``natural_text()`` from character ``offset`` on."""
+    ids = tokenizer.encode(natural_text()[offset:offset + 12 * n_tokens])
+    if len(ids) < n_tokens:
+        raise ValueError(f"only {len(ids)} tokens from offset {offset}")
+    return ids[:n_tokens]
