@@ -23,7 +23,7 @@ from jfp8kv.kvcache import calibrate
 log = logging.getLogger(__name__)
 
 # Chosen from bench/results/quality-cpu.json (see README, "Choosing the default scale mode").
-DEFAULT_FP8_SCALE_MODE = "channel"
+DEFAULT_FP8_SCALE_MODE = "token"
 CPU_DEFAULT_CACHE_MEMORY = 1 << 30
 # GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
 # compiles; several decode steps per dispatch hide host overhead.
