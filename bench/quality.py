@@ -155,20 +155,18 @@ class Passkey:
         self.sentences = [enc(" " + s) for s in FILLER]
 
     def prompt(self, key: int, length: int, depth: int) -> list[int]:
-        """Exactly ``length`` tokens; the needle starts at the sentence boundary nearest to
-        ``depth``% of the haystack."""
+        """At most ``length`` tokens (whole filler sentences, a few short of it); the needle
+        starts at the sentence boundary nearest to ``depth``% of the haystack."""
         needle = self.enc(f" The pass key is {key}. Remember it.")
         room = length - len(self.prefix) - len(self.question) - len(needle)
-        if room < 0:
-            raise ValueError(f"passkey length {length} is too short for the prompt")
         hay, bounds, i = [], [0], 0
-        while len(hay) < room:
+        while len(hay) + len(self.sentences[i % len(self.sentences)]) <= room:
             hay += self.sentences[i % len(self.sentences)]
             bounds.append(len(hay))
             i += 1
-        hay = hay[:room]
-        bounds = [b for b in bounds if b <= room]
-        at = min(bounds, key=lambda b: abs(b - room * depth / 100))
+        if not hay:
+            raise ValueError(f"passkey length {length} is too short for the prompt")
+        at = min(bounds, key=lambda b: abs(b - len(hay) * depth / 100))
         return self.prefix + hay[:at] + needle + hay[at:] + self.question
 
 
@@ -196,7 +194,7 @@ def run_passkey(llm, pk: Passkey, lengths, depths, keys: int, seed: int):
         for d in depths:
             ok = [answer_is(o.text, k) for o, (dd, k) in zip(outs, meta) if dd == d]
             cells.append({"length": length, "depth": d, "accuracy": float(np.mean(ok)),
-                          "n": len(ok)})
+                          "n": len(ok), "prompt_tokens": len(prompts[0])})
         sample = outs[len(outs) // 2]
         print(f"    passkey {length}: {np.mean([c['accuracy'] for c in cells[-len(depths):]]):.2f}"
               f" (e.g. {sample.text!r} for key {meta[len(outs) // 2][1]})", flush=True)
@@ -271,8 +269,11 @@ def main(argv=None):
                                                     f"{','.join(DEFAULT_CONFIGS)}")
     ap.add_argument("--tokens-per-context", type=int, default=None,
                     help="text tokens scored per context (16384)")
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: every prompt of one passkey length at once")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="default: all prompts of one passkey length in one prefill step "
+                         "(one compiled shape per length)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
     ap.add_argument("--seed", type=int, default=0)
@@ -314,8 +315,9 @@ def main(argv=None):
     page = 16
     pk_lengths = [min(n, max_len - NEW_TOKENS) for n in lengths]
     bpt = bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype, None)
-    need_seqs = min(args.max_num_seqs, len(depths) * keys)
-    cache_memory = (need_seqs + 1) * (max_len + page) * bpt + (64 << 20)
+    max_seqs = args.max_num_seqs or len(depths) * keys
+    batched = args.max_num_batched_tokens or max_seqs * max_len
+    cache_memory = (max_seqs + 1) * (max_len + page) * bpt + (64 << 20)
 
     doc = {"machine": machine_info()["device"], "versions": machine_info()["versions"],
            "python": machine_info()["python"],
@@ -327,7 +329,7 @@ def main(argv=None):
            "passkey_setup": {"needle": "The pass key is NNNNN. Remember it.",
                              "filler": " ".join(FILLER), "question": QUESTION.strip(),
                              "new_tokens": NEW_TOKENS, "keys_per_cell": keys,
-                             "prompt_tokens": dict(zip(map(str, lengths), pk_lengths))},
+                             "max_prompt_tokens": dict(zip(map(str, lengths), pk_lengths))},
            "configs": [], "runs": [], "passkey": [], "passkey_note": None}
 
     def write():
@@ -342,8 +344,7 @@ def main(argv=None):
                          kv_scale_mode=c["kv_scale_mode"],
                          kv_scales=kv_scales_arg(c["scales"], calib_path),
                          max_model_len=max_len, kv_cache_memory=cache_memory, page_size=page,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=max_seqs, max_num_batched_tokens=batched,
                          attention_backend=args.attention_backend, loaded=loaded)
         info = llm.cache_info()
         doc["configs"].append({**c, "default": default,
@@ -369,14 +370,14 @@ def main(argv=None):
             del logits
         sat = llm.kv_stats()["saturated_total"]
         doc["configs"][-1]["saturated_elements"] = sat
+        doc["configs"][-1]["text_s"] = round(time.time() - t, 1)
         if not args.no_passkey:
             cells = run_passkey(llm, pk, pk_lengths, depths, keys, args.seed)
             for cell, nominal in zip(cells, [n for n in lengths for _ in depths]):
                 doc["passkey"].append({"config": c["name"],
                                        "kv_cache_dtype": info["kv_cache_dtype"],
                                        "kv_scale_mode": c["kv_scale_mode"], "default": default,
-                                       **cell, "length": nominal,
-                                       "prompt_tokens": cell["length"]})
+                                       **cell, "length": nominal})
             if c["name"] == "bf16":
                 acc = float(np.mean([p["accuracy"] for p in cells]))
                 low = sorted({p["length"] for p in cells if p["accuracy"] < 0.5})
