@@ -8,10 +8,18 @@ Metrics and JSON field names follow SGLang's ``bench_serving``: TTFT, ITL, TPOT 
 duration).
 
 Definitions: TTFT = request sent -> first non-empty text chunk. ITL = gaps between successive
-non-empty chunks (one sample per chunk, as SGLang; a chunk may carry several tokens). TPOT =
-(E2E - TTFT) / (output tokens - 1) per request with > 1 output token. Output tokens are the
-server's ``usage.completion_tokens`` (requested with ``stream_options.include_usage``), or the
-number of text chunks when a server sends no usage.
+non-empty chunks: one sample per streamed chunk, however many tokens it carries, which is how
+SGLang's ``bench_serving`` counts ITL for OpenAI-compatible endpoints (vLLM's
+``benchmark_serving`` does the same). TPOT = (E2E - TTFT) / (output tokens - 1) per request
+with > 1 output token: a per-token figure. Output tokens are the server's
+``usage.completion_tokens`` (requested with ``stream_options.include_usage``), or the number of
+text chunks when a server sends no usage. ``total_chunks`` counts non-empty text chunks and
+``mean_tokens_per_chunk`` = total output tokens / total chunks.
+
+ITL and TPOT differ when chunks carry several tokens: jfp8kv on a GPU runs 8 decode steps per
+dispatch (``decode_steps``) and streams each dispatch's text as one chunk, so its ITL is about
+8x its TPOT (``mean_tokens_per_chunk`` ~ 8), while a server that streams every token has
+ITL ~ TPOT. Compare servers on TPOT; compare ITL only between runs of the same server.
 
 Prompts: random token ids sent as a list (``"prompt": [ids]``), so lengths are exact.
 Length convention (as SGLang's random dataset): with ``--random-input-len L`` and
@@ -69,6 +77,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
     output_len: int = 0
+    chunks: int = 0  # non-empty text chunks received
     server_prompt_tokens: int | None = None
     error: str = ""
 
@@ -165,6 +174,7 @@ async def send_request(transport: Transport, url: str, model: str, ids: list[int
                     last = now
                     n_chunks += 1
         res.latency = time.perf_counter() - start
+        res.chunks = n_chunks
         if res.server_prompt_tokens is None:  # no usage from this server: count chunks
             res.output_len = n_chunks
         res.success = n_chunks > 0 or res.output_len > 0
@@ -228,6 +238,8 @@ def compute_metrics(results: list[RequestResult], duration: float, ignore_eos: b
         "output_len_mismatches": sum(r.output_len != r.max_tokens for r in ok) if ignore_eos else None,
     }
     m["total_token_throughput"] = m["total_throughput"]
+    m["total_chunks"] = sum(r.chunks for r in ok)
+    m["mean_tokens_per_chunk"] = total_out / m["total_chunks"] if m["total_chunks"] else None
     m.update(_stats("ttft", [r.ttft for r in ok]))
     m.update(_stats("itl", [x for r in ok for x in r.itl]))
     m.update(_stats("tpot", tpots))
@@ -312,7 +324,8 @@ def print_report(m: dict) -> None:
             ("Input token throughput (tok/s)", m["input_throughput"]),
             ("Output token throughput (tok/s)", m["output_throughput"]),
             ("Total token throughput (tok/s)", m["total_throughput"]),
-            ("Concurrency", m["concurrency"])]
+            ("Concurrency", m["concurrency"]),
+            ("Mean tokens per streamed chunk", m["mean_tokens_per_chunk"])]
     print("{:=^60}".format(" Serving Benchmark Result "))
     for k, v in rows:
         print(f"{k + ':':<42} {v:.2f}" if isinstance(v, float) else f"{k + ':':<42} {v}")

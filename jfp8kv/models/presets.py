@@ -28,6 +28,11 @@ PRESETS = {
                          intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                          head_dim=64, rope_theta=1e5, max_position_embeddings=8192,
                          tie_word_embeddings=True, eos_token_ids=(2,)),
+    # Not a real model: Qwen3's layout at toy size, for CPU smoke tests of the GPU benches.
+    "qwen3-tiny": dict(family="qwen3", vocab_size=4096, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6,
+                       max_position_embeddings=40960, qk_norm=True, tie_word_embeddings=True,
+                       eos_token_ids=(4095,)),
 }
 
 
