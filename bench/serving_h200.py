@@ -1,20 +1,58 @@
 """Serving benchmark matrix on the GPU: real server processes, bf16 vs fp8 KV.
 
-For each model shape and KV dtype, starts ``python -m jfp8kv.serve`` (random weights of the
-real architecture, ``--warmup on``), runs ``bench/serving.py`` for each workload
-(input:output:concurrency:prompts), stops the server, and writes one JSON with the runs, the
-decode-floor records (from ``bench/decode_floor.py``'s output, when given) and the outside
-peer (Hugging Face transformers ``generate``, from ``--peer`` JSON when given).
+For each model shape, starts ``python -m jfp8kv.serve`` once per KV dtype (random weights of the
+real architecture), runs ``bench/serving.py`` for each workload, stops the servers, and writes
+one JSON: ``{"machine", "versions", "command", "runs", "floor", "peer", "skipped", "errors"}``.
+The decode-floor records (``bench/decode_floor.py``'s output) and the outside peer
+(``bench/peer_hf.py``'s output) are copied in when ``--floor`` / ``--peer`` are given.
 
-    python bench/serving_h200.py --shapes random:qwen3-8b --kv bfloat16,fp8_e4m3 \
-        --workloads 8192:128:32:64 --out bench/results/serving-h200.json
+    python bench/serving_h200.py --shapes random:qwen3-8b --kv bfloat16,fp8_e4m3 \\
+        --workloads 8192:1024:32:32:32,8192:128:1:4:1 --parallel-servers --mem-fraction 0.47 \\
+        --kv-cache-memory 46000000000 --deadline-s 380 --out /tmp/serving.json
+
+Workloads: a comma list of ``IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]`` (input tokens, output tokens,
+``--max-concurrency``, ``--num-prompts``). Each (workload, KV dtype) is two invocations of
+``bench/serving.py``: a warm-up of WARM_N requests sent at once with IN input and WARM_OUT
+output tokens (defaults: CONC and min(OUT, 128); 0 skips it), which compiles the shape buckets
+the timed run will use, then the timed run (``--warmup-requests 0``). The server runs with
+``--warmup off`` by default, so buckets compile on first use: order the workloads so that
+later ones reuse earlier ones' buckets, and give the first workload of a shape family a warm-up.
+
+Every run record carries the ``bench/serving.py`` metrics (SGLang ``bench_serving`` names:
+``median_ttft_ms``, ``median_itl_ms``, ``median_tpot_ms``, ``output_throughput``, ...) and:
+``model_shape``, ``kv_cache_dtype``, ``kv_scale_mode``, ``input_len``, ``output_len``,
+``max_concurrency``, ``num_prompts``, ``max_num_batched_tokens``, ``kv_cache_memory``,
+``server_startup_s``; ``warmup`` (requests, output_len, duration_s, compiles); and what the
+server did during the timed window, from its log and ``/metrics``: ``compiles_in_run`` and
+``compile_s_in_run`` (XLA compilations of the engine's steps, counted from ``JAX_LOG_COMPILES``
+lines: a non-zero count means the timed run paid a compile stall) and
+``preemptions_in_run``.
+
+ITL is counted per streamed chunk, as SGLang's ``bench_serving`` does for OpenAI-compatible
+endpoints; on the GPU the engine decodes 8 steps per host round trip and streams each as one
+chunk, so ITL ~ 8 x TPOT (``mean_tokens_per_chunk`` in each record). TPOT is per token.
+
+Budget: ``--deadline-s`` bounds the whole script (start-up included). Each invocation's
+timeout is min(``--run-timeout``, time left); a run that cannot start with ``--min-run-s`` left
+is recorded in ``skipped``. The JSON is rewritten after every run, so a call cut short keeps
+what it measured. SIGTERM/SIGINT stop the servers and save before exiting.
+
+``--parallel-servers`` starts the servers of one shape (one per KV dtype) at the same time,
+each limited to ``--mem-fraction`` of the GPU, and runs every workload on each dtype back to
+back, so start-up overlaps and a cut-short call still has bf16/fp8 pairs. Only one server
+works at a time; the other is idle (its engine thread sleeps). Server PIDs are written to
+``<log-dir>/server.pids`` so a wrapper can stop them if this script is killed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,118 +63,353 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+COMPILE_RE = re.compile(r"Finished XLA compilation of jit\((_prefill|_decode|_nll)\) in "
+                        r"([0-9.eE+-]+) ?s")
+WARM_OUT_CAP = 128
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+
+class Deadline(Exception):
+    pass
+
+
+def parse_workloads(text: str) -> list[dict]:
+    out = []
+    for item in text.split(","):
+        f = [int(x) for x in item.strip().split(":")]
+        if len(f) not in (4, 5, 6):
+            raise ValueError(f"workload {item!r}: want IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]")
+        inp, outl, conc, n = f[:4]
+        warm_n = f[4] if len(f) > 4 else conc
+        warm_out = f[5] if len(f) > 5 else min(outl, WARM_OUT_CAP)
+        out.append(dict(input_len=inp, output_len=outl, max_concurrency=conc, num_prompts=n,
+                        warm_n=warm_n, warm_out=warm_out))
+    return out
+
+
+def machine_record() -> tuple[dict, dict]:
+    """Device and versions without initialising a JAX backend in this process (the servers
+    need the GPU memory)."""
+    device = None
+    if shutil.which("nvidia-smi"):
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                "--format=csv,noheader"], capture_output=True, text=True,
+                               timeout=20)
+            device = q.stdout.strip().splitlines()[0] if q.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired):
             pass
-        time.sleep(1.0)
-    raise TimeoutError(f"server on port {port} not healthy after {timeout_s:.0f} s")
-
-
-def run_server_matrix(shape, kv, workloads, args, port) -> list[dict]:
-    max_len = max(i + o for i, o, _, _ in workloads) + 64
-    max_seqs = max(c for _, _, c, _ in workloads)
-    cmd = [sys.executable, "-m", "jfp8kv.serve", "--model", shape, "--dtype", args.dtype,
-           "--kv-cache-dtype", kv, "--max-model-len", str(max_len), "--max-num-seqs",
-           str(max_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--port", str(port), "--warmup", args.warmup, "--log-level", "warning"]
-    if args.kv_cache_memory:
-        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    mode = None
-    if kv.startswith("fp8"):
-        from jfp8kv.engine.llm import DEFAULT_FP8_SCALE_MODE
-
-        mode = args.kv_scale_mode or DEFAULT_FP8_SCALE_MODE
-        cmd += ["--kv-scale-mode", mode]
-    t0 = time.monotonic()
-    name = os.path.basename(shape.split(":")[-1])
-    log = open(os.path.join(args.log_dir, f"server-{name}-{kv}.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    runs = []
-    try:
-        wait_healthy(port, proc, args.startup_timeout)
-        startup_s = time.monotonic() - t0
-        print(f"[{shape} {kv}] server up in {startup_s:.0f} s", flush=True)
-        for inp, out, conc, n in workloads:
-            with tempfile.NamedTemporaryFile("r", suffix=".jsonl", delete=False) as tmp:
-                path = tmp.name
-            bench = [sys.executable, os.path.join(ROOT, "bench", "serving.py"), "--port",
-                     str(port), "--num-prompts", str(n), "--random-input-len", str(inp),
-                     "--random-output-len", str(out), "--max-concurrency", str(conc),
-                     "--ignore-eos", "--warmup-requests", str(conc),
-                     "--disable-tqdm", "--output-file", path,
-                     "--token-id-range", *map(str, args.token_id_range)]
-            subprocess.run(bench, cwd=ROOT, check=True, timeout=args.run_timeout)
-            with open(path) as f:
-                rec = json.loads(f.readlines()[-1])
-            rec.update(model_shape=shape, kv_cache_dtype=kv, kv_scale_mode=mode, input_len=inp, output_len=out,
-                       max_concurrency=conc, num_prompts=n, server_startup_s=startup_s)
-            runs.append(rec)
-            print(f"[{shape} {kv}] in={inp} out={out} conc={conc}: median TTFT "
-                  f"{rec.get('median_ttft_ms', float('nan')):.1f} ms, median ITL "
-                  f"{rec.get('median_itl_ms', float('nan')):.2f} ms, output "
-                  f"{rec.get('output_throughput', float('nan')):.0f} tok/s", flush=True)
-    finally:
-        proc.send_signal(signal.SIGINT)
+    versions = {}
+    for pkg in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "numpy", "fastapi",
+                "uvicorn", "aiohttp"):
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    return runs
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    name = device.split(",")[0].strip() if device else "cpu"
+    machine = {"device": name, "platform": "gpu" if device else "cpu", "gpu": device,
+               "host": platform.node(), "python": platform.python_version(),
+               "versions": {k: versions.get(k, "?") for k in ("jax", "jaxlib")}}
+    return machine, versions
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+class Server:
+    def __init__(self, shape: str, kv: str, port: int, args, max_len: int, max_seqs: int):
+        self.shape, self.kv, self.port, self.args = shape, kv, port, args
+        self.mode = None
+        cmd = [sys.executable, "-m", "jfp8kv.serve", "--model", shape, "--dtype", args.dtype,
+               "--kv-cache-dtype", kv, "--max-model-len", str(max_len), "--max-num-seqs",
+               str(max_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--port", str(port), "--warmup", args.warmup, "--log-level", "warning"]
+        if args.kv_cache_memory:
+            cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
+        if kv.startswith("fp8"):
+            from jfp8kv.engine.llm import DEFAULT_FP8_SCALE_MODE
+
+            self.mode = args.kv_scale_mode or DEFAULT_FP8_SCALE_MODE
+            cmd += ["--kv-scale-mode", self.mode]
+        env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
+        if args.mem_fraction:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+        name = os.path.basename(shape.split(":")[-1])
+        self.log_path = os.path.join(args.log_dir, f"server-{name}-{kv}.log")
+        self.log = open(self.log_path, "w")
+        self.cmd = cmd
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        self.startup_s = None
+        with open(os.path.join(args.log_dir, "server.pids"), "a") as f:
+            f.write(f"{self.proc.pid}\n")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} "
+                                   f"(log: {self.log_path})")
+            try:
+                http_get(self.url + "/health", 2)  # 200, else HTTPError (an OSError)
+                self.startup_s = time.monotonic() - self.t0
+                return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server on port {self.port} not healthy after {timeout_s:.0f} s")
+
+    def log_offset(self) -> int:
+        self.log.flush()
+        return os.path.getsize(self.log_path)
+
+    def compiles_since(self, offset: int) -> tuple[int, float, list]:
+        with open(self.log_path, errors="replace") as f:
+            f.seek(offset)
+            hits = COMPILE_RE.findall(f.read())
+        return len(hits), sum(float(s) for _, s in hits), [f"{n}:{float(s):.1f}" for n, s in hits]
+
+    def metrics(self) -> str:
+        try:
+            return http_get(self.url + "/metrics")
+        except OSError:
+            return ""
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is running or waiting (a killed client's requests are
+        aborted by the server on disconnect)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            text = self.metrics()
+            if (metric(text, "jfp8kv_num_requests_running") or 0) == 0 and \
+                    (metric(text, "jfp8kv_queue_length") or 0) == 0:
+                return True
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def bench(server: Server, w: dict, warm: bool, timeout: float, args) -> dict:
+    n = w["warm_n"] if warm else w["num_prompts"]
+    out = w["warm_out"] if warm else w["output_len"]
+    conc = w["warm_n"] if warm else w["max_concurrency"]
+    fd, path = tempfile.mkstemp(suffix=".jsonl", dir=args.log_dir if warm else None)
+    os.close(fd)
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "serving.py"), "--port",
+           str(server.port), "--num-prompts", str(n), "--random-input-len", str(w["input_len"]),
+           "--random-output-len", str(out), "--max-concurrency", str(conc), "--ignore-eos",
+           "--warmup-requests", "0", "--disable-tqdm", "--output-file", path,
+           "--seed", str(args.seed + (1000 if warm else 0)),
+           "--token-id-range", *map(str, args.token_id_range)]
+    logf = os.path.join(args.log_dir, "bench-client.log")
+    with open(logf, "a") as lf:
+        lf.write(f"\n### {server.kv} {'warm-up' if warm else 'timed'} {w}\n")
+        lf.flush()
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout, stdout=lf,
+                       stderr=subprocess.STDOUT)
+    with open(path) as f:
+        rec = json.loads(f.readlines()[-1])
+    os.unlink(path)
+    return rec
+
+
+def run_one(server: Server, w: dict, args, t_end: float) -> dict:
+    """Warm-up then timed run of one workload on one server; returns the run record."""
+    def left() -> float:
+        return t_end - time.monotonic()
+
+    if left() < args.min_run_s:
+        raise Deadline(f"{left():.0f} s left")
+    if not server.wait_idle(min(30.0, max(1.0, left() - args.min_run_s))):
+        raise RuntimeError("server still busy before the run")
+    warm_info = {"requests": w["warm_n"], "output_len": w["warm_out"]}
+    if w["warm_n"] > 0:
+        off = server.log_offset()
+        t0 = time.monotonic()
+        wrec = bench(server, w, True, min(args.run_timeout, left()), args)
+        n, s, which = server.compiles_since(off)
+        warm_info.update(duration_s=time.monotonic() - t0, compiles=n, compile_s=s,
+                         compiled=which, completed=wrec["completed"], failed=wrec["failed"])
+        if left() < args.min_run_s:
+            raise Deadline(f"after warm-up, {left():.0f} s left")
+    before = server.metrics()
+    off = server.log_offset()
+    rec = bench(server, w, False, min(args.run_timeout, left()), args)
+    n, s, which = server.compiles_since(off)
+    after = server.metrics()
+    pre = [metric(t, "jfp8kv_preemptions") for t in (before, after)]
+    rec.update(model_shape=server.shape, kv_cache_dtype=server.kv, kv_scale_mode=server.mode,
+               input_len=w["input_len"], output_len=w["output_len"],
+               max_concurrency=w["max_concurrency"], num_prompts=w["num_prompts"],
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_memory=args.kv_cache_memory, server_startup_s=server.startup_s,
+               server_command=" ".join(["python", *server.cmd[1:]]), warmup=warm_info,
+               compiles_in_run=n, compile_s_in_run=s, compiled_in_run=which,
+               preemptions_in_run=(pre[1] - pre[0]) if None not in pre else None)
+    return rec
 
 
 def main(argv=None) -> int:
-    from bench.common import command_line, machine_info, write_result
-
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="random:qwen3-8b")
     p.add_argument("--kv", default="bfloat16,fp8_e4m3")
-    p.add_argument("--workloads", default="8192:128:32:64",
-                   help="comma list of input:output:concurrency:num_prompts")
+    p.add_argument("--workloads", default="8192:1024:32:32:32,8192:128:1:4:1,8192:128:8:8:4,"
+                   "32768:128:1:4:0,512:128:1:4:1,2048:1024:64:64,512:128:64:64,"
+                   "8192:128:32:32:0", help="comma list of IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-scale-mode", default=None, help="fp8 mode (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--token-id-range", type=int, nargs=2, default=(1000, 30000))
-    p.add_argument("--warmup", default="on", choices=("on", "off", "auto"))
+    p.add_argument("--warmup", default="off", choices=("on", "off", "auto"),
+                   help="the server's start-up compilation (off: buckets compile on first use)")
     p.add_argument("--kv-cache-memory", type=int, default=None)
-    p.add_argument("--startup-timeout", type=float, default=400)
-    p.add_argument("--run-timeout", type=float, default=300)
+    p.add_argument("--mem-fraction", type=lambda v: float(v) if v else None, default=None,
+                   help="XLA_PYTHON_CLIENT_MEM_FRACTION of each server")
+    p.add_argument("--parallel-servers", action="store_true",
+                   help="start one server per KV dtype at once; run each workload on each")
+    p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--run-timeout", type=float, default=120, help="per bench invocation, s")
+    p.add_argument("--deadline-s", type=float, default=None, help="budget of the whole script")
+    p.add_argument("--min-run-s", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--floor", default=None, help="decode_floor.py output to include")
-    p.add_argument("--peer", default=None, help="peer JSON to include")
+    p.add_argument("--peer", default=None, help="peer_hf.py output to include")
     p.add_argument("--log-dir", default=tempfile.gettempdir())
     p.add_argument("--out", default="bench/results/serving-h200.json")
     args = p.parse_args(argv)
-    workloads = [tuple(int(x) for x in w.split(":")) for w in args.workloads.split(",")]
-    doc = {"machine": machine_info(), "command": command_line(),
-           "runs": [], "floor": [], "peer": [], "errors": []}
+    t_start = time.monotonic()
+    t_end = t_start + (args.deadline_s or 1e9)
+    os.makedirs(args.log_dir, exist_ok=True)
+    workloads = parse_workloads(args.workloads)
+    kvs = args.kv.split(",")
+    machine, versions = machine_record()
+    doc = {"machine": machine, "versions": versions,
+           "command": " ".join(["python", *sys.argv]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "workloads": args.workloads, "runs": [], "floor": [], "peer": [], "skipped": [],
+           "errors": [], "servers": []}
 
     def save():
+        for key, path in (("floor", args.floor), ("peer", args.peer)):
+            if path and os.path.exists(path):
+                with open(path) as f:
+                    src = json.load(f)
+                doc[key] = src.get(key, [])
+                if key == "peer":
+                    doc["versions"].update(src.get("versions", {}))
+        doc["elapsed_s"] = time.monotonic() - t_start
+        from bench.common import write_result
+
         write_result(args.out, doc)
 
-    port = 8321
-    for shape in args.shapes.split(","):
-        for kv in args.kv.split(","):
+    servers: list[Server] = []
+
+    def on_signal(sig, frame):
+        raise KeyboardInterrupt(f"signal {sig}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+
+    def stop_all():
+        for s in servers:
             try:
-                doc["runs"] += run_server_matrix(shape, kv, workloads, args, port)
-            except Exception as e:  # keep what was measured; record what failed
-                doc["errors"].append(f"{shape} {kv}: {type(e).__name__}: {e}")
+                s.stop()
+            except Exception as e:  # noqa: BLE001
+                doc["errors"].append(f"stopping {s.kv}: {type(e).__name__}: {e}")
+        servers.clear()
+
+    def start(shape, kv_list, port):
+        max_len = max(w["input_len"] + max(w["output_len"], w["warm_out"]) for w in workloads) + 64
+        max_seqs = max(max(w["max_concurrency"], w["warm_n"]) for w in workloads)
+        new = [Server(shape, kv, port + i, args, max_len, max_seqs) for i, kv in enumerate(kv_list)]
+        up = []
+        for s in new:
+            servers.append(s)
+            try:
+                s.wait_healthy(min(args.startup_timeout, max(1.0, t_end - time.monotonic())))
+                print(f"[{shape} {s.kv}] server up in {s.startup_s:.0f} s", flush=True)
+                doc["servers"].append({"model_shape": shape, "kv_cache_dtype": s.kv,
+                                       "kv_scale_mode": s.mode, "startup_s": s.startup_s,
+                                       "command": " ".join(["python", *s.cmd[1:]])})
+                up.append(s)
+            except Exception as e:  # noqa: BLE001
+                doc["errors"].append(f"{shape} {s.kv} start: {type(e).__name__}: {e}")
                 print(doc["errors"][-1], flush=True)
-            port += 1
+        save()
+        return up
+
+    def one(server, w):
+        tag = (f"[{server.shape} {server.kv}] in={w['input_len']} out={w['output_len']} "
+               f"conc={w['max_concurrency']} n={w['num_prompts']}")
+        try:
+            rec = run_one(server, w, args, t_end)
+        except Deadline as e:
+            doc["skipped"].append(f"{tag}: deadline ({e})")
+            print(doc["skipped"][-1], flush=True)
+            return
+        except Exception as e:  # noqa: BLE001  keep what was measured; record what failed
+            doc["errors"].append(f"{tag}: {type(e).__name__}: {e}")
+            print(doc["errors"][-1], flush=True)
             save()
-    for key, path in (("floor", args.floor), ("peer", args.peer)):
-        if path and os.path.exists(path):
-            with open(path) as f:
-                doc[key] = json.load(f).get(key, [])
-    save()
+            return
+        doc["runs"].append(rec)
+        wu = rec["warmup"]
+        print(f"{tag}: TTFT {rec['median_ttft_ms']:.0f} ms, ITL {rec['median_itl_ms']:.1f} ms, "
+              f"TPOT {rec['median_tpot_ms']:.2f} ms, {rec['output_throughput']:.0f} tok/s, "
+              f"{rec['duration']:.1f} s; warm-up {wu.get('duration_s', 0):.0f} s with "
+              f"{wu.get('compiles', 0)} compiles ({wu.get('compile_s', 0):.0f} s); "
+              f"compiles in run {rec['compiles_in_run']}, preemptions "
+              f"{rec['preemptions_in_run']}; t={time.monotonic() - t_start:.0f} s", flush=True)
+        save()
+
+    port = 8321
+    try:
+        for shape in args.shapes.split(","):
+            if args.parallel_servers:
+                up = start(shape, kvs, port)
+                port += len(kvs)
+                for w in workloads:
+                    for s in up:
+                        if s.proc.poll() is None:
+                            one(s, w)
+                        else:
+                            doc["errors"].append(f"{shape} {s.kv}: server died "
+                                                 f"(rc {s.proc.returncode})")
+                stop_all()
+            else:
+                for kv in kvs:
+                    up = start(shape, [kv], port)
+                    port += 1
+                    for w in workloads:
+                        for s in up:
+                            one(s, w)
+                    stop_all()
+    except KeyboardInterrupt as e:
+        doc["errors"].append(f"interrupted: {e}")
+        print(doc["errors"][-1], flush=True)
+    finally:
+        stop_all()
+        save()
     return 0
 
 
