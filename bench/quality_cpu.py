@@ -1,14 +1,14 @@
 """fp8 KV quality on CPU: the engine's fp8 cache against an independent fake quantization.
 
-    python bench/quality_cpu.py [--tokens 2048] [--windows 6] [--configs fp8_e4m3:token,...]
-                                [--out bench/results/quality-cpu.json]
+    python bench/quality_cpu.py [--dtype float64|float32] [--tokens 2048] [--windows 6]
+                                [--configs fp8_e4m3:token,...] [--out PATH]
 
-Model: the embedded SmolLM2-135M-Instruct GGUF, float32 compute on both sides. Text:
+Model: the embedded SmolLM2-135M-Instruct GGUF, ``--dtype`` compute on both sides. Text:
 ``--windows`` windows of ``--tokens`` tokens of Python's pydoc topics (paragraph starts
 spread over the text). For the baseline (float32 cache) and every config:
 
-* engine: ``LLM(dtype="float32", kv_cache_dtype, kv_scale_mode, kv_scales).nll(ids)``;
-* fake: transformers (PyTorch, float32) on the same GGUF, post-RoPE K/V fake-quantized by
+* engine: ``LLM(dtype=..., kv_cache_dtype, kv_scale_mode, kv_scales).nll(ids)``;
+* fake: transformers (PyTorch) on the same GGUF, post-RoPE K/V fake-quantized by
   ``tests/kvcache/fakequant.py`` (numpy + ml_dtypes) before sdpa attention;
 
 each side scored against its own unquantized baseline: mean NLL and its increase (%), and
@@ -28,6 +28,15 @@ rounding boundaries), so two correct implementations give different realizations
 quantization noise. The mean-NLL increase is dominated by a zero-mean first-order term that
 changes sign with the realization (0.1-0.3 pp per 2,048-token window here), while KL has no
 first-order term and is stable to a few percent.
+
+``--dtype float64`` removes that noise: both sides compute in float64 (JAX with x64 on;
+transformers with its float32 RMSNorm and rotary tables moved to float64 by
+``fakequant.exact_float64``), quantizing the float32 rounding of K/V as the contract says.
+The two forward passes then differ by ~1e-13, no fp8 rounding flips between them, both sides
+carry the same realization of the quantization noise, and their NLL increases agree to
+~1e-10 pp: the exact check of the engine's fp8 cache, and the default
+(``bench/results/quality-cpu.json``). The float32 run (``quality-cpu-f32.json``) shows the
+realization noise at the precision people run.
 """
 
 from __future__ import annotations
@@ -86,7 +95,7 @@ def versions() -> dict:
             "transformers": transformers.__version__}
 
 
-def load_hf():
+def load_hf(dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +103,9 @@ def load_hf():
 
     p = hub.default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                 dtype=torch.float32).eval()
+                                                 dtype=getattr(torch, dtype)).eval()
+    if dtype == "float64":
+        fq.exact_float64(model)
     fq.install(model)
     return model
 
@@ -102,7 +113,9 @@ def load_hf():
 def log_softmax(logits):
     import torch
 
-    return torch.log_softmax(torch.as_tensor(np.asarray(logits, np.float32)), dim=-1)
+    x = np.asarray(logits)
+    return torch.log_softmax(torch.as_tensor(x.astype(np.promote_types(x.dtype, np.float32))),
+                             dim=-1)
 
 
 def kl(base_lp, lp) -> float:
@@ -110,14 +123,15 @@ def kl(base_lp, lp) -> float:
     return float((base_lp.exp() * (base_lp - lp)).sum(-1).mean())
 
 
-def engine_run(loaded, windows, fmt, mode, kv_scales, max_len, base_lps=None):
+def engine_run(loaded, windows, fmt, mode, kv_scales, max_len, base_lps=None,
+               dtype="float32"):
     """-> (per-window NLL arrays, per-window log-probs, or KL against ``base_lps`` when
-    given, saturated element count)."""
+    given, saturated element count). ``fmt`` "auto": the unquantized baseline."""
     c = loaded.config
-    f32_bytes = bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, "float32", None)
-    llm = jfp8kv.LLM(dtype="float32", kv_cache_dtype=fmt, kv_scale_mode=mode,
+    full_bytes = bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype, None)
+    llm = jfp8kv.LLM(dtype=dtype, kv_cache_dtype=fmt, kv_scale_mode=mode,
                      kv_scales=kv_scales, max_model_len=max_len,
-                     kv_cache_memory=(max_len + 64) * f32_bytes,
+                     kv_cache_memory=(max_len + 64) * full_bytes,
                      max_num_batched_tokens=max_len, loaded=loaded)
     nlls, lps = [], []
     for i, ids in enumerate(windows):
@@ -132,12 +146,13 @@ def fake_run(hf, windows, quantizer, base_lps=None):
     """Like ``engine_run`` for transformers with ``quantizer`` (None: unquantized)."""
     import torch
 
+    up = torch.float64 if hf.dtype == torch.float64 else torch.float32
     fq.set_quantizer(hf, quantizer)
     nlls, lps = [], []
     try:
         for i, ids in enumerate(windows):
             with torch.no_grad():
-                lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+                lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].to(up), -1)
             nlls.append(-lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy())
             lps.append(lp if base_lps is None else kl(base_lps[i], lp))
     finally:
@@ -155,17 +170,18 @@ def summarize(offsets, eng, fake, eng_base_nll, fake_base_nll) -> dict:
         ie = inc(e_nll[i:i + 1], eng_base_nll[i:i + 1])
         if_ = inc(f_nll[i:i + 1], fake_base_nll[i:i + 1])
         per.append({"offset": o, "engine_increase_pct": round(ie, 4),
-                    "fake_increase_pct": round(if_, 4), "diff_pp": round(ie - if_, 4),
+                    "fake_increase_pct": round(if_, 4), "diff_pp": float(ie - if_),
                     "engine_kl": round(e_kl[i], 6), "fake_kl": round(f_kl[i], 6)})
     inc_e, inc_f = inc(e_nll, eng_base_nll), inc(f_nll, fake_base_nll)
     kl_e, kl_f = float(np.mean(e_kl)), float(np.mean(f_kl))
     diffs = np.array([p["diff_pp"] for p in per])
     return {"engine_mean_nll": pooled(e_nll), "fake_mean_nll": pooled(f_nll),
             "engine_increase_pct": round(inc_e, 4), "fake_increase_pct": round(inc_f, 4),
-            "diff_pp": round(inc_e - inc_f, 4), "within_0.1pp": bool(abs(inc_e - inc_f) <= 0.1),
-            "diff_pp_window_std": round(float(diffs.std(ddof=1)), 4) if len(diffs) > 1 else None,
+            "diff_pp": float(inc_e - inc_f), "within_0.1pp": bool(abs(inc_e - inc_f) <= 0.1),
+            "diff_pp_window_std": float(diffs.std(ddof=1)) if len(diffs) > 1 else None,
+            "max_abs_token_nll_diff": float(max(np.abs(a - b).max() for a, b in zip(e_nll, f_nll))),
             "engine_kl": round(kl_e, 6), "fake_kl": round(kl_f, 6),
-            "kl_rel_diff": round(kl_e / kl_f - 1, 4), "windows": per}
+            "kl_rel_diff": float(kl_e / kl_f - 1), "windows": per}
 
 
 def plot(doc, path):
@@ -195,7 +211,8 @@ def plot(doc, path):
         ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=8)
     fig.suptitle(f"SmolLM2-135M, {len(doc['offsets'])} x {doc['tokens_per_window']} tokens of "
-                 "pydoc topics, fp32 compute (error bars: per-window spread / sqrt(windows))",
+                 f"pydoc topics, {doc['compute_dtype']} compute (error bars: per-window spread "
+                 "/ sqrt(windows))",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -204,20 +221,30 @@ def plot(doc, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float64", choices=("float64", "float32"),
+                    help="compute dtype on both sides (float64: the exact check)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per text window")
     ap.add_argument("--windows", type=int, default=6, help="number of text windows")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help="comma-separated fmt:mode[:scales]")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality-cpu.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/quality-cpu.json "
+                    "(float64) or quality-cpu-f32.json (float32)")
     args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.configs.split(",")]
+    if args.out is None:
+        name = "quality-cpu.json" if args.dtype == "float64" else "quality-cpu-f32.json"
+        args.out = os.path.join(ROOT, "bench", "results", name)
+    if args.dtype == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
 
     from jfp8kv.models.loader import load_model
 
     t0 = time.time()
-    loaded = load_model(None, "float32")
+    loaded = load_model(None, args.dtype)
     cfg = loaded.config
-    hf = load_hf()
+    hf = load_hf(args.dtype)
     offsets = [fq.paragraph_offset(i * WINDOW_STRIDE) for i in range(args.windows)]
     windows = [fq.natural_text_ids(loaded.tokenizer, args.tokens, o) for o in offsets]
     calib_offset = fq.paragraph_offset(CALIB_CHARS)
@@ -237,7 +264,7 @@ def main(argv=None):
 
     doc = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.node()})",
            "versions": versions(), "command": command_line(),
-           "model": cfg.name, "compute_dtype": "float32", "tokens_per_window": args.tokens,
+           "model": cfg.name, "compute_dtype": args.dtype, "tokens_per_window": args.tokens,
            "offsets": offsets, "text": "pydoc_data.topics (sorted keys, joined by blank lines)",
            "calibration": {"calib": f"{args.tokens} tokens from character {calib_offset} "
                                     "(held out)",
@@ -248,15 +275,16 @@ def main(argv=None):
                                     "tensor mode takes the layer's maximum"},
            "baseline": None, "runs": []}
 
-    eng_base = engine_run(loaded, windows, "float32", None, None, args.tokens)[:2]
+    eng_base = engine_run(loaded, windows, "auto", None, None, args.tokens,
+                          dtype=args.dtype)[:2]
     fake_base = fake_run(hf, windows, None)
     doc["baseline"] = {
         "engine_mean_nll": float(np.concatenate(eng_base[0]).mean()),
         "fake_mean_nll": float(np.concatenate(fake_base[0]).mean()),
         "max_abs_token_nll_diff": float(max(np.abs(a - b).max()
                                             for a, b in zip(eng_base[0], fake_base[0]))),
-        "engine_vs_fake_kl": round(float(np.mean([kl(f, e) for e, f in
-                                                  zip(eng_base[1], fake_base[1])])), 9)}
+        "engine_vs_fake_kl": float(np.mean([kl(f, e) for e, f in
+                                            zip(eng_base[1], fake_base[1])]))}
     print(f"baseline: {doc['baseline']}  ({time.time() - t0:.0f}s)", flush=True)
     for fmt, mode, scales in configs:
         t = time.time()
@@ -270,7 +298,7 @@ def main(argv=None):
             kv_scales = None if scales == "builtin" else path  # builtin: the engine's own
             sk, sv = fq.static_scales(*shape, scales_json=path)
         eng_nll, eng_kl, saturated = engine_run(loaded, windows, fmt, mode, kv_scales,
-                                                args.tokens, eng_base[1])
+                                                args.tokens, eng_base[1], args.dtype)
         fake = fake_run(hf, windows, fq.KVQuantizer(fmt, mode, sk, sv), fake_base[1])
         rec = {"kv_cache_dtype": fmt, "kv_scale_mode": mode, "scales": scales,
                **summarize(offsets, (eng_nll, eng_kl), fake, eng_base[0], fake_base[0]),
@@ -278,7 +306,7 @@ def main(argv=None):
         doc["runs"].append(rec)
         write_result(args.out, doc)
         print(f"{fmt} {mode} {scales or ''}: engine {rec['engine_increase_pct']:+.3f}% "
-              f"fake {rec['fake_increase_pct']:+.3f}% diff {rec['diff_pp']:+.3f} pp "
+              f"fake {rec['fake_increase_pct']:+.3f}% diff {rec['diff_pp']:+.2e} pp "
               f"(window std {rec['diff_pp_window_std']}); KL engine {rec['engine_kl']:.5f} "
               f"fake {rec['fake_kl']:.5f}; saturated {saturated:.0f} ({time.time() - t:.0f}s)",
               flush=True)

@@ -131,6 +131,23 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5
 KV_SCALE_MODES = ("tensor", "channel", "token", "block")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+# Not for serving: float64 compute exists so the fp8 cache can be checked against another
+# float64 implementation without float32 rounding noise (CPU, reference attention, x64 on).
+CHECK_DTYPES = ("float64",)
+
+
+def check_compute_dtype(dtype: str) -> str:
+    """Validate a compute dtype name; ``float64`` needs ``JAX_ENABLE_X64=1``."""
+    if dtype in CHECK_DTYPES:
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            raise ValueError("dtype='float64' needs 64-bit JAX (JAX_ENABLE_X64=1); it is a "
+                             "numerics-check mode, use bfloat16, float16 or float32 to serve")
+        return dtype
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown compute dtype {dtype!r}; choose one of {list(COMPUTE_DTYPES)}")
+    return dtype
 
 
 @dataclasses.dataclass(frozen=True)

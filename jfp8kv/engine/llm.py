@@ -10,7 +10,8 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
-from jfp8kv.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_SCALE_MODES, CacheConfig
+from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, KV_SCALE_MODES, CacheConfig,
+                            check_compute_dtype)
 from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.scheduler import Scheduler
@@ -80,8 +81,7 @@ class LLM:
                  attention_backend: str = "auto", decode_steps: int | None = None,
                  device=None, loaded=None):
         # Cheap validation first, before any weights are read.
-        if dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(COMPUTE_DTYPES)}")
+        check_compute_dtype(dtype)
         storage = fp8.storage_dtype_name(kv_cache_dtype, dtype)
         if fp8.is_fp8(storage):
             kv_scale_mode = kv_scale_mode or DEFAULT_FP8_SCALE_MODE
@@ -95,6 +95,8 @@ class LLM:
         device = device or jax.devices()[0]
         check_fp8_support(device, storage, attention_backend)
         self.backend = resolve_backend(attention_backend, device)
+        if dtype in CHECK_DTYPES and self.backend != "reference":
+            raise ValueError(f"dtype={dtype!r} runs only with attention_backend='reference'")
 
         if loaded is None:
             from jfp8kv.models.loader import load_model

@@ -81,9 +81,12 @@ def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig):
 
 
 def gather_dequantized(pages, scale, page_tables, cfg: CacheConfig):
-    """[H, P, S, D] pages -> [B, H, max_pages * S, D] float32 values as attention sees them."""
+    """[H, P, S, D] pages -> [B, H, max_pages * S, D] values as attention sees them.
+
+    fp8 pages dequantize in float32 (the numerics contract); other pages come back as float32,
+    or float64 when stored so (the float64 reference-check mode)."""
     g = pages[:, page_tables]  # [H, B, MP, S, D]
-    x = g.astype(jnp.float32)
+    x = g.astype(jnp.float32 if cfg.is_fp8 else jnp.promote_types(g.dtype, jnp.float32))
     if cfg.is_fp8:
         if cfg.scale_mode in STATIC_MODES:
             x = x * scale[:, None, None, None, :]
@@ -103,7 +106,9 @@ def paged_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: 
     g = nh // hkv
     k = gather_dequantized(layer.k, layer.k_scale, page_tables, cfg)  # [B, Hkv, L, D]
     v = gather_dequantized(layer.v, layer.v_scale, page_tables, cfg)
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
+    acc = jnp.promote_types(q.dtype, jnp.float32)  # float64 only in the float64 check mode
+    k, v = k.astype(acc), v.astype(acc)
+    qg = q.astype(acc).reshape(b, t, hkv, g, d)
     logits = jnp.einsum("btkgd,bkld->bkgtl", qg, k) * sm_scale
     kpos = jnp.arange(k.shape[2])
     mask = (kpos[None, None, :] < seq_lens[:, None, None]) & (

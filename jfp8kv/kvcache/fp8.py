@@ -56,7 +56,7 @@ SCALE_FLOOR_F16 = 2.0**-24
 def storage_dtype_name(kv_cache_dtype: str, compute_dtype: str) -> str:
     """Map a user-facing ``kv_cache_dtype`` ("auto", "fp8", "fp8_e4m3", ...) to a jnp dtype name."""
     if kv_cache_dtype == "auto":
-        return compute_dtype
+        return compute_dtype  # float64 too, in the float64 check mode
     try:
         return _KV_DTYPE_ALIASES[kv_cache_dtype]
     except KeyError:

@@ -26,6 +26,7 @@ NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.fl
              "float32": np.dtype(np.float32)}
 # Checkpoint storage dtypes we read (fp8/int weights are quantized checkpoints: unsupported).
 SOURCE_DTYPES = set(NP_DTYPES.values())
+NP_DTYPES["float64"] = np.dtype(np.float64)  # the float64 check mode (an exact upcast)
 # End-of-turn markers that chat templates emit; added to the stop ids when the template does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 _KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jfp8kv.config import COMPUTE_DTYPES, ModelConfig
+from jfp8kv.config import ModelConfig, check_compute_dtype
 from jfp8kv.models.hub import DEFAULT_MODEL_NAME
 
 
@@ -41,9 +41,7 @@ class LoadedModel:
 
 
 def _check_dtype(dtype: str) -> str:
-    if dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"unsupported compute dtype {dtype!r}; use one of {COMPUTE_DTYPES}")
-    return dtype
+    return check_compute_dtype(dtype)
 
 
 def load_model(model: str | None = None, dtype: str = "bfloat16") -> LoadedModel:

@@ -27,13 +27,24 @@ from jfp8kv.config import ModelConfig
 from jfp8kv.kvcache.cache import KVCache
 
 
+def acc_dtype(dtype):
+    """Arithmetic dtype for ``dtype`` values: float32, or float64 for float64 compute.
+
+    bf16/fp16/fp32 models normalize, rotate, accumulate and score in float32; the float64
+    compute dtype (CPU reference checks under JAX_ENABLE_X64) keeps float64 throughout, so
+    that no float32 rounding step differs between this engine and another float64 reference.
+    """
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
+    acc = acc_dtype(x.dtype)
+    x32 = x.astype(acc)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    return (y * w.astype(acc)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, dtype=np.float32) -> np.ndarray:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     rs = cfg.rope_scaling
@@ -47,24 +58,27 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         mid = (1 - smooth) * scaled / rs.factor + smooth * scaled
         is_mid = (wl >= high_wl) & (wl <= low_wl)
         inv = np.where(is_mid, mid, scaled)
-    return inv.astype(np.float32)
+    return inv.astype(dtype)
 
 
 def apply_rope(x, positions, inv_freq):
-    """x [B, T, H, D] with HF's rotate-half convention; positions [B, T]."""
-    ang = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    """x [B, T, H, D] with HF's rotate-half convention; positions [B, T].
+
+    Angles are computed in ``inv_freq``'s dtype (float32; float64 for float64 compute)."""
+    ang = positions[..., None].astype(inv_freq.dtype) * inv_freq  # [B, T, D/2]
     cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None]
     sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None]
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(acc_dtype(x.dtype))
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
     return (x32 * cos + rot * sin).astype(x.dtype)
 
 
 def _linear(x, w, b=None):
-    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    acc = acc_dtype(x.dtype)
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=acc)
     if b is not None:
-        y = y + b.astype(jnp.float32)
+        y = y + b.astype(acc)
     return y.astype(x.dtype)
 
 
@@ -79,7 +93,7 @@ def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_l
     b, t = tokens.shape
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, acc_dtype(dtype)))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     flat_slots = slots.reshape(-1)
     new_k, new_v, k_scale, v_scale, stats = [], [], [], [], []
@@ -102,7 +116,7 @@ def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_l
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         gate = _linear(h, lp["w_gate"])
         up = _linear(h, lp["w_up"])
-        x = x + _linear((jax.nn.silu(gate.astype(jnp.float32)) * up).astype(dtype), lp["w_down"])
+        x = x + _linear((jax.nn.silu(gate.astype(acc_dtype(dtype))) * up).astype(dtype), lp["w_down"])
         new_k.append(layer.k)
         new_v.append(layer.v)
         k_scale.append(layer.k_scale)
@@ -117,12 +131,12 @@ def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_l
 
 
 def logits(params, hidden):
-    """hidden [..., D] -> float32 logits [..., V]."""
+    """hidden [..., D] -> float32 logits [..., V] (float64 for float64 compute)."""
     w = params.get("lm_head")
+    acc = acc_dtype(hidden.dtype)
     if w is None:
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"],
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=acc)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=acc)
 
 
 def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02):

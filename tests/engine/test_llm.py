@@ -141,6 +141,10 @@ def test_user_errors_are_clear(llama, qwen3, tmp_path):
         make(llama, attention_backend="pallas")  # no GPU here
     with pytest.raises(ValueError, match="page_size"):
         make(llama, page_size=12)
+    with pytest.raises(ValueError, match="bfloat16"):
+        make(llama, dtype="float8")
+    with pytest.raises(ValueError, match="JAX_ENABLE_X64"):  # the float64 check mode
+        make(llama, dtype="float64")
     with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct"):
         LLM(model=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="max_tokens"):

@@ -182,6 +182,44 @@ def hf_nll(model, ids) -> np.ndarray:
                                                  reduction="none").numpy()
 
 
+def exact_float64(model) -> None:
+    """Make a float64 transformers Llama compute in float64 end to end.
+
+    transformers' RMSNorm upcasts to float32 (a downcast for a float64 model) and its rotary
+    embedding computes inverse frequencies and angles in float32. Both are replaced by the same
+    formulas in float64 (inverse frequencies as ``1 / theta ** (arange(0, d, 2) / d)`` in numpy
+    float64; default RoPE only), so the model has no float32 rounding step left and another
+    float64 implementation of the same model agrees with it to ~1e-13.
+    """
+    import types
+
+    import torch
+
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("exact_float64 supports the default RoPE only")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv = torch.from_numpy(1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d)))
+
+    def rms_norm(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith("RMSNorm"):
+            m.forward = types.MethodType(rms_norm, m)
+        elif name.endswith("RotaryEmbedding"):
+            m.forward = types.MethodType(rotary, m)
+
+
 # -- text ----------------------------------------------------------------------------------
 def natural_text() -> str:
     """Python's own documentation topics: natural English prose shipped with CPython."""
