@@ -182,7 +182,7 @@ def cols(n: int):
 
 
 def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs,
-                   sm_scale, page_size, tokens_per_split, num_groups, kind, cdt, block_k,
+                   sm_scale, page_size, num_splits, num_groups, kind, cdt, block_k,
                    scale_block, split, variant):
     # len_ref [B] i32; pt_ref [B, MP] i32; q_ref [B, Hkv, G, D]; k_ref/v_ref [Hkv, P*S, D]
     # ks_ref/vs_ref: static [Hkv, D] f32 | token [Hkv, P*S] f32 | block [Hkv, P*S*nb] f16
@@ -194,6 +194,10 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     g_ok = g_idx < num_groups
 
     seq_len = len_ref[b]
+    # Each sequence's own length is cut into num_splits tile-aligned parts. (Cutting the page
+    # table's width instead left every program past the context idle: a pool sized for 32k
+    # contexts serving 8k ones kept a quarter of the grid busy and made decode latency-bound.)
+    tokens_per_split = ((seq_len + num_splits - 1) // num_splits + block_k - 1) // block_k * block_k
     start = sp * tokens_per_split
     end = jnp.minimum(seq_len, start + tokens_per_split)
     n_iter = jnp.maximum(end - start + block_k - 1, 0) // block_k
@@ -323,8 +327,6 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
         parts -= {"asm"}  # inline PTX runs on the GPU only
     variant = "+".join(sorted(parts))
     ns = choose_splits(b, hkv, max_pages * s, tuning)
-    tps = -(-(max_pages * s) // ns)
-    tps = -(-tps // tuning.block_k) * tuning.block_k
 
     k_pages = layer.k.reshape(hkv, -1, d)
     v_pages = layer.v.reshape(hkv, -1, d)
@@ -339,7 +341,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     else:
         out_shape = (jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),)
     kernel = functools.partial(
-        _decode_kernel, sm_scale=float(sm_scale), page_size=s, tokens_per_split=tps,
+        _decode_kernel, sm_scale=float(sm_scale), page_size=s, num_splits=ns,
         num_groups=g, kind=kind, cdt=compute_dtype_for(cfg), block_k=tuning.block_k,
         scale_block=cfg.scale_block, split=split, variant=variant)
     outs = pl.pallas_call(
