@@ -3,24 +3,29 @@
 ``fakequant.py`` re-implements the numerics contract with numpy + ml_dtypes (it imports
 nothing from jfp8kv). First, on random rows, it must agree bit for bit with what the
 engine's store writes and attention reads back, for every format and scale mode. Then, on
-SmolLM2-135M over 2,048 tokens of natural text, the engine's fp8 caches are compared with the
-same fake quantization in Hugging Face transformers (float32 on both sides, the same GGUF
-weights), each side against its own unquantized float32 run.
+SmolLM2-135M over 1,024 tokens of natural text (2,048 in the committed
+benchmark result), every (format, mode) of the engine's fp8 cache
+is compared with the same fake quantization in Hugging Face transformers (the same GGUF
+weights), each side against its own unquantized run: the NLL increases must agree within
+the issue's 0.1 percentage point.
 
-What can agree how closely. fp8 rounding makes the quantized forward pass chaotic: a float32
-last-bit difference between XLA and PyTorch flips one rounding, which moves later values
-across other rounding boundaries, so two correct implementations produce different
-*realizations* of the quantization noise (perturbing the weights by 1e-7 moves the engine's
-own e4m3 NLL increase on one 2,048-token window from +0.42% to +0.75%). Per token,
-NLL(fp8) - NLL(float32) = KL(p || q) + c, where c = -(d_y - E_p[d]) is first order in the
-logit perturbation d: c carries the realization noise (0.1-0.3 pp per window, either sign),
-KL is second order and stable to a few percent. So the test checks the mean KL tightly
-(``KL_REL_TOLERANCE``) and the mean-NLL increase to 0.1 pp plus four standard errors of the
-per-token engine-minus-fake differences (the realization noise of this window). The
-pooled, many-window comparison is bench/quality_cpu.py (bench/results/quality-cpu.json).
+Why float64. fp8 rounding makes a quantized forward pass chaotic: in float32, a last-bit
+difference between XLA and PyTorch flips one fp8 rounding, which moves later values across
+other rounding boundaries, and two correct implementations end up with different
+*realizations* of the quantization noise, whose NLL increases differ by 0.1-0.3 pp on one
+2,048-token window (docs/quality.md). Computing in float64 on both sides (quantizing the
+float32 rounding of K/V, as the contract says) leaves differences of ~1e-13, far below any
+fp8 rounding boundary's reach, so both sides carry the same realization and must agree to
+~1e-10 pp. ``bench/quality_cpu.py --dtype float64`` does the measurement; it runs in a
+subprocess because float64 needs JAX's x64 mode, a process-wide switch.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +33,8 @@ import numpy as np
 import pytest
 
 import fakequant as fq
-import jfp8kv
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import reference
-from jfp8kv.kvcache import calibrate
 from jfp8kv.kvcache.cache import KVCache
 
 FORMATS = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -87,119 +90,44 @@ def test_fakequant_dynamic_modes_never_saturate():
 
 
 # -- the real model ------------------------------------------------------------------------------
-TOKENS = 2048
-WINDOW_CHARS = 90_000  # a paragraph start near here
-CALIB_CHARS = 400_000  # held-out calibration text
-CONFIGS = ("fp8_e4m3:token", "fp8_e4m3:block", "fp8_e5m2:channel", "fp8_e4m3:tensor")
-KL_REL_TOLERANCE = 0.15  # realizations spread ~2-4% per side (3 engine, 3 fake measured)
-NLL_TOLERANCE_PP = 0.1  # plus 4 standard errors of the realization noise
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+TOKENS = 1024  # 2,048+ tokens and every config: bench/results/quality-cpu.json (same script)
+CONFIGS = [f"{f}:{m}" for f in FORMATS for m in ("tensor:1.0", "channel:calib", "token", "block")]
+NLL_TOLERANCE_PP = 0.1  # the issue's acceptance
+SAME_REALIZATION_PP = 1e-6  # what float64 on both sides actually gives (~1e-10 measured)
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    from jfp8kv.models.loader import load_model
-
-    return load_model(None, "float32")
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jfp8kv.models import hub
-
-    p = hub.default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                 dtype=torch.float32).eval()
-    fq.install(model)
-    return model
+def float64_comparison(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality") / "quality-f64.json"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "quality_cpu.py"), "--dtype", "float64",
+           "--tokens", str(TOKENS), "--windows", "1", "--configs", ",".join(CONFIGS),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout[-3000:])
+    with open(out) as f:
+        return json.load(f)
 
 
-@pytest.fixture(scope="module")
-def ids(loaded):
-    return fq.natural_text_ids(loaded.tokenizer, TOKENS, fq.paragraph_offset(WINDOW_CHARS))
+@pytest.mark.timeout(3000)
+def test_unquantized_float64_forward_passes_agree(float64_comparison):
+    base = float64_comparison["baseline"]
+    assert base["max_abs_token_nll_diff"] < 1e-9, base
 
 
-@pytest.fixture(scope="module")
-def scales_json(loaded, tmp_path_factory):
-    """Channel scales calibrated on held-out text (not the scored window)."""
-    calib = fq.natural_text_ids(loaded.tokenizer, TOKENS, fq.paragraph_offset(CALIB_CHARS))
-    path = str(tmp_path_factory.mktemp("scales") / "scales.json")
-    calibrate.measure_amax(loaded.config, loaded.params, [calib]).to_json(path)
-    return path
-
-
-def log_softmax(logits):
-    import torch
-
-    return torch.log_softmax(torch.as_tensor(np.asarray(logits, np.float32)), dim=-1)
-
-
-def kl_per_token(base_lp, lp) -> np.ndarray:
-    return (base_lp.exp() * (base_lp - lp)).sum(-1).numpy()
-
-
-def engine_scores(loaded, ids, **kw):
-    """-> (per-token NLL [T-1], log-probs [T-1, V]) through the engine's paged cache."""
-    llm = jfp8kv.LLM(dtype="float32", max_model_len=TOKENS, kv_cache_memory=200 << 20,
-                     max_num_batched_tokens=TOKENS, loaded=loaded, **kw)
-    nll, logits = llm.nll(ids, return_logits=True)
-    assert llm.kv_stats()["nan_total"] == 0
-    return nll, log_softmax(logits)
-
-
-def fake_scores(hf_model, ids, quantizer):
-    import torch
-
-    fq.set_quantizer(hf_model, quantizer)
-    try:
-        with torch.no_grad():
-            lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].float(), -1)
-    finally:
-        fq.set_quantizer(hf_model, None)
-    return -lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy(), lp
-
-
-@pytest.fixture(scope="module")
-def baselines(loaded, hf_model, ids):
-    """(engine, transformers) (NLL, log-probs) with an unquantized float32 cache."""
-    eng, ref = engine_scores(loaded, ids, kv_cache_dtype="float32"), fake_scores(
-        hf_model, ids, None)
-    assert np.isfinite(eng[0]).all() and np.abs(eng[0] - ref[0]).max() < 1e-3
-    return eng, ref
-
-
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(3000)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_fp8_quality_matches_fake_quantization(config, loaded, hf_model, ids, baselines,
-                                               scales_json):
-    fmt, mode = config.split(":")
-    c = loaded.config
-    shape = (fmt, mode, c.num_layers, c.num_kv_heads, c.head_dim)
-    kv_scales = sk = sv = None
-    if mode == "tensor":  # the uncalibrated scale 1.0, the classic failure mode
-        kv_scales = 1.0
-        sk, sv = fq.static_scales(*shape, constant=1.0)
-    elif mode == "channel":
-        kv_scales = scales_json
-        sk, sv = fq.static_scales(*shape, scales_json=scales_json)
-    (eb_nll, eb_lp), (fb_nll, fb_lp) = baselines
-    e_nll, e_lp = engine_scores(loaded, ids, kv_cache_dtype=fmt, kv_scale_mode=mode,
-                                kv_scales=kv_scales)
-    f_nll, f_lp = fake_scores(hf_model, ids, fq.KVQuantizer(fmt, mode, sk, sv))
-    assert np.isfinite(e_nll).all()
-
-    kl_e, kl_f = kl_per_token(eb_lp, e_lp).mean(), kl_per_token(fb_lp, f_lp).mean()
-    assert kl_f > 1e-3  # the quantization is really on: it moves the distributions
-    assert abs(kl_e / kl_f - 1) <= KL_REL_TOLERANCE, (
-        f"{config}: mean KL engine {kl_e:.5f} vs fake quantization {kl_f:.5f}")
-
-    base = eb_nll.mean()
-    inc_e = 100 * (e_nll.mean() / base - 1)
-    inc_f = 100 * (f_nll.mean() / fb_nll.mean() - 1)
-    d = (e_nll - eb_nll) - (f_nll - fb_nll)  # per-token difference of the increases (nats)
-    se_pp = 100 * d.std() / np.sqrt(len(d)) / base
-    assert abs(inc_e - inc_f) <= NLL_TOLERANCE_PP + 4 * se_pp, (
-        f"{config}: NLL increase engine {inc_e:+.3f}% vs fake quantization {inc_f:+.3f}% "
-        f"(realization noise: standard error {se_pp:.3f} pp)")
+def test_fp8_nll_increase_matches_fake_quantization(config, float64_comparison):
+    fmt, mode = config.split(":")[:2]
+    runs = {(r["kv_cache_dtype"], r["kv_scale_mode"]): r for r in float64_comparison["runs"]}
+    r = runs[(fmt, mode)]
+    assert r["fake_kl"] > 1e-3, r  # the quantization is really on: it moves the distributions
+    assert np.isfinite([r["engine_mean_nll"], r["engine_increase_pct"]]).all(), r
+    # The issue's criterion, then what one realization on both sides really gives.
+    assert abs(r["diff_pp"]) <= NLL_TOLERANCE_PP, r
+    assert abs(r["diff_pp"]) <= SAME_REALIZATION_PP, r
+    assert r["max_abs_token_nll_diff"] < 1e-8, r
+    assert abs(r["kl_rel_diff"]) < 1e-6, r
+    if mode in ("token", "block"):
+        assert r["engine_saturated"] == 0, r  # dynamic scales never clip
