@@ -227,6 +227,7 @@ def main(argv=None):
     ap.add_argument("--windows", type=int, default=6, help="number of text windows")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help="comma-separated fmt:mode[:scales]")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG (needs matplotlib)")
     ap.add_argument("--out", default=None, help="default: bench/results/quality-cpu.json "
                     "(float64) or quality-cpu-f32.json (float32)")
     args = ap.parse_args(argv)
@@ -312,7 +313,8 @@ def main(argv=None):
               flush=True)
     doc["wall_s"] = round(time.time() - t0, 1)
     write_result(args.out, doc)
-    plot(doc, os.path.splitext(args.out)[0] + ".png")
+    if not args.no_plot:
+        plot(doc, os.path.splitext(args.out)[0] + ".png")
 
 
 if __name__ == "__main__":

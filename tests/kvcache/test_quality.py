@@ -102,7 +102,7 @@ def float64_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("quality") / "quality-f64.json"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "quality_cpu.py"), "--dtype", "float64",
            "--tokens", str(TOKENS), "--windows", "1", "--configs", ",".join(CONFIGS),
-           "--out", str(out)]
+           "--no-plot", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout[-3000:])
