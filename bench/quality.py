@@ -138,41 +138,13 @@ def _compare(base_logits, logits):
     return kl, jnp.argmax(base_logits, -1) == jnp.argmax(logits, -1)
 
 
-def nll_chunks(llm, ids: list[int], chunk: int):
-    """``LLM.nll(ids, chunk_size=chunk, return_logits=True)`` with the logits left on the
-    device: the same pages, chunks and jitted step (``runner._nll``), minus the host copies
-    (200 MB of float32 logits per 1,024 positions). -> list of (nll [t], logits [t, V], n)
-    device arrays per chunk, valid in their first n rows."""
-    sched, runner = llm.engine.scheduler, llm.engine.runner
-    if llm.engine.has_unfinished():
-        raise RuntimeError("nll_chunks needs an idle engine")
-    pages = sched.allocator.allocate(math.ceil(len(ids) / sched.page_size))
-    out = []
-    try:
-        for s in range(0, len(ids) - 1, chunk):
-            part = ids[s:min(s + chunk, len(ids) - 1)]
-            tgt = ids[s + 1:s + 1 + len(part)]
-            t = runner_module.bucket(len(part), 16)  # as ModelRunner.nll
-            tokens, positions, slots, pt, seq_lens, _ = runner._chunk_arrays(
-                [(part, s, pages)], 1, t)
-            targets = np.zeros((1, t), np.int32)
-            targets[0, :len(tgt)] = tgt
-            nll, logits, runner.cache = runner_module._nll(
-                runner.params, runner.cache, tokens, positions, slots, pt, seq_lens, targets,
-                cfg=runner.cfg, backend=runner.backend)
-            out.append((nll[0], logits[0], len(part)))
-    finally:
-        sched.allocator.free(pages)
-    return out
-
-
 def score_text(llm, windows, chunk: int, base=None):
     """-> (per-position NLL [N], KL [N], agreement [N], this config's chunk logits). ``base``:
     the baseline's chunk logits for the same windows (None: this is the baseline)."""
     nlls, kls, agree, keep = [], [], [], []
     i = 0
     for ids in windows:
-        for nll, logits, n in nll_chunks(llm, ids, chunk):
+        for nll, logits, n in llm.nll_chunks(ids, chunk):
             if base is None:
                 keep.append(logits)
                 kl, ag = jnp.zeros(n), jnp.ones(n, bool)

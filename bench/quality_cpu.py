@@ -252,14 +252,18 @@ def main(argv=None):
     if offsets[-1] + 8 * args.tokens > calib_offset:
         raise SystemExit("the windows reach the held-out calibration text; use fewer windows")
     tmp = tempfile.mkdtemp(prefix="jfp8kv-quality-")
-    amax = {"calib": calibrate.measure_amax(cfg, loaded.params, [fq.natural_text_ids(
-                loaded.tokenizer, args.tokens, calib_offset)]),
-            "builtin": calibrate.calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT]),
-            "insample": calibrate.measure_amax(cfg, loaded.params, windows)}
+    calibrations = {  # measured on first use only: each is a full forward pass
+        "calib": lambda: calibrate.measure_amax(cfg, loaded.params, [fq.natural_text_ids(
+            loaded.tokenizer, args.tokens, calib_offset)]),
+        "builtin": lambda: calibrate.calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT]),
+        "insample": lambda: calibrate.measure_amax(cfg, loaded.params, windows)}
+    amax = {}
 
     def scales_json(spec: str) -> str:
         name, _, headroom = spec.partition("@")
         path = os.path.join(tmp, f"{name}-{headroom or 1}.json")
+        if name not in amax:
+            amax[name] = calibrations[name]()
         amax[name].to_json(path, headroom=float(headroom or 1.0))
         return path
 

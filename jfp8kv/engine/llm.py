@@ -256,6 +256,15 @@ class LLM:
 
         Runs through the paged cache (same storage format and kernels as generation), in
         chunks of ``chunk_size`` (default: max_num_batched_tokens)."""
+        chunks = self.nll_chunks(token_ids, chunk_size)
+        nll = np.concatenate([np.asarray(c[:n]) for c, _, n in chunks])
+        if not return_logits:
+            return nll
+        return nll, np.concatenate([np.asarray(lg[:n]) for _, lg, n in chunks])
+
+    def nll_chunks(self, token_ids: Sequence[int], chunk_size: int | None = None):
+        """``nll`` without the host copies: a list of (nll [t], logits [t, V], n) device arrays
+        per chunk, valid in their first n rows (for scoring on the device)."""
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ValueError("nll needs at least 2 tokens")
@@ -266,21 +275,15 @@ class LLM:
         sched = self.engine.scheduler
         chunk_size = chunk_size or sched.max_num_batched_tokens
         pages = sched.allocator.allocate(math.ceil(len(ids) / sched.page_size))
-        outs, logits = [], []
+        out = []
         try:
             for s in range(0, len(ids) - 1, chunk_size):
                 part = ids[s:min(s + chunk_size, len(ids) - 1)]
                 tgt = ids[s + 1:s + 1 + len(part)]
-                r = self.engine.runner.nll(part, tgt, s, pages, return_logits)
-                if return_logits:
-                    outs.append(r[0])
-                    logits.append(r[1])
-                else:
-                    outs.append(r)
+                out.append((*self.engine.runner.nll(part, tgt, s, pages), len(part)))
         finally:
             sched.allocator.free(pages)
-        nll = np.concatenate(outs)
-        return (nll, np.concatenate(logits)) if return_logits else nll
+        return out
 
     def cache_info(self) -> dict:
         c = self.cache_config

@@ -216,16 +216,16 @@ class ModelRunner:
                                    num_steps=num_steps)
         return toks
 
-    def nll(self, ids, targets, start: int, pages, return_logits: bool = False):
+    def nll(self, ids, targets, start: int, pages):
+        """One teacher-forced chunk -> device arrays (nll [t], logits [t, V]), t >= len(ids)
+        (a bucket); only the first len(ids) rows are real. Nothing is copied to the host."""
         t = bucket(len(ids), 16)
         tokens, positions, slots, pt, seq_lens, _ = self._chunk_arrays([(ids, start, pages)], 1, t)
         tgt = np.zeros((1, t), np.int32)
         tgt[0, :len(targets)] = targets
         nll, logits, self.cache = _nll(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, tgt, cfg=self.cfg, backend=self.backend)
-        n = len(ids)
-        out = np.asarray(nll[0, :n])
-        return (out, np.asarray(logits[0, :n])) if return_logits else out
+        return nll[0], logits[0]
 
 
 def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:

@@ -40,13 +40,9 @@ class LoadedModel:
     name: str
 
 
-def _check_dtype(dtype: str) -> str:
-    return check_compute_dtype(dtype)
-
-
 def load_model(model: str | None = None, dtype: str = "bfloat16") -> LoadedModel:
     """Resolve ``model`` (see module docstring) and load it with weights in ``dtype``."""
-    _check_dtype(dtype)
+    check_compute_dtype(dtype)
     # Lazy imports: the sub-loaders import this module for LoadedModel.
     from jfp8kv.models import gguf_loader, hf_loader, hub
 
