@@ -273,7 +273,8 @@ class Bench:
             rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         self.add(rec)
 
-    def prefill(self, storage, mode, batch, chunk, prefix, hq=32, hkv=8, d=128, tuning=None):
+    def prefill(self, storage, mode, batch, chunk, prefix, hq=32, hkv=8, d=128, tuning=None,
+                where="records"):
         rec = dict(op="prefill_attention", impl="jfp8kv",
                    kv_cache_dtype=USER_NAME.get(storage, storage), kv_scale_mode=mode,
                    batch=batch, tokens=chunk, context=prefix + chunk, num_heads=hq,
@@ -285,7 +286,7 @@ class Bench:
             layer, pt, lens = make_layer(self.rng, cfg, batch, ctx)
             q = jax.random.normal(jax.random.key(4), (batch, chunk, hq, d), jnp.bfloat16)
             pos = jnp.broadcast_to(jnp.arange(prefix, ctx, dtype=jnp.int32), (batch, chunk))
-            tuning = tuning or pallas_prefill.PrefillTuning()
+            tuning = tuning or pallas_prefill.default_tuning(cfg)
             moved = kv_bytes(cfg, batch * ctx) + 2 * q.size * 2
             # causal: query i sees prefix + i + 1 keys
             flops = 4 * batch * hq * d * (chunk * prefix + chunk * (chunk + 1) / 2)
@@ -296,7 +297,8 @@ class Bench:
                        tuning=dataclasses.asdict(tuning))
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        self.add(rec)
+        self.add(rec, where)
+        return rec
 
 
 def sweep_decode(b: Bench, shapes, storage, mode, base: pallas_decode.DecodeTuning, grid):
@@ -314,6 +316,54 @@ def sweep_decode(b: Bench, shapes, storage, mode, base: pallas_decode.DecodeTuni
     best = min(scores, key=lambda x: x[0])
     print(f"best for {storage}/{mode}: {best[1]} ({best[0]:.4f} ms geo-mean)", flush=True)
     return best[1]
+
+
+def sweep_prefill(b: Bench, shapes, storage, mode, grid):
+    """Time each PrefillTuning in ``grid`` on ``shapes`` ((batch, chunk, prefix)); return the
+    best by geometric-mean time."""
+    scores = []
+    b.calls = 5
+    for t in grid:
+        ms = [b.prefill(storage, mode, *shape, tuning=t, where="sweep").get("ms", float("inf"))
+              for shape in shapes]
+        scores.append((float(np.exp(np.mean(np.log(ms)))), t))
+    b.calls = 10
+    best = min(scores, key=lambda x: x[0])
+    print(f"prefill best for {storage}/{mode}: {best[1]} ({best[0]:.4f} ms geo-mean)",
+          flush=True)
+    return best[1]
+
+
+def prefill_shapes_grid(smoke: bool):
+    """Phase 1 of the prefill sweep: tile shapes and warps (2 stages, variant fixed)."""
+    P = pallas_prefill.PrefillTuning
+    if smoke:
+        return [P(16, 16, 4, 2), P(32, 16, 4, 2)]
+    grid = []
+    for bm in (64, 128):
+        for bk in (32, 64, 128):
+            for nw in (4, 8):
+                if bm * bk >= 128 * 128 and nw == 4:
+                    continue  # a 128x128 f32 score tile in 4 warps spills
+                grid.append(P(bm, bk, nw, 2))
+    return grid
+
+
+def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool):
+    """Tile shapes first (fp8 with the "asm" upcast), then stages x upcast variants around
+    the winner: ~17 compiles instead of the ~66 of the full product."""
+    fp8 = storage.startswith("float8")
+    base_var = "asm" if fp8 else ""
+    grid = [dataclasses.replace(t, variant=base_var) for t in prefill_shapes_grid(smoke)]
+    best = sweep_prefill(b, shapes, storage, mode, grid)
+    grid2 = []
+    for ns in (2, 3):
+        for var in (("", "asm", "asm+vmask") if fp8 else ("",)):
+            t = dataclasses.replace(best, num_stages=ns, variant=var)
+            if t != best:
+                grid2.append(t)
+    grid2 = grid2[:1] if smoke else grid2
+    return sweep_prefill(b, shapes, storage, mode, [best] + grid2)
 
 
 def plot(doc, png_path):
@@ -354,6 +404,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/kernels-h200.json")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-prefill", action="store_true",
+                    help="time prefill launch knobs and fp8 upcast variants first; the "
+                    "prefill section then uses the best per storage")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
                     "decode,jax,store,prefill")
@@ -404,13 +457,27 @@ def main():
             for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token"),
                                   ("float8_e4m3fn", "tensor"), ("float8_e4m3fn", "block")):
                 b.store(storage, mode, tokens)
+    pre_shapes = [(1, 2048, 2048), (1, 8192, 0)] if not sm else [(1, 32, 16)]
+    pre_tuned = {m: pallas_prefill.default_tuning(cache_cfg(st, m, 8, 128, 2))
+                 for st, m in (("bfloat16", None), ("float8_e4m3fn", "token"),
+                               ("float8_e4m3fn", "tensor"))}
+    if args.sweep_prefill:
+        pre_tuned["token"] = sweep_prefill_two_phase(b, pre_shapes[:1], "float8_e4m3fn",
+                                                     "token", sm)
+        pre_tuned[None] = sweep_prefill_two_phase(b, pre_shapes[:1], "bfloat16", None, sm)
+        # tensor/channel: the token winner and its neighbours
+        best = pre_tuned["token"]
+        cands = {best, dataclasses.replace(best, variant="asm"),
+                 dataclasses.replace(best, variant="asm+vmask"),
+                 dataclasses.replace(best, variant="")}
+        pre_tuned["tensor"] = sweep_prefill(b, pre_shapes[:1], "float8_e4m3fn", "tensor",
+                                            sorted(cands, key=str))
+    b.doc["prefill_tuned"] = {str(k): dataclasses.asdict(v) for k, v in pre_tuned.items()}
     if "prefill" not in skip:
-        batch, chunk, prefix = (1, 2048, 2048) if not sm else (1, 32, 16)
-        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token"),
-                              ("float8_e4m3fn", "tensor")):
-            for pt in (pallas_prefill.PrefillTuning(),
-                       pallas_prefill.PrefillTuning(64, 64, 4, 2, page_prefetch=False)):
-                b.prefill(storage, mode, batch, chunk, prefix, tuning=pt)
+        for batch, chunk, prefix in pre_shapes:
+            for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token"),
+                                  ("float8_e4m3fn", "tensor")):
+                b.prefill(storage, mode, batch, chunk, prefix, tuning=pre_tuned[mode])
     try:
         plot(b.doc, os.path.splitext(args.out)[0] + ".png")
     except Exception as e:  # noqa: BLE001 - the JSON is the result; the plot is a view of it

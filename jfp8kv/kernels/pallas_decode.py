@@ -176,6 +176,17 @@ def fp8_to_f16_asm(x):
     return y
 
 
+def resolve_variant(variant: str, cfg: CacheConfig, interpret: bool) -> str:
+    """Drop the parts of a "+"-joined variant that do not apply: the upcast variants on
+    non-fp8 pages, inline PTX in interpret mode (it runs on the GPU only)."""
+    parts = set(filter(None, variant.split("+")))
+    if not cfg.is_fp8:
+        parts -= {"vmask", "asm"}
+    if interpret:
+        parts -= {"asm"}
+    return "+".join(sorted(parts))
+
+
 def cols(n: int):
     """int32 [1, n] column index."""
     return jnp.arange(n, dtype=jnp.int32)[None, :]
@@ -320,12 +331,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernel, got {d}")
     kind = scale_kind(cfg)
-    parts = set(filter(None, tuning.variant.split("+")))
-    if not cfg.is_fp8:
-        parts -= {"vmask", "asm"}  # these only change how fp8 is upcast
-    if interpret:
-        parts -= {"asm"}  # inline PTX runs on the GPU only
-    variant = "+".join(sorted(parts))
+    variant = resolve_variant(tuning.variant, cfg, interpret)
     ns = choose_splits(b, hkv, max_pages * s, tuning)
 
     k_pages = layer.k.reshape(hkv, -1, d)

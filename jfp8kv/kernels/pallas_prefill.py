@@ -25,7 +25,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.pallas_decode import (LOG2E, cols, compute_dtype_for, dot_nn, dot_nt,
-                                          flat_scales, load_kv_tile, next_pow2, scale_kind)
+                                          flat_scales, load_kv_tile, next_pow2, resolve_variant,
+                                          scale_kind)
 from jfp8kv.kvcache.cache import LayerKV
 
 
@@ -40,11 +41,19 @@ class PrefillTuning:
     # Page indices one tile ahead (see pallas_decode "pagepf"): measured 5-20% slower for
     # prefill on the H200 (more registers, fp8 token spills), so off by default.
     page_prefetch: bool = False
+    # fp8 upcast variants, as pallas_decode.DecodeTuning.variant: "asm" (packed PTX cvt),
+    # "vmask" (select on the upcast V tile). Ignored for 16/32-bit pages and in interpret mode.
+    variant: str = ""
+
+
+def default_tuning(cfg: CacheConfig) -> PrefillTuning:
+    """The measured best per storage family (bench/kernels.py --sweep-prefill)."""
+    return PrefillTuning()
 
 
 def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, *,
                     sm_scale, page_size, num_groups, group_pad, kind, cdt, block_m, block_k,
-                    scale_block, page_prefetch):
+                    scale_block, page_prefetch, variant):
     # len_ref [B]; pt_ref [B, MP]; pos_ref [B, T] i32; q_ref/o_ref [B, T, Hkv, G, D]
     # k_ref/v_ref [Hkv, P*S, D]; scales as in pallas_decode
     b, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -77,7 +86,8 @@ def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
         tok = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
         valid = tok < kv_end
         rows = page * page_size + tok % page_size
-        k, k_tok = load_kv_tile(k_ref, ks_ref, h, rows, valid, kind, cdt, scale_block)
+        k, k_tok = load_kv_tile(k_ref, ks_ref, h, rows, valid, kind, cdt, scale_block,
+                                variant.replace("vmask", ""))
         s = dot_nt(q, k)  # [M, BK]
         if k_tok is not None:
             s = s * k_tok[None, :]
@@ -88,7 +98,8 @@ def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
         alpha = jnp.exp2(m_i - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        v, v_tok = load_kv_tile(v_ref, vs_ref, h, rows, valid, kind, cdt, scale_block)
+        v, v_tok = load_kv_tile(v_ref, vs_ref, h, rows, valid, kind, cdt, scale_block,
+                                variant)
         if v_tok is not None:
             p = p * v_tok[None, :]
         acc = acc * alpha[:, None] + dot_nn(p.astype(cdt), v)
@@ -124,7 +135,7 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
 
     Static: cfg, sm_scale, interpret, tuning. Nothing is donated.
     """
-    tuning = tuning or PrefillTuning()
+    tuning = tuning or default_tuning(cfg)
     b, t, nh, d = q.shape
     hkv = cfg.num_kv_heads
     g = nh // hkv
@@ -141,7 +152,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         _prefill_kernel, sm_scale=float(sm_scale), page_size=cfg.page_size, num_groups=g,
         group_pad=gp, kind=kind, cdt=compute_dtype_for(cfg), block_m=block_m,
         block_k=tuning.block_k, scale_block=cfg.scale_block,
-        page_prefetch=tuning.page_prefetch)
+        page_prefetch=tuning.page_prefetch,
+        variant=resolve_variant(tuning.variant, cfg, interpret))
     out = pl.pallas_call(
         kernel,
         grid=(b, hkv, -(-t // bt)),

@@ -19,24 +19,27 @@ from .cases import assert_close, attention_case, make_cfg, on_cpu, on_exec, swee
 
 ref_attention = jax.jit(reference.paged_attention, static_argnums=(5, 6))
 
-CASES = [  # (storage, mode, page_size, head_dim, num_heads, kv_heads, T, block_m, block_k)
-    ("bfloat16", None, 16, 64, 8, 2, 24, 32, 16),
-    ("float8_e4m3fn", "token", 8, 64, 9, 3, 13, 16, 32),
-    ("float8_e4m3fn", "channel", 16, 128, 4, 2, 20, 32, 32),
-    ("float8_e5m2", "block", 32, 64, 4, 1, 17, 16, 16),
-    # GPU only:
-    ("float32", None, 16, 64, 2, 2, 20, 16, 16),
-    ("float8_e4m3fn", "tensor", 16, 128, 32, 8, 64, 128, 64),
-    ("float8_e4m3fn", "token", 64, 128, 32, 8, 100, 64, 64),
-    ("bfloat16", None, 16, 128, 32, 8, 128, 128, 64),
-    ("float8_e4m3fn", "block", 16, 256, 8, 2, 33, 64, 32),
+CASES = [  # (storage, mode, page_size, head_dim, num_heads, kv_heads, T, block_m, block_k, variant)
+    ("bfloat16", None, 16, 64, 8, 2, 24, 32, 16, ""),
+    ("float8_e4m3fn", "token", 8, 64, 9, 3, 13, 16, 32, "vmask"),
+    ("float8_e4m3fn", "channel", 16, 128, 4, 2, 20, 32, 32, ""),
+    ("float8_e5m2", "block", 32, 64, 4, 1, 17, 16, 16, "vmask"),
+    # GPU only ("asm": inline PTX upcast):
+    ("float32", None, 16, 64, 2, 2, 20, 16, 16, ""),
+    ("float8_e4m3fn", "tensor", 16, 128, 32, 8, 64, 128, 64, "asm"),
+    ("float8_e4m3fn", "token", 64, 128, 32, 8, 100, 64, 64, ""),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, 100, 128, 64, "asm+vmask"),
+    ("float8_e5m2", "token", 16, 128, 16, 8, 70, 64, 128, "asm"),
+    ("bfloat16", None, 16, 128, 32, 8, 128, 128, 64, ""),
+    ("float8_e4m3fn", "block", 16, 256, 8, 2, 33, 64, 32, "asm"),
 ]
-IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-bm{c[7]}-bk{c[8]}" for c in CASES]
+IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-bm{c[7]}-bk{c[8]}"
+       + (f"-{c[9]}" if c[9] else "") for c in CASES]
 
 
 @pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(4)))
 def test_prefill_matches_reference(case, exec_mode):
-    storage, mode, s, d, nh, hkv, t, bm, bk = case
+    storage, mode, s, d, nh, hkv, t, bm, bk, variant = case
     rng = np.random.default_rng()
     prefix = [0, int(rng.integers(1, 3 * s)) | 1, int(rng.integers(0, 40)), 0, 5]
     chunk = [t, t, 1, 0, max(1, t - 3)]  # new tokens per row (<= T)
@@ -53,7 +56,7 @@ def test_prefill_matches_reference(case, exec_mode):
     q_dtype = np.float32 if storage == "float32" else "bfloat16"
     q = jnp.asarray(rng.standard_normal((len(lens), t, nh, d)), q_dtype)
     sm_scale = 1.0 / np.sqrt(d)
-    tuning = pallas_prefill.PrefillTuning(block_m=bm, block_k=bk)
+    tuning = pallas_prefill.PrefillTuning(block_m=bm, block_k=bk, variant=variant)
     out = on_exec(exec_mode, pallas_prefill.prefill_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
                   tuning=tuning)
