@@ -358,7 +358,7 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool):
     best = sweep_prefill(b, shapes, storage, mode, grid)
     grid2 = []
     for ns in (2, 3):
-        for var in (("", "asm", "asm+vmask") if fp8 else ("",)):
+        for var in (("", "asm", "asm+vmask", "rowscale", "rowscale+vmask") if fp8 else ("",)):
             t = dataclasses.replace(best, num_stages=ns, variant=var)
             if t != best:
                 grid2.append(t)

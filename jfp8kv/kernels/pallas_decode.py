@@ -17,7 +17,10 @@ Dequantization happens in registers (the numerics contract of ``reference.py``):
   f32 accumulation. q is cast to f16 too; |q * k_scale| must stay below 65504 (q is
   post-RoPE, and static scales are ~amax/fmax, so this is not a practical limit);
 * "tensor"/"channel": the K scale [D] multiplies q per channel, the V scale the output;
-* "token": K scales multiply the logits, V scales the probabilities (per key);
+* "token": K scales multiply the logits, V scales the probabilities (per key); with the
+  "rowscale" variant they multiply the upcast tile's rows instead (in f32, rounded to f16:
+  the dequantized values must stay below 65504, as the unquantized K/V did in bf16 models
+  in practice; prepared for the GPU sweep, not a default);
 * "block": the [block_k, D] tile is multiplied by its fp16 scales (gathered per element)
   before the dot;
 * bf16/f16 pages: dots in the storage dtype; f32 pages: IEEE f32 dots.
@@ -63,6 +66,7 @@ class DecodeTuning:
     # Code-generation variants, "+"-joined (swept on the GPU, docs/kernels-notes.md).
     # Upcast: "asm" converts fp8 with inline PTX (cvt.rn.f16x2.e4m3x2, 4 per instance);
     # "vmask" selects on the upcast V tile (f16 transpose instead of byte gathers).
+    # "rowscale" applies token scales to the tile rows (see the module docstring).
     # Loop: "pagepf" loads page indices one tile ahead, so Triton's pipeliner double-buffers
     # K/V (without it, the indirect page-table load made it wait on every copy).
     variant: str = ""
@@ -150,6 +154,11 @@ def dequant_kv(x, sc, valid, kind, cdt, block: int, variant=""):
         x = fp8_to_f16_asm(x)
     else:
         x = x.astype(cdt)
+    if kind == "token" and "rowscale" in variant:
+        # Per-token scales applied to the tile's rows in its load layout (each thread holds a
+        # few rows, so a few scale loads) instead of to the logits / probabilities columns.
+        x = (x.astype(jnp.float32) * sc[:, None]).astype(cdt)
+        sc = None
     if "vmask" in variant:
         # A select on the upcast tile keeps the fp8->f16 conversion in the load layout, so
         # Triton transposes f16 (ldmatrix.trans) instead of gathering single bytes for the
@@ -181,7 +190,7 @@ def resolve_variant(variant: str, cfg: CacheConfig, interpret: bool) -> str:
     non-fp8 pages, inline PTX in interpret mode (it runs on the GPU only)."""
     parts = set(filter(None, variant.split("+")))
     if not cfg.is_fp8:
-        parts -= {"vmask", "asm"}
+        parts -= {"vmask", "asm", "rowscale"}
     if interpret:
         parts -= {"asm"}
     return "+".join(sorted(parts))

@@ -68,8 +68,14 @@ def test_decode_matches_reference(case, exec_mode, variant=None):
     assert (np.asarray(out, np.float32)[empty] == 0).all(), "empty slots must return zeros"
 
 
+@pytest.mark.parametrize("variant", ["rowscale", "pagepf+rowscale+vmask"])
+def test_decode_rowscale_variant_interpret(variant):
+    """Token scales applied to the K/V tile rows (a prepared variant, not a default)."""
+    test_decode_matches_reference(CASES[5], "interpret", variant)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "asm", "vmask", "pagepf+vmask"])
+@pytest.mark.parametrize("variant", ["", "asm", "vmask", "pagepf+vmask", "asm+rowscale"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (3, 4, 11)],
                          ids=[IDS[i] for i in (3, 4, 11)])
 def test_decode_codegen_variants_gpu(case, variant):

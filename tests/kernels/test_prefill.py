@@ -21,7 +21,7 @@ ref_attention = jax.jit(reference.paged_attention, static_argnums=(5, 6))
 
 CASES = [  # (storage, mode, page_size, head_dim, num_heads, kv_heads, T, block_m, block_k, variant)
     ("bfloat16", None, 16, 64, 8, 2, 24, 32, 16, ""),
-    ("float8_e4m3fn", "token", 8, 64, 9, 3, 13, 16, 32, "vmask"),
+    ("float8_e4m3fn", "token", 8, 64, 9, 3, 13, 16, 32, "rowscale+vmask"),
     ("float8_e4m3fn", "channel", 16, 128, 4, 2, 20, 32, 32, ""),
     ("float8_e5m2", "block", 32, 64, 4, 1, 17, 16, 16, "vmask"),
     # GPU only ("asm": inline PTX upcast):
@@ -30,6 +30,7 @@ CASES = [  # (storage, mode, page_size, head_dim, num_heads, kv_heads, T, block_
     ("float8_e4m3fn", "token", 64, 128, 32, 8, 100, 64, 64, ""),
     ("float8_e4m3fn", "token", 16, 128, 32, 8, 100, 128, 64, "asm+vmask"),
     ("float8_e5m2", "token", 16, 128, 16, 8, 70, 64, 128, "asm"),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, 96, 128, 64, "rowscale"),
     ("bfloat16", None, 16, 128, 32, 8, 128, 128, 64, ""),
     ("float8_e4m3fn", "block", 16, 256, 8, 2, 33, 64, 32, "asm"),
 ]

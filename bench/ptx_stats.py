@@ -1,0 +1,160 @@
+"""Static code statistics of the Pallas prefill kernel, on a machine without a GPU.
+
+    pip install --no-deps --target /tmp/tritonpkg triton==3.6.0   # once (~170 MB)
+    python bench/ptx_stats.py --triton-path /tmp/tritonpkg \
+        --out bench/results/prefill-ptx-stats.json
+
+Each configuration (storage x scale mode x tile shape x warps x upcast variant) is lowered
+by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platforms=
+("cuda",))``, capturing the Triton IR Pallas emits), compiled for sm_90 by the pip Triton
+and its ptxas, and measured: instructions in the key loop's PTX body (per thread, per
+tile), the same normalized to warp-instructions per 1,000 (query row, key) pairs,
+registers, spill bytes and shared memory. No timing: these numbers only rank candidates
+for the GPU sweep (``bench/kernels.py --sweep-prefill``); jaxlib's bundled Triton may
+generate different code than the pip one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jfp8kv.config import CacheConfig  # noqa: E402
+from jfp8kv.kernels import pallas_prefill  # noqa: E402
+from jfp8kv.kvcache.cache import KVCache  # noqa: E402
+
+
+def capture_ttir(fn, *args):
+    """The Triton IR modules Pallas emits while lowering ``fn`` for CUDA (private API)."""
+    from jax._src.pallas.triton import lowering as tl
+
+    captured = []
+    orig = tl.lower_jaxpr_to_triton_module
+
+    def cap(*a, **k):
+        r = orig(*a, **k)
+        captured.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+
+    tl.lower_jaxpr_to_triton_module = cap
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        tl.lower_jaxpr_to_triton_module = orig
+    return captured
+
+
+def compile_ptx(ttir: str, num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as tcompile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ttir")
+        with open(path, "w") as fh:
+            fh.write(ttir)
+        k = tcompile(path, target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as fh:
+            fh.write(k.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", p, "-o", p + ".cubin"],
+                           capture_output=True, text=True, check=True)
+    return k.asm["ptx"], r.stdout + r.stderr, k.metadata.shared
+
+
+def loop_stats(ptx: str, ptxas_info: str):
+    """The longest backward-branching block of the PTX (the key loop): its instructions."""
+    lines = ptx.split("\n")
+    labels = {ln.strip().split(":")[0]: i for i, ln in enumerate(lines)
+              if re.match(r"^\$L__BB\d+_\d+:", ln)}
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"bra(\.uni)?\s+(\$L__BB\d+_\d+);", ln)
+        if m and m.group(2) in labels and labels[m.group(2)] < i:
+            st = labels[m.group(2)]
+            if best is None or i - st > best[1] - best[0]:
+                best = (st, i)
+    body = [ln.strip() for ln in lines[best[0]:best[1]]
+            if ln.strip() and not ln.strip().startswith((".loc", "//", "$L", "{", "}"))]
+    ops = collections.Counter(re.sub(r"^@!?%p\d+\s+", "", ln).split()[0] for ln in body)
+    return dict(loop_instr=len(body),
+                regs=int(re.search(r"Used (\d+) registers", ptxas_info).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas_info).group(1)),
+                top_ops=ops.most_common(10))
+
+
+def prefill_record(storage, mode, bm, bk, nw, ns, variant, hkv=8, d=128, hq=32):
+    tun = pallas_prefill.PrefillTuning(bm, bk, nw, ns, variant=variant)
+    cfg = CacheConfig(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=64, page_size=16,
+                      storage_dtype=storage, scale_mode=mode)
+    static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
+    layer = KVCache.init(cfg, static, static).layer(0)
+    b, t = 2, 64
+    args = (jnp.zeros((b, t, hq, d), jnp.bfloat16), layer, jnp.zeros((b, 8), jnp.int32),
+            jnp.zeros((b,), jnp.int32), jnp.zeros((b, t), jnp.int32))
+    f = functools.partial(pallas_prefill.prefill_attention, cfg=cfg, sm_scale=0.1, tuning=tun)
+    rec = dict(kernel="prefill_attention", storage=storage, kv_scale_mode=mode, block_m=bm,
+               block_k=bk, num_warps=nw, num_stages=ns, variant=variant,
+               num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    try:
+        (ttir,) = capture_ttir(lambda *a: f(*a), *args)
+        ptx, info, shared = compile_ptx(ttir, nw, ns)
+        rec.update(loop_stats(ptx, info), shared_bytes=shared)
+        rec["warp_instr_per_1k_pairs"] = round(rec["loop_instr"] * nw / (bm * bk) * 1000, 1)
+    except Exception as e:  # noqa: BLE001 - a failed config is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--triton-path", default=None,
+                    help="folder holding a pip-installed triton (pip install --target)")
+    ap.add_argument("--out", default="bench/results/prefill-ptx-stats.json")
+    ap.add_argument("--quick", action="store_true", help="two configurations only")
+    args = ap.parse_args()
+    if args.triton_path:
+        sys.path.insert(0, args.triton_path)
+    import triton
+
+    shapes = [(64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (128, 32, 4)]
+    # "asm" is left out: for prefill it compiles to the same PTX as "" (Triton already emits
+    # the packed cvt.rn.f16x2.e4m3x2 for an e4m3 -> f16 astype on sm_90).
+    configs = [("bfloat16", None, "")] + [
+        ("float8_e4m3fn", "token", v) for v in ("", "vmask", "rowscale", "rowscale+vmask")] + [
+        ("float8_e4m3fn", "tensor", v) for v in ("", "vmask")]
+    if args.quick:
+        shapes, configs = shapes[:1], [configs[0], configs[1]]
+    doc = {"machine": f"{platform.node()} (no GPU: static compile for sm_90)",
+           "versions": {"jax": jax.__version__, "triton": triton.__version__,
+                        "python": platform.python_version()},
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "records": []}
+    for storage, mode, variant in configs:
+        for bm, bk, nw in shapes:
+            rec = prefill_record(storage, mode, bm, bk, nw, 2, variant)
+            doc["records"].append(rec)
+            print({k: v for k, v in rec.items() if k != "top_ops"}, flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(doc, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
