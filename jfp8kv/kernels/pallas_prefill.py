@@ -41,8 +41,10 @@ class PrefillTuning:
     # Page indices one tile ahead (see pallas_decode "pagepf"): measured 5-20% slower for
     # prefill on the H200 (more registers, fp8 token spills), so off by default.
     page_prefetch: bool = False
-    # fp8 upcast variants, as pallas_decode.DecodeTuning.variant: "asm" (packed PTX cvt),
-    # "vmask" (select on the upcast V tile). Ignored for 16/32-bit pages and in interpret mode.
+    # fp8 variants, as pallas_decode.DecodeTuning.variant: "asm" (packed PTX cvt; for prefill
+    # it compiles to what Triton emits anyway), "vmask" (select on the upcast V tile),
+    # "rowscale" (token scales on the tile rows). Dropped for 16/32-bit pages; "asm" in
+    # interpret mode. Static loop statistics: docs/kernels-notes.md.
     variant: str = ""
 
 
