@@ -83,11 +83,24 @@ def cache_summary(info: dict) -> str:
             f"{info['bytes_per_token']} bytes/token, backend {info['attention_backend']}")
 
 
+def check_chat_template(chat_prompt) -> None:
+    """Render a probe conversation once at start-up. A missing template dependency stops the
+    server with the import error (it names the package); a model without a usable chat
+    template keeps serving /v1/completions, and /v1/chat/completions answers 400."""
+    try:
+        chat_prompt([{"role": "user", "content": "ping"}])
+    except ImportError as e:
+        raise SystemExit(f"cannot render chat templates: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a template problem, reported per request too
+        logger.warning("chat template unusable (%s): /v1/chat/completions will answer 400", e)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(**llm_kwargs(args), max_queue_len=args.max_queue_len)
+    check_chat_template(llm.chat_prompt)
     if args.warmup == "on" or (args.warmup == "auto" and llm.backend == "pallas"):
         llm.warmup()
     engine = llm.engine

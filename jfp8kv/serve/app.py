@@ -232,6 +232,9 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
             raise ApiError(400, str(e), "messages", "invalid_value") from None
         try:
             text = chat_prompt(messages)
+        except ImportError as e:  # a dependency missing on the server: not the client's fault
+            raise ApiError(500, f"chat template unavailable on this server: {e}", None,
+                           "internal_error", "server_error") from None
         except Exception as e:  # template errors are caused by the messages
             raise ApiError(400, f"chat template failed: {e}", "messages", "invalid_value") from None
         ids = list(tokenizer.encode(text, add_special_tokens=False))

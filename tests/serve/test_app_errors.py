@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import re
+
 import httpx
+import pytest
 
 from jfp8kv.serve.app import build_app
 from jfp8kv.serve.async_engine import AsyncEngine
@@ -19,11 +22,15 @@ class _Tokenizer:
         return [ord(c) % 500 for c in text]
 
 
-async def _run(body):
+def _concat(msgs):
+    return "".join(m["content"] for m in msgs)
+
+
+async def _run(body, chat_prompt=_concat):
     fake = FakeEngine()
     ae = AsyncEngine(fake, idle_wait_s=0.05)
     app = build_app(ae, served_model_name="fake", tokenizer=_Tokenizer(),
-                    chat_prompt=lambda msgs: "".join(m["content"] for m in msgs),
+                    chat_prompt=chat_prompt,
                     max_model_len=fake.max_model_len, vocab_size=1000)
     ae.start()  # ASGITransport does not run the lifespan
     try:
@@ -69,3 +76,49 @@ def test_chat_prompt_too_long_is_400():
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
     asyncio.run(_run(body))
+
+
+def _failing_template(exc):
+    def chat_prompt(msgs):
+        raise exc
+    return chat_prompt
+
+
+def test_chat_template_missing_dependency_is_500_and_bad_messages_400():
+    """A template the server cannot render (jinja2 missing) is the server's fault; one the
+    messages break is the client's. Completions keep working either way."""
+    async def missing(client, fake, ae):
+        r = await client.post("/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "jinja2" in r.json()["error"]["message"]
+        ok = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert ok.status_code == 200
+
+    async def broken(client, fake, ae):
+        r = await client.post("/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+    asyncio.run(_run(missing, _failing_template(ImportError("requires jinja2"))))
+    asyncio.run(_run(broken, _failing_template(ValueError("roles must alternate"))))
+
+
+def test_startup_probe_stops_on_missing_template_dependency(caplog):
+    from jfp8kv.serve.__main__ import check_chat_template
+
+    with pytest.raises(SystemExit, match="jinja2"):
+        check_chat_template(_failing_template(ImportError("requires jinja2")))
+    check_chat_template(_failing_template(ValueError("no chat template")))  # warns, goes on
+    assert "no chat template" in caplog.text
+    check_chat_template(_concat)
+
+
+def test_declared_dependencies_render_the_default_models_chat_template():
+    """The README's server command installs only the declared dependencies (no test extra,
+    whose torch pulls jinja2 in); the chat endpoint needs jinja2 through transformers."""
+    from importlib.metadata import requires
+
+    names = {re.split(r"[<>=!;\[ ]", r, maxsplit=1)[0].lower() for r in requires("jfp8kv")
+             if "extra ==" not in r}
+    assert "jinja2" in names
