@@ -11,7 +11,9 @@ jitted, unrolled chain whose iterations depend on each other, so XLA cannot merg
 host dispatch is amortized), tbps (bytes that must move / ms: K, V and scales read once, q
 and the output; for the store the new rows read and the quantized rows and scales
 written), plus the tuning used. ``--sweep`` first times decode code-generation variants
-and launch knobs and uses the best; ``--smoke`` runs tiny shapes in interpret mode (CPU).
+and launch knobs and uses the best; ``--sweep-prefill`` does the same for prefill (tile
+shapes and warps, then stages and fp8 variants, per storage); ``--smoke`` runs tiny shapes
+in interpret mode (CPU).
 Data is random (never zeros); every K/V byte a sequence can see is distinct data.
 """
 
@@ -301,37 +303,35 @@ class Bench:
         return rec
 
 
-def sweep_decode(b: Bench, shapes, storage, mode, base: pallas_decode.DecodeTuning, grid):
-    """Time each tuning in ``grid`` (dicts of overrides) on ``shapes``; return the best."""
+def pick_best(b: Bench, label: str, tunings, time_one, calls: int):
+    """Time each tuning with ``time_one(tuning) -> [record, ...]`` (one per shape, at ``calls``
+    timed calls each) and return the one with the lowest geometric-mean time."""
     scores = []
-    b.calls = 6
-    for over in grid:
-        t = dataclasses.replace(base, **over)
-        ms = []
-        for batch, ctx in shapes:
-            r = b.decode("jfp8kv", storage, mode, batch, ctx, 32, 8, 128, t, where="sweep")
-            ms.append(r.get("ms", float("inf")))
+    b.calls = calls
+    for t in tunings:
+        ms = [r.get("ms", float("inf")) for r in time_one(t)]
         scores.append((float(np.exp(np.mean(np.log(ms)))), t))
     b.calls = 10
     best = min(scores, key=lambda x: x[0])
-    print(f"best for {storage}/{mode}: {best[1]} ({best[0]:.4f} ms geo-mean)", flush=True)
+    print(f"best for {label}: {best[1]} ({best[0]:.4f} ms geo-mean)", flush=True)
     return best[1]
+
+
+def sweep_decode(b: Bench, shapes, storage, mode, base: pallas_decode.DecodeTuning, grid):
+    """Time each tuning in ``grid`` (dicts of overrides) on ``shapes``; return the best."""
+    return pick_best(
+        b, f"decode {storage}/{mode}", [dataclasses.replace(base, **over) for over in grid],
+        lambda t: [b.decode("jfp8kv", storage, mode, batch, ctx, 32, 8, 128, t, where="sweep")
+                   for batch, ctx in shapes], calls=6)
 
 
 def sweep_prefill(b: Bench, shapes, storage, mode, grid):
     """Time each PrefillTuning in ``grid`` on ``shapes`` ((batch, chunk, prefix)); return the
-    best by geometric-mean time."""
-    scores = []
-    b.calls = 5
-    for t in grid:
-        ms = [b.prefill(storage, mode, *shape, tuning=t, where="sweep").get("ms", float("inf"))
-              for shape in shapes]
-        scores.append((float(np.exp(np.mean(np.log(ms)))), t))
-    b.calls = 10
-    best = min(scores, key=lambda x: x[0])
-    print(f"prefill best for {storage}/{mode}: {best[1]} ({best[0]:.4f} ms geo-mean)",
-          flush=True)
-    return best[1]
+    best."""
+    return pick_best(
+        b, f"prefill {storage}/{mode}", grid,
+        lambda t: [b.prefill(storage, mode, *shape, tuning=t, where="sweep") for shape in shapes],
+        calls=5)
 
 
 def prefill_shapes_grid(smoke: bool):
@@ -349,20 +349,20 @@ def prefill_shapes_grid(smoke: bool):
     return grid
 
 
-def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool):
-    """Tile shapes first (fp8 with the "asm" upcast), then stages x upcast variants around
-    the winner: ~17 compiles instead of the ~66 of the full product."""
-    fp8 = storage.startswith("float8")
-    base_var = "asm" if fp8 else ""
-    grid = [dataclasses.replace(t, variant=base_var) for t in prefill_shapes_grid(smoke)]
-    best = sweep_prefill(b, shapes, storage, mode, grid)
-    grid2 = []
-    for ns in (2, 3):
-        for var in (("", "asm", "asm+vmask", "rowscale", "rowscale+vmask") if fp8 else ("",)):
-            t = dataclasses.replace(best, num_stages=ns, variant=var)
-            if t != best:
-                grid2.append(t)
-    grid2 = grid2[:1] if smoke else grid2
+# Prefill variants worth timing: "asm" is left out, as for prefill it compiles to the same PTX
+# as a plain astype (bench/ptx_stats.py); "rowscale" only changes token scales.
+PREFILL_VARIANTS = {"token": ("", "vmask", "rowscale", "rowscale+vmask"),
+                    "tensor": ("", "vmask"), None: ("",)}
+
+
+def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=None):
+    """Tile shapes x warps first (plain upcast; ``tiles``: the candidates, default
+    ``prefill_shapes_grid``), then stages x variants around the winner."""
+    tiles = tiles or prefill_shapes_grid(smoke)
+    best = tiles[0] if len(tiles) == 1 else sweep_prefill(b, shapes, storage, mode, tiles)
+    grid2 = [dataclasses.replace(best, num_stages=ns, variant=var)
+             for ns in (2, 3) for var in PREFILL_VARIANTS[mode]]
+    grid2 = [t for t in grid2 if t != best][:1 if smoke else None]
     return sweep_prefill(b, shapes, storage, mode, [best] + grid2)
 
 
@@ -465,13 +465,10 @@ def main():
         pre_tuned["token"] = sweep_prefill_two_phase(b, pre_shapes[:1], "float8_e4m3fn",
                                                      "token", sm)
         pre_tuned[None] = sweep_prefill_two_phase(b, pre_shapes[:1], "bfloat16", None, sm)
-        # tensor/channel: the token winner and its neighbours
-        best = pre_tuned["token"]
-        cands = {best, dataclasses.replace(best, variant="asm"),
-                 dataclasses.replace(best, variant="asm+vmask"),
-                 dataclasses.replace(best, variant="")}
-        pre_tuned["tensor"] = sweep_prefill(b, pre_shapes[:1], "float8_e4m3fn", "tensor",
-                                            sorted(cands, key=str))
+        # tensor/channel: phase 2 only, around the token winner's tile
+        tile = dataclasses.replace(pre_tuned["token"], variant="")
+        pre_tuned["tensor"] = sweep_prefill_two_phase(b, pre_shapes[:1], "float8_e4m3fn",
+                                                      "tensor", sm, tiles=[tile])
     b.doc["prefill_tuned"] = {str(k): dataclasses.asdict(v) for k, v in pre_tuned.items()}
     if "prefill" not in skip:
         for batch, chunk, prefix in pre_shapes:

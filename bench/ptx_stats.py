@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jfp8kv.config import CacheConfig  # noqa: E402
+from bench.kernels import cache_cfg  # noqa: E402
 from jfp8kv.kernels import pallas_prefill  # noqa: E402
 from jfp8kv.kvcache.cache import KVCache  # noqa: E402
 
@@ -101,8 +101,7 @@ def loop_stats(ptx: str, ptxas_info: str):
 
 def prefill_record(storage, mode, bm, bk, nw, ns, variant, hkv=8, d=128, hq=32):
     tun = pallas_prefill.PrefillTuning(bm, bk, nw, ns, variant=variant)
-    cfg = CacheConfig(num_layers=1, num_kv_heads=hkv, head_dim=d, num_pages=64, page_size=16,
-                      storage_dtype=storage, scale_mode=mode)
+    cfg = cache_cfg(storage, mode, hkv, d, num_pages=64)
     static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
     layer = KVCache.init(cfg, static, static).layer(0)
     b, t = 2, 64
