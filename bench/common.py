@@ -55,12 +55,12 @@ def copy_bandwidth_tbps(n_floats: int = 1 << 30) -> float:
 
 def matmul_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
     """Dense matmul rate (2 n^3 FLOPs per product, in TFLOP/s) of an n x n x n ``dtype``
-    product, f32 accumulation; n is cut to 1024 off the GPU."""
+    product, f32 accumulation; n is cut to 512 off the GPU."""
     import jax
     import jax.numpy as jnp
 
     if jax.default_backend() != "gpu":
-        n = min(n, 1024)
+        n = min(n, 512)
     ka, kb = jax.random.split(jax.random.key(1))
     a = jax.random.normal(ka, (n, n), dtype)
     b = jax.random.normal(kb, (n, n), dtype)
@@ -68,8 +68,11 @@ def matmul_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
     return 2 * n**3 / _median_seconds(f, a, b) / 1e12
 
 
-def command_line() -> str:
-    """How this benchmark was started, as a shell line (``python -m bench.NAME ...``)."""
+def command_line(module: str | None = None, argv: list[str] | None = None) -> str:
+    """How this benchmark was started, as a shell line (``python -m bench.NAME ...``); a
+    ``main(argv)`` called in-process passes its module and argv."""
+    if argv is not None:
+        return shlex.join(["python", "-m", module or "bench", *argv])
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     name = head[-1]
