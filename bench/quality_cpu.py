@@ -9,7 +9,7 @@ spread over the text). For the baseline (float32 cache) and every config:
 
 * engine: ``LLM(dtype=..., kv_cache_dtype, kv_scale_mode, kv_scales).nll(ids)``;
 * fake: transformers (PyTorch) on the same GGUF, post-RoPE K/V fake-quantized by
-  ``tests/kvcache/fakequant.py`` (numpy + ml_dtypes) before sdpa attention;
+  ``bench/fakequant.py`` (numpy + ml_dtypes) before sdpa attention;
 
 each side scored against its own unquantized baseline: mean NLL and its increase (%), and
 mean KL(baseline || fp8) of the next-token distributions; then the differences, pooled and
