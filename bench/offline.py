@@ -40,7 +40,7 @@ size, W the weights one decode iteration reads (P plus the logits matrix, times 
 parameter itemsize), and bytes_per_token the cache's K/V bytes per token including scales.
 ``actual_over_ideal`` is the wall time over that. ``ideal_roofline_s`` also charges every
 dispatch the larger of its FLOPs and bytes terms (prefill reads the weights too; a large
-decode batch computes); it is never below ``ideal_s``.
+decode batch computes); it is never below ``ideal_s`` (up to float rounding).
 
 Writes ``bench/results/offline-<machine>.json`` (``--out``; with ``--append`` the runs are
 added to an existing file): machine, versions, exact command, the two rates, the ideal model

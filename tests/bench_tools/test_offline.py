@@ -41,7 +41,7 @@ def test_ideal_time_matches_a_hand_computation():
     nbytes = s * terms["decode_weight_bytes"] + kv_read * bpt
     assert got["prefill_flops"] == flops and got["decode_bytes"] == nbytes
     assert math.isclose(got["ideal_s"], flops / 2e12 + nbytes / 0.5e12, rel_tol=1e-12)
-    assert got["ideal_roofline_s"] >= got["ideal_s"]
+    assert got["ideal_roofline_s"] >= got["ideal_s"] * (1 - 1e-12)
 
 
 def test_prefill_only_and_sampled_lengths():
@@ -81,7 +81,9 @@ def test_offline_tiny_preset_record(tmp_path):
         for k in ("schedule_ms", "device_ms", "post_ms"):
             assert a[k] >= 0
         assert r["compiles_in_run"] >= a["compiles"] >= 0
-        assert 0 < r["ideal"]["ideal_s"] <= r["ideal"]["ideal_roofline_s"]
+        # The roofline sums per dispatch, ideal_s per term: equal up to rounding when every
+        # dispatch is bound as the model assumes.
+        assert 0 < r["ideal"]["ideal_s"] <= r["ideal"]["ideal_roofline_s"] * (1 + 1e-9)
         assert math.isfinite(r["actual_over_ideal"]) and r["actual_over_ideal"] > 0
         assert r["max_ttft_ms"] >= r["median_ttft_ms"] > 0
     assert (tmp_path / "offline.png").stat().st_size > 1000
