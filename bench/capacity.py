@@ -3,7 +3,7 @@
 Uses the engine's own accounting (``bytes_per_token`` and ``plan_num_pages``, the functions
 ``jfp8kv.LLM`` sizes its pool with), for real architectures' shapes.
 
-    python bench/capacity.py --memory-gib 40 --context 8192 --out bench/results/capacity.json
+    python -m bench.capacity --memory-gib 40 --context 8192 --out bench/results/capacity.json
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import command_line, write_result  # noqa: E402
-from jfp8kv.kvcache.cache import bytes_per_token, plan_num_pages  # noqa: E402
-from jfp8kv.models.presets import PRESETS  # noqa: E402
+from bench.common import command_line, write_result
+from jfp8kv.kvcache.cache import bytes_per_token, plan_num_pages
+from jfp8kv.models.presets import PRESETS
 
 CONFIGS = [("bfloat16", None)] + [(d, m) for d in ("float8_e4m3fn", "float8_e5m2")
                                   for m in ("tensor", "channel", "token", "block")]

@@ -1,16 +1,25 @@
-"""Shared benchmark plumbing: the machine record and the copy-bandwidth ceiling."""
+"""Shared benchmark plumbing: paths, the machine record, and the device's measured ceilings.
+
+Imports no jax at module level, so host-only tools (the serving matrix, merging, plotting)
+stay light.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+RESULTS = os.path.join(ROOT, "bench", "results")
 
 
 def machine_info() -> dict:
+    import jax
     import jaxlib
 
     dev = jax.devices()[0]
@@ -20,31 +29,59 @@ def machine_info() -> dict:
                          "jaxlib": getattr(jaxlib, "__version__", "?")}}
 
 
+def _median_seconds(f, *args, reps: int = 10) -> float:
+    import jax
+
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
 def copy_bandwidth_tbps(n_floats: int = 1 << 30) -> float:
-    """Device-to-device copy rate (bytes read + written per second, in TB/s), 4 GiB f32."""
+    """Device-to-device copy rate (bytes read + written per second, in TB/s), 4 GiB f32 on a
+    GPU, 16 MiB elsewhere."""
+    import jax
+    import jax.numpy as jnp
+
     if jax.default_backend() != "gpu":
         n_floats = 1 << 22
     x = jax.random.normal(jax.random.key(0), (n_floats,), jnp.float32)
-    f = jax.jit(lambda x: x * 1.0001)
-    jax.block_until_ready(f(x))
-    samples = []
-    for _ in range(10):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        samples.append(time.perf_counter() - t)
-    return 2 * n_floats * 4 / statistics.median(samples) / 1e12
+    return 2 * n_floats * 4 / _median_seconds(jax.jit(lambda x: x * 1.0001), x) / 1e12
 
 
-def command_line() -> str:
-    import sys
+def matmul_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
+    """Dense matmul rate (2 n^3 FLOPs per product, in TFLOP/s) of an n x n x n ``dtype``
+    product, f32 accumulation; n is cut to 512 off the GPU."""
+    import jax
+    import jax.numpy as jnp
 
-    return " ".join(["python"] + sys.argv)
+    if jax.default_backend() != "gpu":
+        n = min(n, 512)
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype))
+    return 2 * n**3 / _median_seconds(f, a, b) / 1e12
+
+
+def command_line(module: str | None = None, argv: list[str] | None = None) -> str:
+    """How this benchmark was started, as a shell line (``python -m bench.NAME ...``); a
+    ``main(argv)`` called in-process passes its module and argv."""
+    if argv is not None:
+        return shlex.join(["python", "-m", module or "bench", *argv])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    name = head[-1]
+    if name.endswith(".__main__"):
+        head[-1] = name[: -len(".__main__")]
+    return shlex.join(head + sys.argv[1:])
 
 
 def write_result(path: str, doc: dict) -> None:
-    import json
-    import os
-
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

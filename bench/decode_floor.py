@@ -5,7 +5,7 @@ A decode step must read every weight once and every live token's K/V once, so it
 The step is the engine's own jitted multi-step decode (``decode_steps`` tokens per dispatch),
 timed over full batches whose pages hold random data (never zeros).
 
-    python bench/decode_floor.py --model random:qwen3-8b --batch 64 --context 8192 \
+    python -m bench.decode_floor --model random:qwen3-8b --batch 64 --context 8192 \
         --out bench/results/decode-floor-h200.json
 """
 
@@ -14,41 +14,15 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import command_line, copy_bandwidth_tbps, machine_info, write_result  # noqa: E402
-from jfp8kv import LLM  # noqa: E402
-from jfp8kv.engine.runner import SamplingArrays  # noqa: E402
-from jfp8kv.kvcache.cache import KVCache  # noqa: E402
-
-
-def fill_random(cache: KVCache, key) -> None:
-    """Overwrite pages (and dynamic scales) with random data, one layer at a time, in place,
-    so the pool never exists twice on the device and no timing runs on zeros."""
-    @jax.jit
-    def rnd(x, k):
-        return (jax.random.normal(k, x.shape, jnp.float32) * 2).astype(x.dtype)
-
-    @jax.jit
-    def rnd_scale(x, k):
-        return (jax.random.uniform(k, x.shape) * 0.02 + 0.001).astype(x.dtype)
-
-    for i in range(len(cache.k)):
-        for j, (arrs, fn) in enumerate(((cache.k, rnd), (cache.v, rnd),
-                                        (cache.k_scale, rnd_scale), (cache.v_scale, rnd_scale))):
-            if arrs[i].ndim >= 3:  # pages and dynamic scales; static scales stay
-                k = jax.random.fold_in(key, 4 * i + j)
-                old = arrs[i]
-                arrs[i] = fn(old, k)
-                old.delete()
+from bench import internals
+from bench.common import command_line, copy_bandwidth_tbps, machine_info, write_result
+from jfp8kv import LLM
 
 
 def measure(model, kv, mode, batch, context, steps, reps, dtype):
@@ -67,22 +41,20 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype):
                           mode if storage.startswith("float8") else None)
     mem = (batch * pages_per_seq + 2) * 16 * bpt + (1 << 24)
     llm = LLM(loaded=loaded, **probe, kv_cache_memory=mem)
-    runner = llm.engine.runner
-    fill_random(runner.cache, jax.random.PRNGKey(1))
+    internals.fill_cache_random(llm, jax.random.PRNGKey(1))
     rows = [(7 + i, context, list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
              context + steps) for i in range(batch)]
-    samp = SamplingArrays.empty(batch)
-    toks = runner.decode(rows, samp, True, steps)  # compile
+    toks = internals.decode_dispatch(llm, rows, steps)  # compile
     jax.block_until_ready(toks)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(runner.decode(rows, samp, True, steps))
+        jax.block_until_ready(internals.decode_dispatch(llm, rows, steps))
         times.append(time.perf_counter() - t0)
     step_ms = float(np.median(times)) / steps * 1e3
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(loaded.params))
+    weight_bytes = internals.weight_bytes(llm)
     kv_bytes = batch * (context + steps / 2) * bpt
-    del llm, runner, loaded
+    del llm, loaded
     gc.collect()
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, batch=batch, context=context,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),

@@ -1,6 +1,6 @@
 """Kernel benchmark: paged decode attention, fused store and prefill on one GPU.
 
-    python bench/kernels.py --out bench/results/kernels-h200.json [--sweep] [--smoke]
+    python -m bench.kernels --out bench/results/kernels-h200.json [--sweep] [--smoke]
 
 Writes {"machine", "versions", "command", "copy_tbps", "records": [...]} (rewritten after
 every record, so a run cut short keeps what it measured) and a PNG next to it. Each record:
@@ -33,10 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jfp8kv.config import CacheConfig  # noqa: E402
-from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store  # noqa: E402
-from jfp8kv.kvcache.cache import LayerKV  # noqa: E402
+from jfp8kv.config import CacheConfig
+from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
+from jfp8kv.kvcache.cache import LayerKV
 
 def _jaxlib_version() -> str:
     import jaxlib
@@ -350,7 +349,7 @@ def prefill_shapes_grid(smoke: bool):
 
 
 # Prefill variants worth timing: "asm" is left out, as for prefill it compiles to the same PTX
-# as a plain astype (bench/ptx_stats.py); "rowscale" only changes token scales.
+# as a plain astype (bench.ptx_stats); "rowscale" only changes token scales.
 PREFILL_VARIANTS = {"token": ("", "vmask", "rowscale", "rowscale+vmask"),
                     "tensor": ("", "vmask"), None: ("",)}
 

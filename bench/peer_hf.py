@@ -22,7 +22,7 @@ deadline remain.
 Records go to the ``peer`` list of ``--out`` (rewritten after every config), with
 ``versions`` (torch, transformers, CUDA) and the device.
 
-    python bench/peer_hf.py --shapes qwen3-8b,qwen3-0.6b --configs 8x512,1x512,8x2048 \\
+    python -m bench.peer_hf --shapes qwen3-8b,qwen3-0.6b --configs 8x512,1x512,8x2048 \\
         --output-len 128 --deadline-s 100 --out /tmp/peer-hf.json
 """
 
@@ -37,8 +37,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # The same shapes as jfp8kv's random:<preset> models (jfp8kv/models/presets.py); Qwen3's
 # published configs. "tiny" is for CPU smoke tests only.

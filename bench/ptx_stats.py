@@ -1,8 +1,7 @@
 """Static code statistics of the Pallas prefill kernel, on a machine without a GPU.
 
     pip install --no-deps --target /tmp/tritonpkg triton==3.6.0   # once (~170 MB)
-    python bench/ptx_stats.py --triton-path /tmp/tritonpkg \
-        --out bench/results/prefill-ptx-stats.json
+    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --out bench/results/prefill-ptx-stats.json
 
 Each configuration (storage x scale mode x tile shape x warps x upcast variant) is lowered
 by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platforms=
@@ -10,7 +9,7 @@ by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platfor
 and its ptxas, and measured: instructions in the key loop's PTX body (per thread, per
 tile), the same normalized to warp-instructions per 1,000 (query row, key) pairs,
 registers, spill bytes and shared memory. No timing: these numbers only rank candidates
-for the GPU sweep (``bench/kernels.py --sweep-prefill``); jaxlib's bundled Triton may
+for the GPU sweep (``python -m bench.kernels --sweep-prefill``); jaxlib's bundled Triton may
 generate different code than the pip one.
 """
 
@@ -31,10 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench.kernels import cache_cfg  # noqa: E402
-from jfp8kv.kernels import pallas_prefill  # noqa: E402
-from jfp8kv.kvcache.cache import KVCache  # noqa: E402
+from bench.kernels import cache_cfg
+from jfp8kv.kernels import pallas_prefill
+from jfp8kv.kvcache.cache import KVCache
 
 
 def capture_ttir(fn, *args):
@@ -123,13 +121,9 @@ def prefill_record(storage, mode, bm, bk, nw, ns, variant, hkv=8, d=128, hq=32):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--triton-path", default=None,
-                    help="folder holding a pip-installed triton (pip install --target)")
     ap.add_argument("--out", default="bench/results/prefill-ptx-stats.json")
     ap.add_argument("--quick", action="store_true", help="two configurations only")
     args = ap.parse_args()
-    if args.triton_path:
-        sys.path.insert(0, args.triton_path)
     import triton
 
     shapes = [(64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (128, 32, 4)]

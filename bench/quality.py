@@ -1,8 +1,8 @@
 """fp8 KV quality on SmolLM2-135M-Instruct: NLL, KL, greedy agreement and passkey retrieval.
 
-    python bench/quality.py [--dtype bfloat16] [--max-len 8192] [--keys 25] [--time-budget S]
+    python -m bench.quality [--dtype bfloat16] [--max-len 8192] [--keys 25] [--time-budget S]
                             [--configs bf16,fp8_e4m3:token,...] [--out PATH] [--quick]
-    python bench/quality.py --plot-only PATH.json
+    python -m bench.quality --plot-only PATH.json
 
 Every config is one ``jfp8kv.LLM`` (the default attention backend: Pallas kernels on a GPU,
 the reference elsewhere) with compute dtype ``--dtype``; ``bf16`` means an unquantized cache
@@ -57,17 +57,14 @@ import traceback
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jfp8kv  # noqa: E402
-from bench.common import machine_info  # noqa: E402
-from jfp8kv.engine import llm as llm_module  # noqa: E402
-from jfp8kv.engine import runner as runner_module  # noqa: E402
-from jfp8kv.kvcache import calibrate  # noqa: E402
-from jfp8kv.kvcache.cache import bytes_per_token  # noqa: E402
+import jfp8kv
+from bench import internals
+from bench.common import RESULTS, machine_info
+from jfp8kv.kvcache import calibrate
+from jfp8kv.kvcache.cache import bytes_per_token
 
 MODES = ("tensor", "channel", "token", "block")
 # Most important first (a run cut short by --time-budget keeps these): the baseline, the
@@ -216,11 +213,7 @@ def run_passkey(llm, pk: Passkey, lengths, depths, keys: int, seed: int,
     per-prompt correctness, per-length seconds, per-length examples of missed keys)."""
     cells, correct, seconds, misses = [], {}, {}, {}
     params = jfp8kv.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    runner = llm.engine.runner
-    min_chunk = runner.min_chunk
-    if one_shape:
-        runner.min_chunk = max(min_chunk, runner_module.bucket(max(lengths)))
-    try:
+    with internals.min_prefill_chunk(llm, max(lengths) if one_shape else 1):
         for length in lengths:
             t = time.time()
             prompts, meta = [], []
@@ -245,8 +238,6 @@ def run_passkey(llm, pk: Passkey, lengths, depths, keys: int, seed: int,
             j = len(outs) // 2
             print(f"    passkey {length}: {np.mean(ok):.3f} ({seconds[length]}s; e.g. "
                   f"{outs[j].text!r} for key {meta[j][1]})", flush=True)
-    finally:
-        runner.min_chunk = min_chunk
     return cells, correct, seconds, misses
 
 
@@ -397,12 +388,12 @@ def main(argv=None):
     configs = [parse_config(c) for c in names]
     configs = [c for c in configs if c["name"] != "bf16"]
     configs.insert(0, parse_config("bf16"))  # the baseline comes first
-    out = args.out or os.path.join(ROOT, "bench", "results",
+    out = args.out or os.path.join(RESULTS,
                                    "quality-smollm2-quick.json" if q else "quality-smollm2.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     contexts = [c for c in ((128, 256) if q else (1024, 4096)) if c < max_len] + [max_len]
     lengths = [n for n in ((128, 256, 512) if q else (1024, 2048, 4096, 8192)) if n <= max_len]
-    default_mode = llm_module.DEFAULT_FP8_SCALE_MODE
+    default_mode = internals.default_fp8_scale_mode()
     target_name = f"{DEFAULT_FP8}:{default_mode}"
 
     from jfp8kv.models.loader import load_model

@@ -1,6 +1,6 @@
 """fp8 KV quality on CPU: the engine's fp8 cache against an independent fake quantization.
 
-    python bench/quality_cpu.py [--dtype float64|float32] [--tokens 2048] [--windows 6]
+    python -m bench.quality_cpu [--dtype float64|float32] [--tokens 2048] [--windows 6]
                                 [--configs fp8_e4m3:token,...] [--out PATH]
 
 Model: the embedded SmolLM2-135M-Instruct GGUF, ``--dtype`` compute on both sides. Text:
@@ -9,7 +9,7 @@ spread over the text). For the baseline (float32 cache) and every config:
 
 * engine: ``LLM(dtype=..., kv_cache_dtype, kv_scale_mode, kv_scales).nll(ids)``;
 * fake: transformers (PyTorch) on the same GGUF, post-RoPE K/V fake-quantized by
-  ``tests/kvcache/fakequant.py`` (numpy + ml_dtypes) before sdpa attention;
+  ``bench/fakequant.py`` (numpy + ml_dtypes) before sdpa attention;
 
 each side scored against its own unquantized baseline: mean NLL and its increase (%), and
 mean KL(baseline || fp8) of the next-token distributions; then the differences, pooled and
@@ -50,15 +50,11 @@ import time
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "kvcache"))
-import fakequant as fq  # noqa: E402
-
-import jfp8kv  # noqa: E402
-from bench.common import command_line, write_result  # noqa: E402
-from jfp8kv.kvcache import calibrate  # noqa: E402
-from jfp8kv.kvcache.cache import bytes_per_token  # noqa: E402
+import jfp8kv
+from bench import fakequant as fq
+from bench.common import RESULTS, command_line, write_result
+from jfp8kv.kvcache import calibrate
+from jfp8kv.kvcache.cache import bytes_per_token
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
 DEFAULT_CONFIGS = (
@@ -234,7 +230,7 @@ def main(argv=None):
     configs = [parse_config(c) for c in args.configs.split(",")]
     if args.out is None:
         name = "quality-cpu.json" if args.dtype == "float64" else "quality-cpu-f32.json"
-        args.out = os.path.join(ROOT, "bench", "results", name)
+        args.out = os.path.join(RESULTS, name)
     if args.dtype == "float64":
         import jax
 

@@ -15,6 +15,7 @@ import numpy as np
 from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.runner import ModelRunner, SamplingArrays
 from jfp8kv.engine.scheduler import Scheduler, Sequence
+from jfp8kv.engine.stats import StepStats
 from jfp8kv.engine.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self._aborted: list[Sequence] = []
         self.num_generated_tokens = 0
+        self.stats = StepStats()  # per-step anatomy, off until enabled (benchmarks)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -86,7 +88,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         changed: dict[str, Sequence] = {s.request_id: s for s in self._aborted}
         self._aborted = []
+        rec = self.stats.begin()
         plan = self.scheduler.schedule()
+        rec.scheduled(plan)
         if plan.empty:
             return [self._output(s) for s in changed.values()]
         decode_out = prefill_out = None
@@ -103,6 +107,7 @@ class LLMEngine:
             chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages)
                       for c in plan.prefill]
             prefill_out = self.runner.prefill(chunks, self._sampling(seqs), self._greedy(seqs))
+        rec.synced(decode_out, prefill_out)  # a no-op unless stats are enabled
         # Post-process (the only device->host sync of the step).
         if decode_out is not None:
             toks = np.asarray(decode_out)
@@ -121,7 +126,9 @@ class LLMEngine:
                 if chunk.completes:
                     self._append(seq, int(toks[i]))
                     changed[seq.request_id] = seq
-        return [self._output(s) for s in changed.values()]
+        outputs = [self._output(s) for s in changed.values()]
+        self.stats.end(rec)
+        return outputs
 
     def _sampling(self, seqs: list[Sequence]) -> SamplingArrays:
         return SamplingArrays(

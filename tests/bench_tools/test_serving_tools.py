@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from bench import merge_serving, serving_h200
+from bench.serving import matrix, merge
 
 
 def test_workload_spec_defaults():
-    a, b, c = serving_h200.parse_workloads("8192:1024:32:32,512:128:1:4:1,2048:1024:64:64:0:16")
+    a, b, c = matrix.parse_workloads("8192:1024:32:32,512:128:1:4:1,2048:1024:64:64:0:16")
     assert (a["warm_n"], a["warm_out"]) == (32, 128)  # warm-up = concurrency, <= 128 tokens
     assert (b["warm_n"], b["warm_out"]) == (1, 128)
     assert (c["warm_n"], c["warm_out"], c["num_prompts"]) == (0, 16, 64)
@@ -18,13 +18,13 @@ def test_compile_lines_and_metrics_are_parsed():
     log = ("2026-11-30 12:00:00,000 WARNING jax._src.dispatch: Finished XLA compilation of "
            "jit(_prefill) in 12.5 sec\n... Finished XLA compilation of jit(_normal) in 1.0 sec\n"
            "... Finished XLA compilation of jit(_decode) in 3.25 sec\n")
-    hits = serving_h200.COMPILE_RE.findall(log)
+    hits = matrix.COMPILE_RE.findall(log)
     assert [(n, float(s)) for n, s in hits] == [("_prefill", 12.5), ("_decode", 3.25)]
     text = ("# TYPE jfp8kv_preemptions counter\njfp8kv_preemptions_total 3.0\n"
             "jfp8kv_num_requests_running 0.0\n")
-    assert serving_h200.metric(text, "jfp8kv_preemptions") == 3.0
-    assert serving_h200.metric(text, "jfp8kv_num_requests_running") == 0.0
-    assert serving_h200.metric(text, "jfp8kv_queue_length") is None
+    assert matrix.metric(text, "jfp8kv_preemptions") == 3.0
+    assert matrix.metric(text, "jfp8kv_num_requests_running") == 0.0
+    assert matrix.metric(text, "jfp8kv_queue_length") is None
 
 
 def _run(**kw):
@@ -58,7 +58,7 @@ def test_merge_keeps_existing_records_and_is_idempotent(tmp_path):
                                      "batch": 8, "input_len": 512, "output_len": 128,
                                      "output_throughput": 500.0, "date": "d"}]}))
     for _ in range(2):  # the second merge adds nothing
-        merge_serving.main([str(new), str(peer), "--into", str(into)])
+        merge.main([str(new), str(peer), "--into", str(into)])
         doc = json.loads(into.read_text())
         assert len(doc["runs"]) == 3 and len(doc["floor"]) == 1 and len(doc["peer"]) == 2
         assert doc["runs"][0]["model_shape"] == "random:qwen3-0.6b"  # existing first, kept

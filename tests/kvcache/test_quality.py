@@ -1,6 +1,6 @@
 """fp8 KV quality on the real model: the engine against an independent fake quantization.
 
-``fakequant.py`` re-implements the numerics contract with numpy + ml_dtypes (it imports
+``bench/fakequant.py`` re-implements the numerics contract with numpy + ml_dtypes (it imports
 nothing from jfp8kv). First, on random rows, it must agree bit for bit with what the
 engine's store writes and attention reads back, for every format and scale mode. Then, on
 SmolLM2-135M over 1,024 tokens of natural text (2,048 in the committed
@@ -16,7 +16,7 @@ other rounding boundaries, and two correct implementations end up with different
 2,048-token window (docs/quality.md). Computing in float64 on both sides (quantizing the
 float32 rounding of K/V, as the contract says) leaves differences of ~1e-13, far below any
 fp8 rounding boundary's reach, so both sides carry the same realization and must agree to
-~1e-10 pp. ``bench/quality_cpu.py --dtype float64`` does the measurement; it runs in a
+~1e-10 pp. ``python -m bench.quality_cpu --dtype float64`` does the measurement; it runs in a
 subprocess because float64 needs JAX's x64 mode, a process-wide switch.
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fakequant as fq
+from bench import fakequant as fq
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import reference
 from jfp8kv.kvcache.cache import KVCache
@@ -100,10 +100,10 @@ SAME_REALIZATION_PP = 1e-6  # what float64 on both sides actually gives (~1e-10 
 @pytest.fixture(scope="module")
 def float64_comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("quality") / "quality-f64.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "quality_cpu.py"), "--dtype", "float64",
+    cmd = [sys.executable, "-m", "bench.quality_cpu", "--dtype", "float64",
            "--tokens", str(TOKENS), "--windows", "1", "--configs", ",".join(CONFIGS),
            "--no-plot", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout[-3000:])
     with open(out) as f:

@@ -1,4 +1,4 @@
-"""bench/serving.py against the real server: token accounting and the JSON record."""
+"""python -m bench.serving against the real server: token accounting and the JSON record."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ TRANSPORTS = [pytest.param(t, marks=pytest.mark.skipif(
 
 
 def _bench(server, out_file, *flags: str) -> dict:
-    cmd = [sys.executable, "bench/serving.py", "--base-url", server.url, "--disable-tqdm",
+    cmd = [sys.executable, "-m", "bench.serving", "--base-url", server.url, "--disable-tqdm",
            "--output-file", str(out_file), "--token-id-range", "100", "20000", *flags]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

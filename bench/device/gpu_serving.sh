@@ -3,16 +3,16 @@
 # (python -m jfp8kv.serve), bf16 vs fp8_e4m3 (default scale mode), then the outside peer
 # (transformers generate with a static cache). Issue #6.
 #
-# Usage (GPU machine, repo root, .whl/ carried):  OUT=/some/dir bash bench/gpu_serving.sh
+# Usage (GPU machine, repo root, .whl/ carried):  OUT=/some/dir bash bench/device/gpu_serving.sh
 # Writes to $OUT (four files): serving-h200-8b.json (runs, rewritten after every run),
 # peer-hf.json (peer records, rewritten after every config), stages.txt (stage rc and time),
 # logs.tar.gz (stage, server and client logs). Merge afterwards, on any machine:
-#   python bench/merge_serving.py OUT/serving-h200-8b.json OUT/peer-hf.json
-#   python bench/plot_serving.py
+#   python -m bench.serving.merge OUT/serving-h200-8b.json OUT/peer-hf.json
+#   python -m bench.serving.plot
 #
 # Every knob is an environment variable (defaults: the issue #6 subset for one H200); the CPU
 # smoke test sets SHAPE=random:qwen3-tiny and tiny WORKLOADS. Workloads are
-# IN:OUT:CONC:N[:WARM_N[:WARM_OUT]] in priority order (see bench/serving_h200.py): the first
+# IN:OUT:CONC:N[:WARM_N[:WARM_OUT]] in priority order (see bench/serving/matrix.py): the first
 # one compiles most buckets in its warm-up and is the KV-bound ITL case; later ones reuse them.
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
@@ -49,7 +49,7 @@ fi
 (nvidia-smi || true) > "$LOGS/nvidia-smi.txt" 2>&1
 echo "setup in $((SECONDS - T0))s" | tee -a "$OUT/stages.txt"
 
-PYTHONPATH=$SITE$PWD stage serving "$SERVING_LIMIT" $PY bench/serving_h200.py --shapes "$SHAPE" \
+PYTHONPATH=$SITE$PWD stage serving "$SERVING_LIMIT" $PY -m bench.serving.matrix --shapes "$SHAPE" \
   --kv bfloat16,fp8_e4m3 --parallel-servers --mem-fraction "$MEM_FRACTION" \
   --kv-cache-memory "$KV_MEM" --max-num-batched-tokens "$BUDGET_TOKENS" --workloads "$WORKLOADS" \
   --deadline-s $((SERVING_LIMIT - 20)) --run-timeout 150 --token-id-range $TOKEN_RANGE \
@@ -58,7 +58,7 @@ kill_servers
 (nvidia-smi --query-gpu=memory.used --format=csv || true) >> "$LOGS/nvidia-smi.txt" 2>&1
 
 # The peer runs without /tmp/site (the server's wheels are not its dependencies).
-PYTHONPATH=$PWD stage peer "$PEER_LIMIT" $PY bench/peer_hf.py --shapes "$PEER_SHAPES" \
+PYTHONPATH=$PWD stage peer "$PEER_LIMIT" $PY -m bench.peer_hf --shapes "$PEER_SHAPES" \
   --configs "$PEER_CONFIGS" --output-len "$PEER_OUT_LEN" --deadline-s $((PEER_LIMIT - 30)) \
   --token-id-range $TOKEN_RANGE --out "$OUT/peer-hf.json"
 

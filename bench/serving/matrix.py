@@ -1,24 +1,24 @@
 """Serving benchmark matrix on the GPU: real server processes, bf16 vs fp8 KV.
 
 For each model shape, starts ``python -m jfp8kv.serve`` once per KV dtype (random weights of the
-real architecture), runs ``bench/serving.py`` for each workload, stops the servers, and writes
+real architecture), runs ``bench/serving/client.py`` for each workload, stops the servers, and writes
 one JSON: ``{"machine", "versions", "command", "runs", "floor", "peer", "skipped", "errors"}``.
 The decode-floor records (``bench/decode_floor.py``'s output) and the outside peer
 (``bench/peer_hf.py``'s output) are copied in when ``--floor`` / ``--peer`` are given.
 
-    python bench/serving_h200.py --shapes random:qwen3-8b --kv bfloat16,fp8_e4m3 \\
+    python -m bench.serving.matrix --shapes random:qwen3-8b --kv bfloat16,fp8_e4m3 \\
         --workloads 8192:1024:32:32:32,8192:128:1:4:1 --parallel-servers --mem-fraction 0.47 \\
         --kv-cache-memory 46000000000 --deadline-s 380 --out /tmp/serving.json
 
 Workloads: a comma list of ``IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]`` (input tokens, output tokens,
 ``--max-concurrency``, ``--num-prompts``). Each (workload, KV dtype) is two invocations of
-``bench/serving.py``: a warm-up of WARM_N requests sent at once with IN input and WARM_OUT
+``bench/serving/client.py``: a warm-up of WARM_N requests sent at once with IN input and WARM_OUT
 output tokens (defaults: CONC and min(OUT, 128); 0 skips it), which compiles the shape buckets
 the timed run will use, then the timed run (``--warmup-requests 0``). The server runs with
 ``--warmup off`` by default, so buckets compile on first use: order the workloads so that
 later ones reuse earlier ones' buckets, and give the first workload of a shape family a warm-up.
 
-Every run record carries the ``bench/serving.py`` metrics (SGLang ``bench_serving`` names:
+Every run record carries the ``bench/serving/client.py`` metrics (SGLang ``bench_serving`` names:
 ``median_ttft_ms``, ``median_itl_ms``, ``median_tpot_ms``, ``output_throughput``, ...) and:
 ``model_shape``, ``kv_cache_dtype``, ``kv_scale_mode``, ``input_len``, ``output_len``,
 ``max_concurrency``, ``num_prompts``, ``max_num_batched_tokens``, ``kv_cache_memory``,
@@ -60,8 +60,8 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench import internals
+from bench.common import ROOT
 
 COMPILE_RE = re.compile(r"Finished XLA compilation of jit\((_prefill|_decode|_nll)\) in "
                         r"([0-9.eE+-]+) ?s")
@@ -133,9 +133,7 @@ class Server:
         if args.kv_cache_memory:
             cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
         if kv.startswith("fp8"):
-            from jfp8kv.engine.llm import DEFAULT_FP8_SCALE_MODE
-
-            self.mode = args.kv_scale_mode or DEFAULT_FP8_SCALE_MODE
+            self.mode = args.kv_scale_mode or internals.default_fp8_scale_mode()
             cmd += ["--kv-scale-mode", self.mode]
         env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
         if args.mem_fraction:
@@ -215,7 +213,7 @@ def bench(server: Server, w: dict, warm: bool, timeout: float, args) -> dict:
     conc = w["warm_n"] if warm else w["max_concurrency"]
     fd, path = tempfile.mkstemp(suffix=".jsonl", dir=args.log_dir if warm else None)
     os.close(fd)
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "serving.py"), "--port",
+    cmd = [sys.executable, "-m", "bench.serving", "--port",
            str(server.port), "--num-prompts", str(n), "--random-input-len", str(w["input_len"]),
            "--random-output-len", str(out), "--max-concurrency", str(conc), "--ignore-eos",
            "--warmup-requests", "0", "--disable-tqdm", "--output-file", path,

@@ -40,7 +40,7 @@ arrivals (exponential gaps, ``--seed``). ``--max-concurrency`` caps requests in 
 
 Example::
 
-    python bench/serving.py --port 8000 --num-prompts 200 --random-input-len 1024 \\
+    python -m bench.serving --port 8000 --num-prompts 200 --random-input-len 1024 \\
         --random-output-len 128 --max-concurrency 32 --ignore-eos --output-file out.jsonl
 """
 

@@ -19,6 +19,9 @@ NaN/inf inputs are not handled specially (real text has none).
 the post-RoPE ``key``/``value`` [B, Hkv, T, D] of every layer before calling the stock sdpa
 attention; ``set_quantizer(model, q)`` picks what it does (``None``: no quantization).
 Text helpers (``natural_text``) live here too so the test and the benchmark share them.
+
+It lives in bench/ and tests import it as ``bench.fakequant``, so dependencies run one way:
+tests -> bench -> jfp8kv (and this module depends on no jfp8kv code at all).
 """
 
 from __future__ import annotations

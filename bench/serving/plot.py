@@ -1,6 +1,6 @@
-"""Plot bench/results/serving-h200.json (after ``bench/merge_serving.py``) into one PNG.
+"""Plot bench/results/serving-h200.json (after ``bench/serving/merge.py``) into one PNG.
 
-    python bench/plot_serving.py [JSON] [PNG] [--model random:qwen3-8b]
+    python -m bench.serving.plot [JSON] [PNG] [--model random:qwen3-8b]
 
 Rows: (1) median ITL, median TPOT and output throughput against input length, one line per
 (concurrency, output length) and KV dtype; (2) the same against concurrency, one line per

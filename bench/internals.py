@@ -1,0 +1,87 @@
+"""The one place where benchmarks reach past jfp8kv's public API (``LLM``, ``SamplingParams``).
+
+Everything else in bench/ goes through these helpers, so an engine refactor has one file
+to follow. What each needs and why:
+
+* ``step_stats``: the engine's per-step recorder (``LLMEngine.stats``, off by default);
+* ``decode_dispatch``: one jitted multi-step decode on hand-made rows, to time the step
+  alone against its memory floor (``bench.decode_floor``);
+* ``fill_cache_random``: random K/V pages and dynamic scales, so that timed attention reads
+  realistic data;
+* ``default_fp8_scale_mode``: the scale mode ``kv_cache_dtype="fp8"`` gets when none is
+  named (records and server command lines name it explicitly);
+* ``weight_bytes``: the parameters' bytes on the device;
+* ``min_prefill_chunk``: pad every prefill to at least one bucket for a while, so a sweep of
+  prompt lengths shares one compiled program (``bench.quality``). When ``EngineConfig``
+  has a minimum-chunk field, build the ``LLM`` with it instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def default_fp8_scale_mode() -> str:
+    from jfp8kv.engine.llm import DEFAULT_FP8_SCALE_MODE
+
+    return DEFAULT_FP8_SCALE_MODE
+
+
+def step_stats(llm):
+    """The engine's ``jfp8kv.engine.stats.StepStats``."""
+    return llm.engine.stats
+
+
+def decode_dispatch(llm, rows, num_steps: int, greedy: bool = True):
+    """One decode dispatch of ``num_steps`` steps. rows: (last_token, position, pages, limit).
+    Returns the device array of tokens [B_bucket, num_steps] (not waited for)."""
+    from jfp8kv.engine.runner import SamplingArrays
+
+    return llm.engine.runner.decode(rows, SamplingArrays.empty(len(rows)), greedy, num_steps)
+
+
+def fill_cache_random(llm, key) -> None:
+    """Overwrite every layer's K/V pages and dynamic scales with random values (static
+    scales stay), one layer at a time, freeing the old buffers as it goes, so the pool never
+    exists twice on the device and no timing runs on zeros."""
+    import jax
+
+    cache = llm.engine.runner.cache
+
+    @jax.jit
+    def rnd(x, k):
+        return (jax.random.normal(k, x.shape, "float32") * 2).astype(x.dtype)
+
+    @jax.jit
+    def rnd_scale(x, k):
+        return (jax.random.uniform(k, x.shape) * 0.02 + 0.001).astype(x.dtype)
+
+    for i in range(len(cache.k)):
+        for j, (arrs, fn) in enumerate(((cache.k, rnd), (cache.v, rnd),
+                                        (cache.k_scale, rnd_scale), (cache.v_scale, rnd_scale))):
+            if arrs[i].ndim >= 3:  # pages and dynamic scales; static scales stay
+                old = arrs[i]
+                arrs[i] = fn(old, jax.random.fold_in(key, 4 * i + j))
+                old.delete()
+
+
+def weight_bytes(llm) -> int:
+    """Bytes of the model's parameters on the device."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(llm.engine.runner.params)
+    return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+
+@contextlib.contextmanager
+def min_prefill_chunk(llm, tokens: int):
+    """Within the block, prefill chunks are padded to at least bucket(tokens)."""
+    from jfp8kv.engine.runner import bucket
+
+    runner = llm.engine.runner
+    before = runner.min_chunk
+    runner.min_chunk = max(before, bucket(tokens))
+    try:
+        yield
+    finally:
+        runner.min_chunk = before

@@ -1,0 +1,368 @@
+"""Offline throughput of ``jfp8kv.LLM`` against an ideal time (vLLM's throughput benchmark,
+plus a model of what the hardware could do).
+
+    python -m bench.offline --model random:qwen3-0.6b --num-prompts 32 --input-len 512 \\
+        --output-len 128 --kv-cache-dtype bfloat16,fp8 [--kv-cache-memory 16e9] [--plot]
+    python -m bench.offline --model random:qwen3-tiny --num-prompts 4 --input-len 32 \\
+        --output-len 8 --out /tmp/offline.json          # CPU smoke test
+    python -m bench.offline --plot-only bench/results/offline-h200.json
+
+Workload: ``--num-prompts`` prompts of random token ids (or the lines of ``--dataset``, a
+text file, tokenized and cut to ``--input-len``), greedy, ``ignore_eos``, so every request
+makes exactly its output length. Lengths follow SGLang's random dataset: with
+``--range-ratio r`` each length is drawn uniformly from [max(1, int(L * r)), L] (r = 1,
+the default, gives exactly L). ``--prefill-only`` sets every output length to 1: the run is
+all prefill (each request's only token is sampled by its last prefill chunk), a TTFT-like
+measurement. ``--kv-cache-memory`` (bytes) caps the KV pool, making a run capacity-bound.
+One invocation runs every ``--kv-cache-dtype`` of a comma list on the same prompts and the
+same loaded weights.
+
+Warm-up (``--warmup``): ``full`` (default) runs the whole workload once first with other
+random tokens of the same lengths (so a prefix cache cannot help the timed run), which
+compiles every bucket the timed run uses; ``buckets`` calls ``LLM.warmup()``; ``off``
+times a cold engine. The timed run is one pass over ``LLM.generate_stream``.
+
+Each run's record: output and total (prompt + output) tokens per second, TTFT of each
+request from the start of the run (mean, median, max), the engine's per-step anatomy
+(``jfp8kv.engine.stats.StepStats`` summed over the timed run: host scheduling ms, device ms,
+post-processing ms, decode rows, prefill tokens, compiles inside steps) and the compiles the
+whole timed run saw, and the ideal time, from the engine's recorded steps and two rates
+measured in the same invocation (a bf16 matmul, a device copy):
+
+    ideal = prefill FLOPs / matmul rate + decode bytes / copy bandwidth
+    prefill FLOPs = 2 * P * prefill tokens + 2 * D * V * prefill rows
+                    + 4 * L * H * Dh * causal (query, key) pairs
+    decode bytes  = per decode dispatch: iterations * W + K/V tokens read * bytes_per_token
+
+with P the transformer's matmul parameters (all layers' q/k/v/o and MLP weights), D the
+hidden size, V the vocabulary (the logits matmul), L, H, Dh layers, query heads and head
+size, W the weights one decode iteration reads (P plus the logits matrix, times the
+parameter itemsize), and bytes_per_token the cache's K/V bytes per token including scales.
+``actual_over_ideal`` is the wall time over that. ``ideal_roofline_s`` also charges every
+dispatch the larger of its FLOPs and bytes terms (prefill reads the weights too; a large
+decode batch computes); it is never below ``ideal_s`` (up to float rounding).
+
+Writes ``bench/results/offline-<machine>.json`` (``--out``; with ``--append`` the runs are
+added to an existing file): machine, versions, exact command, the two rates, the ideal model
+(this text's formulas) and one record per run; ``--plot`` writes the PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from bench import internals
+from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
+                          matmul_tflops, write_result)
+
+IDEAL_MODEL = (
+    "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
+    "2 * P * prefill_tokens + 2 * D * V * prefill_rows + 4 * L * H * Dh * causal_pairs; "
+    "decode_bytes = sum over decode dispatches of (iterations * W + kv_tokens_read * "
+    "bytes_per_token); P = matmul parameters of all layers, W = (P + D * V) * itemsize; "
+    "ideal_roofline_s charges each dispatch max(flops / matmul_rate, bytes / copy_bandwidth)")
+
+
+def machine_slug(info: dict) -> str:
+    """'NVIDIA H200' -> 'h200'; a CPU -> 'cpu'."""
+    if info["platform"] != "gpu":
+        return info["platform"]
+    return str(info["device"]).split()[-1].lower().replace("/", "-")
+
+
+def parse_bytes(text: str | None) -> int | None:
+    return None if text is None else int(float(text))
+
+
+def make_prompts(args, vocab: int, tokenizer, seed: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt token ids, output lengths) for the workload; ``seed`` picks the tokens."""
+    rng = np.random.default_rng([args.seed, seed])
+    n = args.num_prompts
+
+    def lengths(top: int) -> np.ndarray:
+        return rng.integers(max(1, int(top * args.range_ratio)), top + 1, n)
+
+    in_lens = lengths(args.input_len)
+    out_lens = np.ones(n, int) if args.prefill_only else lengths(args.output_len)
+    if args.dataset:
+        with open(args.dataset) as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+        if not lines:
+            raise SystemExit(f"--dataset {args.dataset}: no non-empty lines")
+        prompts = [tokenizer.encode(lines[i % len(lines)])[:args.input_len] for i in range(n)]
+        prompts = [p or [0] for p in prompts]
+    else:
+        prompts = [rng.integers(0, vocab, int(t)).tolist() for t in in_lens]
+    return prompts, [int(x) for x in out_lens]
+
+
+def model_terms(cfg, dtype: str) -> dict:
+    """The architecture's numbers the ideal model needs (see the module docstring)."""
+    import jax.numpy as jnp
+
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = (d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd
+                 + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size)
+    p = cfg.num_layers * per_layer
+    head = d * cfg.vocab_size
+    return dict(matmul_params=p, logits_params=head,
+                decode_weight_bytes=(p + head) * jnp.dtype(dtype).itemsize,
+                attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * hd)
+
+
+def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: float) -> dict:
+    """The ideal model over the engine's recorded steps (``StepRecord`` list)."""
+    rate, bw = tflops * 1e12, tbps * 1e12
+    pf = db = df = 0.0
+    roof = 0.0
+    for r in records:
+        f = (2 * terms["matmul_params"] * r.prefill_tokens
+             + 2 * terms["logits_params"] * r.prefill_chunks
+             + terms["attn_flops_per_pair"] * r.prefill_pairs)
+        b = (r.decode_iterations * terms["decode_weight_bytes"]
+             + r.decode_kv_tokens * bytes_per_token)
+        g = (2 * (terms["matmul_params"] + terms["logits_params"]) * r.decode_tokens
+             + terms["attn_flops_per_pair"] * r.decode_kv_tokens)
+        pf, db, df = pf + f, db + b, df + g
+        if r.prefill_chunks:
+            roof += max(f / rate, terms["decode_weight_bytes"] / bw)
+        if r.decode_rows:
+            roof += max(b / bw, g / rate)
+    return dict(prefill_flops=pf, prefill_s=pf / rate, decode_bytes=db, decode_s=db / bw,
+                decode_flops=df, ideal_s=pf / rate + db / bw, ideal_roofline_s=roof)
+
+
+def timed_generate(llm, prompts, out_lens) -> dict:
+    """One pass of ``generate_stream``; wall time, per-request TTFT, tokens, preemptions."""
+    from jfp8kv import SamplingParams
+    from jfp8kv.engine.stats import compile_count
+
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
+    first, final = {}, {}
+    c0, s0 = compile_count()
+    t0 = time.perf_counter()
+    for out in llm.generate_stream(prompts, params):
+        now = time.perf_counter() - t0
+        if out.token_ids and out.request_id not in first:
+            first[out.request_id] = now
+        if out.finished:
+            final[out.request_id] = out
+    elapsed = time.perf_counter() - t0
+    c1, s1 = compile_count()
+    ttft = sorted(first.values())
+    return dict(elapsed_s=elapsed, ttft=ttft, outputs=list(final.values()),
+                compiles_in_run=c1 - c0, compile_s_in_run=s1 - s0)
+
+
+def run_one(args, loaded, kv: str, rates: dict) -> dict:
+    """Build an LLM for one KV dtype, warm it up, time the workload, and make its record."""
+    from jfp8kv import LLM
+
+    kw = dict(loaded=loaded, dtype=args.dtype, kv_cache_dtype=kv,
+              kv_scale_mode=args.kv_scale_mode if kv.startswith("fp8") else None,
+              kv_cache_memory=parse_bytes(args.kv_cache_memory), seed=args.seed,
+              attention_backend=args.attention_backend, decode_steps=args.decode_steps)
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    cfg = loaded.config
+    prompts, out_lens = make_prompts(args, cfg.vocab_size, loaded.tokenizer, 0)
+    kw["max_model_len"] = args.max_model_len or max(map(len, prompts)) + max(out_lens)
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    build_s = time.perf_counter() - t
+    t = time.perf_counter()
+    if args.warmup == "full":
+        timed_generate(llm, *make_prompts(args, cfg.vocab_size, loaded.tokenizer, 1))
+    elif args.warmup == "buckets":
+        llm.warmup(progress=False)
+    warmup_s = time.perf_counter() - t
+    stats = internals.step_stats(llm)
+    stats.reset()
+    stats.enable()
+    run = timed_generate(llm, prompts, out_lens)
+    stats.enable(False)
+    info = llm.cache_info()
+    rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
+    rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3))
+    del llm
+    gc.collect()
+    return rec
+
+
+def make_record(args, kv, info, run, stats, terms, rates) -> dict:
+    outs = run["outputs"]
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(o.token_ids) for o in outs)
+    el = run["elapsed_s"]
+    ideal = ideal_time(stats.records, terms, info["bytes_per_token"], rates["matmul_tflops"],
+                       rates["copy_tbps"])
+    anatomy = stats.summary()
+    anatomy["other_ms"] = round(el * 1e3 - anatomy["schedule_ms"] - anatomy["device_ms"]
+                                - anatomy["post_ms"], 3)
+    anatomy["max_decode_rows"] = max((r.decode_rows for r in stats.records), default=0)
+    ttft = run["ttft"] or [float("nan")]
+    return dict(
+        model=args.model, dtype=args.dtype, kv_cache_dtype=info["kv_cache_dtype"],
+        kv_cache_dtype_arg=kv, kv_scale_mode=info["kv_scale_mode"],
+        num_prompts=len(outs), input_len=args.input_len,
+        output_len=1 if args.prefill_only else args.output_len, range_ratio=args.range_ratio,
+        prefill_only=args.prefill_only, dataset=args.dataset,
+        max_model_len=info["max_model_len"], kv_cache_memory=info["kv_cache_memory"],
+        num_pages=info["num_pages"], max_tokens=info["max_tokens"],
+        bytes_per_token=info["bytes_per_token"], attention_backend=info["attention_backend"],
+        total_input_tokens=n_in, total_output_tokens=n_out, elapsed_s=el,
+        output_throughput=n_out / el, total_throughput=(n_in + n_out) / el,
+        request_throughput=len(outs) / el, mean_ttft_ms=statistics.fmean(ttft) * 1e3,
+        median_ttft_ms=statistics.median(ttft) * 1e3, max_ttft_ms=max(ttft) * 1e3,
+        preemptions=sum(o.num_preemptions for o in outs),
+        compiles_in_run=run["compiles_in_run"],
+        compile_s_in_run=round(run["compile_s_in_run"], 3),
+        anatomy=anatomy, model_terms=terms, ideal=ideal,
+        actual_over_ideal=el / ideal["ideal_s"] if ideal["ideal_s"] > 0 else float("nan"),
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    out = {}
+    for pkg in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "numpy"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    import jfp8kv
+
+    out["jfp8kv"] = jfp8kv.__version__
+    return out
+
+
+def summary_line(r: dict) -> str:
+    a = r["anatomy"]
+    return (f"{r['model']} {r['kv_cache_dtype']:9s} {r['num_prompts']}x{r['input_len']}/"
+            f"{r['output_len']}: {r['output_throughput']:,.0f} out tok/s, "
+            f"{r['total_throughput']:,.0f} total tok/s, {r['elapsed_s']:.3f} s = "
+            f"{r['actual_over_ideal']:.2f}x ideal {r['ideal']['ideal_s']:.3f} s; steps "
+            f"{a['steps']} (sched {a['schedule_ms']:.0f} ms, device {a['device_ms']:.0f} ms, "
+            f"post {a['post_ms']:.0f} ms), max rows {a['max_decode_rows']}, compiles "
+            f"{r['compiles_in_run']}, preemptions {r['preemptions']}")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:qwen3-0.6b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-cache-dtype", default="bfloat16,fp8",
+                   help="comma list, run in order on the same prompts")
+    p.add_argument("--kv-scale-mode", default=None, help="fp8 runs (default: the engine's)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=1.0)
+    p.add_argument("--dataset", default=None, help="text file: one prompt per non-empty line")
+    p.add_argument("--prefill-only", action="store_true", help="output length 1 (TTFT-like)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool bytes (e.g. 16e9)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: longest prompt + longest output")
+    p.add_argument("--decode-steps", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--warmup", choices=("full", "buckets", "off"), default="full")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="default: bench/results/offline-<machine>.json")
+    p.add_argument("--append", action="store_true", help="add the runs to an existing --out")
+    p.add_argument("--plot", action="store_true", help="also write the PNG beside the JSON")
+    p.add_argument("--plot-only", default=None, metavar="JSON", help="plot a result file")
+    args = p.parse_args(argv)
+    if not 0 < args.range_ratio <= 1:
+        p.error("--range-ratio must be in (0, 1]")
+    if min(args.num_prompts, args.input_len, args.output_len) < 1:
+        p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = command_line(__spec__.name if __spec__ else "bench.offline", argv)
+    if args.plot_only:
+        plot(args.plot_only)
+        return 0
+    from jfp8kv.models.loader import load_model
+
+    machine = machine_info()
+    out = args.out or os.path.join(RESULTS, f"offline-{machine_slug(machine)}.json")
+    rates = {"matmul_tflops": matmul_tflops(), "copy_tbps": copy_bandwidth_tbps()}
+    print(f"measured: bf16 matmul {rates['matmul_tflops']:.3g} TFLOP/s, copy "
+          f"{rates['copy_tbps']:.3g} TB/s", flush=True)
+    doc = {"machine": machine, "versions": versions(), "commands": [], "rates": [],
+           "ideal_model": IDEAL_MODEL, "runs": []}
+    if args.append and os.path.exists(out):
+        with open(out) as f:
+            doc = json.load(f)
+    doc["commands"].append(command)
+    doc["rates"].append(rates)
+    loaded = load_model(args.model, args.dtype)
+    for kv in args.kv_cache_dtype.split(","):
+        rec = run_one(args, loaded, kv.strip(), rates)
+        rec.update(rates=rates, command=command)
+        doc["runs"].append(rec)
+        print(summary_line(rec), flush=True)
+        write_result(out, doc)  # after every run: a run cut short keeps what it measured
+    print(f"wrote {out}")
+    if args.plot:
+        plot(out)
+    return 0
+
+
+def plot(path: str) -> None:
+    """Per run: wall time split into the step anatomy beside the ideal time's two terms;
+    and output throughput. Writes PATH with .png for .json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    labels = [f"{r['model'].split(':')[-1]}\n{r['num_prompts']}x{r['input_len']}/"
+              f"{r['output_len']}\n{r['kv_cache_dtype']}" for r in runs]
+    x = np.arange(len(runs))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(runs) + 4), 4.8))
+    bottom = np.zeros(len(runs))
+    for key, name in (("schedule_ms", "host scheduling"), ("device_ms", "device (+dispatch)"),
+                      ("post_ms", "post-processing"), ("other_ms", "outside steps")):
+        v = np.array([max(r["anatomy"][key], 0) / 1e3 for r in runs])
+        ax.bar(x - 0.2, v, 0.4, bottom=bottom, label=name)
+        bottom += v
+    pre = np.array([r["ideal"]["prefill_s"] for r in runs])
+    dec = np.array([r["ideal"]["decode_s"] for r in runs])
+    ax.bar(x + 0.2, pre, 0.4, color="0.55", label="ideal: prefill FLOPs")
+    ax.bar(x + 0.2, dec, 0.4, bottom=pre, color="0.8", label="ideal: decode bytes")
+    for i, r in enumerate(runs):
+        ax.text(i, bottom[i], f"{r['actual_over_ideal']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.set_title("whole run vs ideal (label: actual / ideal)")
+    ax.legend(fontsize=7)
+    ax2.bar(x, [r["output_throughput"] for r in runs])
+    ax2.set_xticks(x, labels, fontsize=7)
+    ax2.set_ylabel("output tokens / s")
+    ax2.set_title("output throughput")
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
