@@ -6,6 +6,13 @@ remaining > 1 means prefill (chunked under the token budget), remaining == 1 mea
 (the last sampled token is the input). Preemption frees all pages and sets num_cached = 0,
 so the sequence is recomputed by prefill later; its generated tokens are kept.
 
+Prefix caching (``enable_prefix_caching``, on by default): full computed pages are registered
+in a ``PrefixCache`` at the start of each step and when a sequence releases its pages (finish,
+abort, preemption). An admission maps the registered pages its tokens start with (shared,
+reference-counted) and starts with ``num_cached`` at the end of them, so only the rest is
+prefilled. Shared pages are full and lie below every holder's ``num_cached``: nobody writes
+them. A preempted sequence usually finds its own pages still cached when readmitted.
+
 Each step decodes every running sequence in decode state (decode has priority, so
 inter-token latency stays low while others prefill) and spends the remaining token budget
 on prefill chunks: first sequences part-way through their prompt, then new admissions
@@ -21,6 +28,7 @@ import time
 
 from jfp8kv.engine.types import SamplingParams
 from jfp8kv.kvcache.allocator import PageAllocator
+from jfp8kv.kvcache.prefix_cache import PrefixCache, PrefixCacheStats
 
 
 @dataclasses.dataclass(eq=False)
@@ -38,6 +46,13 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     order: int = 0
+    # Prompt tokens whose K/V came from the prefix cache at the first admission (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens); readmissions after preemption don't count.
+    num_cached_prompt_tokens: int = 0
+    # Prefix-cache keys of the first full pages of ``tokens`` (hashed once, kept across
+    # preemption since tokens only grow), and how many of ``pages`` were offered to the cache.
+    page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    num_registered: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -83,7 +98,11 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1):
+                 max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1, *,
+                 enable_prefix_caching: bool = True, prefix_cache_namespace=""):
+        """``prefix_cache_namespace``: anything that changes the numbers stored in a page
+        (model, cache dtype, scale mode, static-scale version, rotation); pages are reused
+        only within one namespace (see ``PrefixCache``)."""
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -94,6 +113,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._order = itertools.count()
+        self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace)
+                             if enable_prefix_caching else None)
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -111,9 +132,33 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Hit and query token counts, cached pages, evictions (all zero when disabled)."""
+        return self.prefix_cache.stats() if self.prefix_cache else PrefixCacheStats()
+
+    def reset_prefix_cache(self, namespace=None) -> None:
+        """Forget every cached page (e.g. after static scales changed); with ``namespace``,
+        also key new pages under it. Needs no running sequence (their pages hold old numbers)."""
+        if self.running:
+            raise RuntimeError("reset_prefix_cache() needs no running sequence")
+        if self.prefix_cache:
+            self.prefix_cache.reset(namespace)
+        for seq in self.waiting:
+            seq.page_keys = []
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly full, computed pages to the prefix cache."""
+        if self.prefix_cache and seq.num_cached // self.page_size > seq.num_registered:
+            seq.num_registered = self.prefix_cache.register(
+                seq.tokens, seq.page_keys, seq.pages, seq.num_registered, seq.num_cached)
+
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.pages)
+        self._register(seq)
+        # Last page first: of one sequence's cached pages the tail is evicted first, so a
+        # cached prefix is not cut in the middle while its continuation survives.
+        self.allocator.free(reversed(seq.pages))
         seq.pages = []
+        seq.num_registered = 0
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -146,6 +191,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         self._preempted: list[Sequence] = []
+        for seq in self.running:
+            self._register(seq)
         budget = self.max_num_batched_tokens
         decode: list[DecodeRow] = []
         protect: set = set()
@@ -175,8 +222,7 @@ class Scheduler:
                 budget -= chunk.length
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.remaining, budget)
-            if not self.allocator.can_allocate(self._pages_for(seq.num_cached + n) - len(seq.pages)):
+            if not self._admit(seq, budget):
                 break  # admission needs free pages; never preempt to admit
             self.waiting.popleft()
             self.running.append(seq)
@@ -184,6 +230,25 @@ class Scheduler:
             prefill.append(chunk)
             budget -= chunk.length
         return ScheduledStep(decode, prefill, self._preempted)
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Map the cached pages ``seq``'s tokens start with, if pages for the rest of its
+        first chunk are free (else change nothing and return False)."""
+        assert not seq.pages and seq.num_cached == 0, "a waiting sequence holds no pages"
+        hit = self.prefix_cache.match(seq.tokens, seq.page_keys) if self.prefix_cache else []
+        start = len(hit) * self.page_size
+        n = min(seq.num_tokens - start, budget)
+        if not self.allocator.can_allocate(self._pages_for(start + n) - len(hit), sharing=hit):
+            return False
+        self.allocator.share(hit)
+        seq.pages = list(hit)
+        seq.num_cached = start
+        seq.num_registered = len(hit)
+        if self.prefix_cache:
+            self.prefix_cache.record(seq.num_tokens, start)
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = start
+        return True
 
     def _prefill_chunk(self, seq: Sequence, budget: int, protect: set) -> PrefillChunk | None:
         n = min(seq.remaining, budget)

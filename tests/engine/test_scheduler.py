@@ -1,5 +1,6 @@
 """Scheduler and allocator: plain Python, no device."""
 
+import collections
 import random
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from jfp8kv.engine.scheduler import Scheduler, Sequence
 from jfp8kv.engine.types import SamplingParams
 from jfp8kv.kvcache.allocator import PageAllocator
+from jfp8kv.kvcache.prefix_cache import PrefixCacheStats
 
 
 def make(num_pages=9, page_size=4, max_model_len=32, max_num_seqs=8, budget=16, steps=1):
@@ -37,12 +39,19 @@ def run_step(s: Scheduler, token=7):
 
 
 def check_pages(s: Scheduler):
-    owned = [p for q in s.running for p in q.pages] + [p for q in s.waiting for p in q.pages]
-    assert len(owned) == len(set(owned)), "a page has two owners"
-    assert 0 not in owned, "the sink page was handed out"
-    assert len(owned) + s.allocator.num_free == s.allocator.num_pages - 1
+    """Page ownership is exact: every page's reference count equals its holders, held and free
+    pages partition the pool, and a shared or cached page is full and computed for every
+    holder (so nobody writes it)."""
+    holders = collections.Counter(p for q in [*s.running, *s.waiting] for p in q.pages)
+    a = s.allocator
+    assert 0 not in holders, "the sink page was handed out"
+    assert all(a.refcount(p) == holders[p] for p in range(1, a.num_pages)), "refcount drift"
+    assert len(holders) + a.num_free == a.num_pages - 1, "a page leaked"
     for q in s.running:
         assert len(q.pages) * s.page_size >= q.num_cached
+        for j, p in enumerate(q.pages):
+            if holders[p] > 1 or a.is_cached(p):
+                assert (j + 1) * s.page_size <= q.num_cached, "a shared page is still written"
 
 
 def test_allocator_never_hands_out_page_zero():
@@ -123,3 +132,205 @@ def test_multi_step_decode_is_capped_by_max_tokens_and_model_len():
     s2.add(b)
     run_step(s2)
     assert s2.schedule().decode[0].steps == 2  # 3 tokens total, 1 already sampled
+
+
+# -- prefix caching ---------------------------------------------------------------------
+
+def fake_model(tokens) -> int:
+    """A deterministic 'greedy model': the next token is a function of the whole prefix."""
+    return hash(tuple(tokens)) % 11 + 1
+
+
+class FakePool:
+    """The device pool, simulated: the 'K/V' at a slot is the token prefix that produced it.
+    A step checks that every position a sequence reads holds its own prefix (no stale or
+    foreign data) and that nobody writes a shared or cached page."""
+
+    def __init__(self, s: Scheduler):
+        self.s, self.mem = s, {}
+
+    def _slot(self, seq, pos):
+        return seq.pages[pos // self.s.page_size], pos % self.s.page_size
+
+    def write(self, seq, pos):
+        page = seq.pages[pos // self.s.page_size]
+        assert self.s.allocator.refcount(page) == 1 and not self.s.allocator.is_cached(page)
+        self.mem[self._slot(seq, pos)] = hash(tuple(seq.tokens[:pos + 1]))
+
+    def check_reads(self, seq, upto):
+        for pos in range(upto):
+            assert self.mem.get(self._slot(seq, pos)) == hash(tuple(seq.tokens[:pos + 1])), \
+                f"{seq.request_id} reads stale K/V at position {pos}"
+
+
+def sim_step(s: Scheduler, pool: FakePool):
+    """LLMEngine.step on the fake pool and model: decode, then prefill chunks."""
+    plan = s.schedule()
+    for r in plan.decode:
+        q = r.seq
+        pool.check_reads(q, q.num_cached)
+        for _ in range(r.steps):
+            pool.write(q, q.num_cached)
+            q.num_cached += 1
+            q.output_ids.append(fake_model(q.tokens))
+            if len(q.output_ids) >= q.params.max_tokens:
+                s.remove(q)
+                break
+    for c in plan.prefill:
+        q = c.seq
+        pool.check_reads(q, c.start)
+        for pos in range(c.start, c.start + c.length):
+            pool.write(q, pos)
+        q.num_cached += c.length
+        if c.completes:
+            q.output_ids.append(fake_model(q.tokens))
+            if len(q.output_ids) >= q.params.max_tokens:
+                s.remove(q)
+    check_pages(s)
+    return plan
+
+
+def chunks(plan):
+    return [(c.seq.request_id, c.start, c.length) for c in plan.prefill]
+
+
+def test_shared_prefix_maps_cached_pages_and_prefills_only_the_rest():
+    s = make(num_pages=33, page_size=4, budget=64)
+    pool = FakePool(s)
+    a = Sequence("a", list(range(1, 11)), SamplingParams(max_tokens=8), seed=0)
+    s.add(a)
+    sim_step(s, pool)  # a's whole prompt: pages 0 and 1 full, page 2 half
+    b = Sequence("b", list(range(1, 9)) + [50, 51, 52], SamplingParams(max_tokens=8), seed=0)
+    s.add(b)
+    plan = sim_step(s, pool)
+    assert [r.seq.request_id for r in plan.decode] == ["a"]
+    assert chunks(plan) == [("b", 8, 3)]  # the first 8 tokens came from a's pages
+    assert b.pages[:2] == a.pages[:2] and b.pages[2] not in a.pages
+    assert [s.allocator.refcount(p) for p in b.pages] == [2, 2, 1]
+    assert b.num_cached_prompt_tokens == 8 and a.num_cached_prompt_tokens == 0
+    st = s.prefix_cache_stats()
+    assert (st.queried_tokens, st.hit_tokens, st.cached_pages) == (10 + 11, 8, 2)
+    assert st.hit_rate == 8 / 21
+    while s.has_work():
+        sim_step(s, pool)
+    assert s.allocator.num_used == 0 and s.allocator.num_free == 32
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    s = make(num_pages=33, page_size=4, budget=64)
+    pool = FakePool(s)
+    s.add(seq("a", 8, max_tokens=1))
+    sim_step(s, pool)  # finished: both pages stay cached
+    assert s.allocator.num_used == 0 and s.prefix_cache_stats().cached_pages == 2
+    b, c = seq("b", 8, max_tokens=1), seq("c", 9, max_tokens=1)
+    s.add(b)
+    # Only page 0 is mapped: the page holding the last token is recomputed, in a new page.
+    assert chunks(sim_step(s, pool)) == [("b", 4, 4)]
+    s.add(c)
+    assert chunks(sim_step(s, pool)) == [("c", 8, 1)]
+    assert (b.num_cached_prompt_tokens, c.num_cached_prompt_tokens) == (4, 8)
+
+
+def test_finished_pages_are_evicted_least_recently_used_tail_first():
+    s = make(num_pages=9, page_size=4, max_model_len=32, budget=64)
+    pool = FakePool(s)
+    x = Sequence("x", list(range(1, 13)), SamplingParams(max_tokens=1), seed=0)
+    y = Sequence("y", list(range(101, 109)), SamplingParams(max_tokens=1), seed=0)
+    for q in (x, y):
+        s.add(q)
+        sim_step(s, pool)
+    assert s.prefix_cache_stats().cached_pages == 5 and s.allocator.num_free == 8
+    z = Sequence("z", list(range(201, 217)), SamplingParams(max_tokens=1), seed=0)
+    s.add(z)  # 4 pages: the 3 clean ones, then x's last page (least recently freed)
+    sim_step(s, pool)
+    assert s.prefix_cache_stats().evictions == 1
+    # x keeps its first two pages, y all of its own (lookups change nothing).
+    assert len(s.prefix_cache.match(x.prompt_token_ids + [7], [])) == 2
+    assert len(s.prefix_cache.match(y.prompt_token_ids + [7], [])) == 2
+    x2 = Sequence("x2", x.prompt_token_ids + [7], SamplingParams(max_tokens=1), seed=0)
+    s.add(x2)
+    assert chunks(sim_step(s, pool)) == [("x2", 8, 5)]
+
+
+def test_abort_of_a_sharer_and_preemption_keep_counts_exact():
+    s = make(num_pages=33, page_size=4, budget=64)
+    pool = FakePool(s)
+    a = seq("a", 10, max_tokens=20)
+    s.add(a)
+    sim_step(s, pool)
+    b = seq("b", 10, max_tokens=20)
+    s.add(b)
+    sim_step(s, pool)
+    shared = a.pages[:2]
+    assert b.pages[:2] == shared and [s.allocator.refcount(p) for p in shared] == [2, 2]
+    s.remove(b)  # abort
+    check_pages(s)
+    assert [s.allocator.refcount(p) for p in shared] == [1, 1]
+    assert (a.num_tokens, a.num_cached) == (12, 11)  # pages 0 and 1 full, page 2 not
+    s._preempted = []
+    s._preempt(a)  # all of a's full computed pages stay cached for its readmission
+    check_pages(s)
+    assert s.allocator.num_used == 0 and s.allocator.is_cached(shared[0])
+    plan = sim_step(s, pool)
+    assert chunks(plan) == [("a", 8, 4)]  # only the tail is recomputed
+    assert a.num_cached_prompt_tokens == 0  # readmissions don't count as prompt hits
+
+
+def test_disabled_prefix_caching_recomputes_everything():
+    s = Scheduler(PageAllocator(33), 4, 32, 8, 64, enable_prefix_caching=False)
+    pool = FakePool(s)
+    s.add(seq("a", 10, max_tokens=1))
+    sim_step(s, pool)
+    s.add(seq("b", 10, max_tokens=1))
+    assert chunks(sim_step(s, pool)) == [("b", 0, 10)]
+    assert s.prefix_cache_stats() == PrefixCacheStats() and s.allocator.num_cached == 0
+
+
+def test_reset_forgets_cached_pages():
+    s = make(num_pages=33, page_size=4, budget=64)
+    pool = FakePool(s)
+    s.add(seq("a", 10, max_tokens=1))
+    sim_step(s, pool)
+    s.reset_prefix_cache(namespace="new static scales")
+    assert s.prefix_cache_stats().cached_pages == 0 and s.allocator.num_free == 32
+    s.add(seq("b", 10, max_tokens=1))
+    assert chunks(sim_step(s, pool)) == [("b", 0, 10)]
+
+
+def run_workload(enable: bool, seed: int):
+    rng = random.Random(seed)
+    s = Scheduler(PageAllocator(15), 4, 48, 4, 12, 3, enable_prefix_caching=enable)
+    pool = FakePool(s)
+    heads = [[rng.randint(1, 50) for _ in range(rng.randint(5, 14))] for _ in range(3)]
+    seqs = []
+    for i in range(30):
+        prompt = rng.choice(heads) + [rng.randint(1, 50) for _ in range(rng.randint(0, 10))]
+        seqs.append(Sequence(str(i), prompt, SamplingParams(max_tokens=rng.randint(1, 12)), 0))
+    aborts = {rng.randrange(30): rng.randrange(60) for _ in range(4)}
+    pending = list(seqs)
+    for step in range(3000):
+        while pending and rng.random() < 0.5:
+            s.add(pending.pop(0))
+        for i, at in aborts.items():
+            if at == step:
+                s.remove(seqs[i])  # an abort: waiting, running or already finished
+        if not s.has_work() and not pending:
+            break
+        sim_step(s, pool)
+    assert not s.has_work() and not pending
+    assert s.allocator.num_used == 0 and s.allocator.num_free == 14
+    done = {q.request_id: q.output_ids for q in seqs if q.request_id not in
+            {str(i) for i in aborts}}
+    return done, s
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shared_prefix_workload_matches_no_caching(seed):
+    """Shared heads, aborts, preemptions and evictions: with and without caching the fake
+    model produces the same tokens, no step reads stale data, and no page leaks."""
+    with_cache, s = run_workload(True, seed)
+    without, s0 = run_workload(False, seed)
+    assert with_cache == without
+    st = s.prefix_cache_stats()
+    assert st.hit_tokens > 0 and st.evictions > 0
+    assert s.num_preemptions > 0 and s0.num_preemptions > 0
