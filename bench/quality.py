@@ -66,6 +66,7 @@ import jfp8kv  # noqa: E402
 from bench.common import machine_info  # noqa: E402
 from jfp8kv.engine import llm as llm_module  # noqa: E402
 from jfp8kv.engine import runner as runner_module  # noqa: E402
+from jfp8kv.engine import calibrate as engine_calibrate  # noqa: E402
 from jfp8kv.kvcache import calibrate  # noqa: E402
 from jfp8kv.kvcache.cache import bytes_per_token  # noqa: E402
 
@@ -414,7 +415,7 @@ def main(argv=None):
               for i, c in enumerate(contexts)}
     calib_path = os.path.join(tempfile.mkdtemp(prefix="jfp8kv-quality-"), "scales.json")
     calib_ids = text_windows(tok, min(max_len, 2048), 1, CALIB_CHARS)[0]
-    calibrate.measure_amax(cfg, loaded.params, [calib_ids]).to_json(calib_path)
+    engine_calibrate.measure_amax(cfg, loaded.params, [calib_ids]).to_json(calib_path)
     pk = Passkey(tok)
     page = 16
     pk_lengths = [min(n, max_len - NEW_TOKENS) for n in lengths]
