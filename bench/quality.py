@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import jfp8kv
 from bench import internals
 from bench.common import RESULTS, machine_info
+from jfp8kv.engine import calibrate as engine_calibrate
 from jfp8kv.kvcache import calibrate
 from jfp8kv.kvcache.cache import bytes_per_token
 
@@ -405,7 +406,7 @@ def main(argv=None):
               for i, c in enumerate(contexts)}
     calib_path = os.path.join(tempfile.mkdtemp(prefix="jfp8kv-quality-"), "scales.json")
     calib_ids = text_windows(tok, min(max_len, 2048), 1, CALIB_CHARS)[0]
-    calibrate.measure_amax(cfg, loaded.params, [calib_ids]).to_json(calib_path)
+    engine_calibrate.measure_amax(cfg, loaded.params, [calib_ids]).to_json(calib_path)
     pk = Passkey(tok)
     page = 16
     pk_lengths = [min(n, max_len - NEW_TOKENS) for n in lengths]

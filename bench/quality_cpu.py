@@ -53,6 +53,7 @@ import numpy as np
 import jfp8kv
 from bench import fakequant as fq
 from bench.common import RESULTS, command_line, write_result
+from jfp8kv.engine import calibrate as engine_calibrate
 from jfp8kv.kvcache import calibrate
 from jfp8kv.kvcache.cache import bytes_per_token
 
@@ -249,10 +250,10 @@ def main(argv=None):
         raise SystemExit("the windows reach the held-out calibration text; use fewer windows")
     tmp = tempfile.mkdtemp(prefix="jfp8kv-quality-")
     calibrations = {  # measured on first use only: each is a full forward pass
-        "calib": lambda: calibrate.measure_amax(cfg, loaded.params, [fq.natural_text_ids(
+        "calib": lambda: engine_calibrate.measure_amax(cfg, loaded.params, [fq.natural_text_ids(
             loaded.tokenizer, args.tokens, calib_offset)]),
-        "builtin": lambda: calibrate.calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT]),
-        "insample": lambda: calibrate.measure_amax(cfg, loaded.params, windows)}
+        "builtin": lambda: engine_calibrate.calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT]),
+        "insample": lambda: engine_calibrate.measure_amax(cfg, loaded.params, windows)}
     amax = {}
 
     def scales_json(spec: str) -> str:

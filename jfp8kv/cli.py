@@ -1,48 +1,114 @@
-"""Command-line flags shared by every jfp8kv command (names follow vLLM's)."""
+"""Command-line plumbing shared by every jfp8kv command.
+
+Flags: every field of ``LoadConfig``, ``CacheOptions`` and ``EngineConfig`` is one flag,
+``--field-name`` (vLLM's names), with the help, choices and value parser from the field's
+metadata in ``jfp8kv.config``; a knob added there appears in ``generate``, ``serve`` and
+``LLM`` at once. Start-up: logging with JAX's backend probe kept quiet, and errors a user
+causes while the engine is built (a missing model path, an option that does not fit) shown
+as one line with exit code 2, as argparse does for a bad flag.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import logging
+import sys
+import typing
+from typing import Iterator, NoReturn
 
-from jfp8kv.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES, KV_SCALE_MODES
+from jfp8kv.config import OPTION_CLASSES, CacheOptions, EngineConfig, LoadConfig
+
+log = logging.getLogger(__name__)
+
+_GROUP_TITLES = {LoadConfig: "model", CacheOptions: "KV cache", EngineConfig: "engine"}
+# Loggers whose start-up chatter is noise to a user (JAX probing for TPU/GPU plugins).
+_NOISY_LOGGERS = ("jax._src.xla_bridge",)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", default=None,
-                   help="HF directory, .gguf file, or 'smollm2-135m-instruct' (the default)")
-    p.add_argument("--dtype", default="bfloat16", choices=COMPUTE_DTYPES,
-                   help="compute dtype of weights and activations")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage dtype: auto (= --dtype) or fp8_e4m3/fp8_e5m2 (fp8 = e4m3)")
-    p.add_argument("--kv-scale-mode", default=None, choices=KV_SCALE_MODES,
-                   help="fp8 scale granularity (default: the engine's documented default)")
-    p.add_argument("--kv-scales", default=None,
-                   help="static fp8 scales: a float for every layer or a scales JSON from "
-                        "`python -m jfp8kv.calibrate` (default: checkpoint scales, else calibrate)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the KV cache pool (default: sized from free device memory)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    p.add_argument("--seed", type=int, default=0)
+def flag_name(field: dataclasses.Field) -> str:
+    return "--" + field.name.replace("_", "-")
+
+
+def _value_parser(cls, field: dataclasses.Field):
+    if field.metadata.get("parse"):
+        return field.metadata["parse"]
+    hint = typing.get_type_hints(cls)[field.name]
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return kinds[0] if kinds[0] in (int, float, str) else str
+
+
+def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None = None):
+    """Add one flag per field of each config class (one argument group per class).
+    ``defaults`` overrides a field's default for this command only."""
+    defaults = defaults or {}
+    for cls in classes:
+        group = p.add_argument_group(_GROUP_TITLES.get(cls, cls.__name__))
+        for f in dataclasses.fields(cls):
+            default = defaults.get(f.name, f.default)
+            help_text = f.metadata.get("help", "")
+            if f.name in defaults:  # this command's own default replaces the field's
+                help_text = help_text.split(" (default")[0]
+            if default is not None and "(default" not in help_text:
+                help_text += " (default: %(default)s)"
+            group.add_argument(flag_name(f), dest=f.name, default=default,
+                               type=_value_parser(cls, f), choices=f.metadata.get("choices"),
+                               metavar=f.metadata.get("metavar"), help=help_text)
     return p
 
 
-def parse_kv_scales(value: str | None):
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return value
+def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None):
+    """The flags of ``LLM``: model, KV cache and engine options."""
+    return add_config_args(p, *OPTION_CLASSES, defaults=defaults)
+
+
+def configs_from_args(args: argparse.Namespace):
+    """``(LoadConfig, CacheOptions, EngineConfig)`` from parsed flags (ValueError if a value
+    does not fit, e.g. --page-size 12)."""
+    return tuple(cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+                 for cls in OPTION_CLASSES)
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                kv_scale_mode=args.kv_scale_mode, kv_scales=parse_kv_scales(args.kv_scales),
-                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                attention_backend=args.attention_backend, seed=args.seed)
+    """Flat ``LLM(**kwargs)`` from parsed flags."""
+    return {f.name: getattr(args, f.name) for cls in OPTION_CLASSES
+            for f in dataclasses.fields(cls)}
+
+
+def build_llm(args: argparse.Namespace, prog: str):
+    """The ``LLM`` the flags describe; user errors end the process (see ``user_errors``)."""
+    with user_errors(prog):
+        load, cache, engine = configs_from_args(args)
+        from jfp8kv.engine.llm import LLM
+
+        return LLM(load.model, load.dtype, cache_options=cache, engine_config=engine)
+
+
+def setup_logging(level: str | int = "INFO",
+                  fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
+    """Configure the root logger and keep JAX's backend-probe lines (e.g. "Unable to
+    initialize backend 'tpu'") out of a user's terminal unless debugging."""
+    logging.basicConfig(level=level.upper() if isinstance(level, str) else level, format=fmt)
+    quiet = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        quiet = logging.DEBUG
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """One line on stderr and exit code 2 (argparse's convention for usage errors)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def user_errors(prog: str) -> Iterator[None]:
+    """Turn a missing file (model, scales JSON) or a rejected option into ``fail``; the
+    traceback is logged at DEBUG level for whoever needs it."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as e:
+        log.debug("start-up failed", exc_info=True)
+        fail(prog, str(e))

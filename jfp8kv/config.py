@@ -176,3 +176,140 @@ class CacheConfig:
     def max_tokens(self) -> int:
         """Tokens the pool holds for sequences (page 0 is the reserved padding sink)."""
         return (self.num_pages - 1) * self.page_size
+
+
+# -- what a user asks for: model source, cache storage, engine knobs ---------------------
+# Each field's metadata carries its command-line help (and choices / a parser for the flag
+# value), so ``jfp8kv.cli`` builds every flag from these classes: a new knob is one field.
+
+
+def _knob(default, help: str, *, choices=None, parse=None, metavar=None):
+    meta = {"help": help, "choices": choices, "parse": parse, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def parse_kv_scales(value: str) -> float | str:
+    """A command-line ``--kv-scales`` value: a float, else a path to a scales JSON."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def parse_int_tuple(value: str) -> tuple[int, ...]:
+    """``"8,32,64"`` -> ``(8, 32, 64)``."""
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    """Which checkpoint to load and the compute dtype of its weights and activations."""
+
+    model: str | None = _knob(
+        None, "HF directory, .gguf file, 'random:<preset>', or 'smollm2-135m-instruct' "
+              "(the default)")
+    dtype: str = _knob("bfloat16", "compute dtype of weights and activations",
+                       choices=COMPUTE_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """The user's request for KV-cache storage; the engine builder resolves it, with the
+    model and the memory budget, into a ``CacheConfig``. ``kv_scale_mode`` and
+    ``kv_scales`` apply to fp8 storage only (ignored, with a warning, otherwise)."""
+
+    kv_cache_dtype: str = _knob(
+        "auto", "KV cache storage dtype: auto (= --dtype) or fp8_e4m3/fp8_e5m2 (fp8 = e4m3)",
+        choices=KV_CACHE_DTYPES)
+    kv_scale_mode: str | None = _knob(
+        None, "fp8 scale granularity (default: token, the engine's documented default)",
+        choices=KV_SCALE_MODES)
+    kv_scales: float | str | None = _knob(
+        None, "static fp8 scales (tensor/channel modes): a float for every layer or a scales "
+              "JSON from `python -m jfp8kv.calibrate` (default: checkpoint scales, else "
+              "calibrate at start-up)", parse=parse_kv_scales)
+
+    def __post_init__(self):
+        if self.kv_scale_mode is not None and self.kv_scale_mode not in KV_SCALE_MODES:
+            raise ValueError(f"unknown kv_scale_mode {self.kv_scale_mode!r}; choose one of "
+                             f"{list(KV_SCALE_MODES)}")
+        s = self.kv_scales
+        if isinstance(s, bool) or not isinstance(s, (int, float, str, type(None))):
+            raise ValueError(f"kv_scales must be a float, a path to a scales JSON or None, "
+                             f"got {type(s).__name__}")
+        if isinstance(s, (int, float)) and not s > 0:
+            raise ValueError(f"kv_scales must be positive, got {s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler, runner and capacity knobs of one engine.
+
+    ``None`` means "chosen by the builder": the model's context length for
+    ``max_model_len``, free device memory for ``kv_cache_memory``, and the device's shape
+    policy for ``decode_steps``, ``decode_buckets`` and ``min_prefill_chunk``. The builder
+    returns the resolved copy (no ``None`` left but in ``decode_buckets``, where None means
+    powers of two).
+    """
+
+    max_model_len: int | None = _knob(
+        None, "tokens per sequence, prompt plus output (default: the model's context length)")
+    kv_cache_memory: int | None = _knob(
+        None, "bytes for the KV cache pool (default: sized from free device memory)")
+    page_size: int = _knob(16, "tokens per KV-cache page (a power of two in [8, 128])")
+    max_num_seqs: int = _knob(64, "sequences running at once (decode batch limit)")
+    max_num_batched_tokens: int = _knob(
+        2048, "tokens per engine step (prefill chunk budget, and the nll chunk)")
+    max_queue_len: int = _knob(
+        1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
+    attention_backend: str = _knob("auto", "attention kernels: auto = pallas on an NVIDIA GPU, "
+                                           "reference elsewhere", choices=ATTENTION_BACKENDS)
+    seed: int = _knob(0, "base seed of sampling (a request's own seed overrides it)")
+    decode_steps: int | None = _knob(
+        None, "decode steps per device dispatch (default: 8 on GPU, 1 on CPU)")
+    decode_buckets: tuple[int, ...] | None = _knob(
+        None, "allowed decode batch sizes, e.g. 8,32,64 (default: 8,32,64,128,256 on GPU, "
+              "powers of two on CPU)", parse=parse_int_tuple, metavar="N,N,...")
+    min_prefill_chunk: int | None = _knob(
+        None, "smallest prefill chunk bucket in tokens (default: 128 on GPU, 16 on CPU)")
+
+    def __post_init__(self):
+        ps = self.page_size
+        if not isinstance(ps, int) or ps & (ps - 1) or not 8 <= ps <= 128:
+            raise ValueError(f"page_size must be a power of two in [8, 128], got {ps}")
+        for name in ("max_model_len", "kv_cache_memory", "max_num_seqs",
+                     "max_num_batched_tokens", "max_queue_len", "decode_steps",
+                     "min_prefill_chunk"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose "
+                             f"one of {list(ATTENTION_BACKENDS)}")
+        if self.decode_buckets is not None:
+            if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
+                raise ValueError(f"decode_buckets must be positive batch sizes, got "
+                                 f"{self.decode_buckets!r}")
+            object.__setattr__(self, "decode_buckets", tuple(sorted(set(self.decode_buckets))))
+
+
+OPTION_CLASSES = (LoadConfig, CacheOptions, EngineConfig)
+
+
+def split_options(options: dict[str, Any], *, load: LoadConfig | None = None,
+                  cache: CacheOptions | None = None, engine: EngineConfig | None = None):
+    """Distribute flat keyword options (``LLM(**kw)``'s names) over the three option classes,
+    starting from the given configs (or the defaults). Raises TypeError naming the known
+    options for an unknown name. Returns ``(LoadConfig, CacheOptions, EngineConfig)``."""
+    bases = [load or LoadConfig(), cache or CacheOptions(), engine or EngineConfig()]
+    owners = {f.name: i for i, b in enumerate(bases) for f in dataclasses.fields(b)}
+    unknown = sorted(set(options) - set(owners))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(owners)}")
+    per_class: list[dict[str, Any]] = [{}, {}, {}]
+    for name, value in options.items():
+        per_class[owners[name]][name] = value
+    return tuple(dataclasses.replace(b, **kw) if kw else b for b, kw in zip(bases, per_class))

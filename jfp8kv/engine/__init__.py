@@ -1,1 +1,2 @@
-"""Sampler, jitted steps, continuous-batching scheduler and the offline LLM API."""
+"""Sampler, jitted steps, continuous-batching scheduler, the engine builder, calibration's
+forward pass and the offline LLM API."""

@@ -3,151 +3,63 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from typing import Iterator, Sequence
 
-import jax
 import numpy as np
 
-from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, KV_SCALE_MODES, CacheConfig,
-                            check_compute_dtype)
-from jfp8kv.engine.llm_engine import LLMEngine
-from jfp8kv.engine.runner import ModelRunner
-from jfp8kv.engine.scheduler import Scheduler
+from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
+# DEFAULT_FP8_SCALE_MODE, check_fp8_support and resolve_backend are re-exported for callers
+# that import them from here.
+from jfp8kv.engine.builder import (DEFAULT_FP8_SCALE_MODE, build_engine, cache_info,
+                                   check_fp8_support, resolve_backend)
 from jfp8kv.engine.types import RequestOutput, SamplingParams
-from jfp8kv.kvcache import fp8
-from jfp8kv.kvcache.allocator import PageAllocator
-from jfp8kv.kvcache.cache import STAT_FIELDS, KVCache, bytes_per_token, plan_num_pages
-from jfp8kv.kvcache import calibrate
-
-log = logging.getLogger(__name__)
-
-# Chosen from bench/results/quality-cpu.json (see README, "Choosing the default scale mode").
-DEFAULT_FP8_SCALE_MODE = "token"
-CPU_DEFAULT_CACHE_MEMORY = 1 << 30
-# GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
-# compiles; several decode steps per dispatch hide host overhead.
-GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
-GPU_MIN_CHUNK = 128
-GPU_DECODE_STEPS = 8
-GPU_CACHE_FRACTION = 0.85
-
-
-def check_fp8_support(device, storage_dtype: str, backend: str) -> None:
-    """fp8 KV on a GPU needs compute capability >= 8.9 (Ada, Hopper, Blackwell)."""
-    if not fp8.is_fp8(storage_dtype) or device.platform != "gpu":
-        return
-    cc = getattr(device, "compute_capability", None)
-    try:
-        major, minor = (int(x) for x in str(cc).split("."))
-    except (TypeError, ValueError):
-        return
-    if (major, minor) < (8, 9):
-        raise ValueError(
-            f"fp8 KV cache needs an NVIDIA GPU of compute capability >= 8.9 (Ada/Hopper), "
-            f"but {device.device_kind} has {cc}; use kv_cache_dtype='auto' or 'bfloat16'")
-
-
-def resolve_backend(requested: str, device) -> str:
-    if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention_backend {requested!r}; choose one of "
-                         f"{list(ATTENTION_BACKENDS)}")
-    on_gpu = device.platform == "gpu"
-    if requested == "pallas" and not on_gpu:
-        raise ValueError("attention_backend='pallas' needs an NVIDIA GPU (Pallas Triton "
-                         "kernels); use 'reference' or 'auto' on this device "
-                         f"({device.platform})")
-    if requested == "auto":
-        return "pallas" if on_gpu else "reference"
-    return requested
+from jfp8kv.kvcache.cache import STAT_FIELDS
 
 
 class LLM:
     """A model with a paged KV cache and a continuous-batching engine.
 
-    ``kv_cache_dtype``: "auto" (the compute dtype), "bfloat16", "float16", "float32",
-    "fp8_e4m3" (alias "fp8"), "fp8_e5m2". ``kv_scale_mode`` (fp8 only): "tensor",
-    "channel", "token" or "block" (default: ``DEFAULT_FP8_SCALE_MODE``). ``kv_scales``
-    (static modes): a float for every layer, a scales JSON path, or None (checkpoint
-    scales, else calibration at start-up). ``kv_cache_memory`` is in bytes.
+    Options are the fields of ``LoadConfig`` (``model``, ``dtype``), ``CacheOptions``
+    (``kv_cache_dtype``, ``kv_scale_mode``, ``kv_scales``) and ``EngineConfig`` (
+    ``max_model_len``, ``kv_cache_memory`` in bytes, ``page_size``, ``seed``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_queue_len``, ``attention_backend``,
+    ``decode_steps``, ``decode_buckets``, ``min_prefill_chunk``), each documented there. Pass
+    them as keywords, or whole configs as ``cache_options`` / ``engine_config``; a keyword
+    given (not None) overrides the config's field. ``kv_cache_dtype``: "auto" (the compute
+    dtype), "bfloat16", "float16", "float32", "fp8_e4m3" (alias "fp8"), "fp8_e5m2".
+    ``kv_scale_mode`` (fp8 only): "tensor", "channel", "token" or "block" (default:
+    ``DEFAULT_FP8_SCALE_MODE``). ``kv_scales`` (static modes): a float for every layer, a
+    scales JSON path, or None (checkpoint scales, else calibration at start-up).
+    ``loaded`` (a LoadedModel) skips loading; ``device`` defaults to JAX's first device.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16",
-                 kv_cache_dtype: str = "auto", max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, page_size: int = 16, seed: int = 0, *,
-                 kv_scale_mode: str | None = None, kv_scales=None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_queue_len: int = 1024,
-                 attention_backend: str = "auto", decode_steps: int | None = None,
-                 device=None, loaded=None):
-        # Cheap validation first, before any weights are read.
-        check_compute_dtype(dtype)
-        storage = fp8.storage_dtype_name(kv_cache_dtype, dtype)
-        if fp8.is_fp8(storage):
-            kv_scale_mode = kv_scale_mode or DEFAULT_FP8_SCALE_MODE
-            if kv_scale_mode not in KV_SCALE_MODES:
-                raise ValueError(f"unknown kv_scale_mode {kv_scale_mode!r}; choose one of "
-                                 f"{list(KV_SCALE_MODES)}")
-        else:
-            kv_scale_mode = None
-        if page_size < 1 or page_size & (page_size - 1) or not 8 <= page_size <= 128:
-            raise ValueError(f"page_size must be a power of two in [8, 128], got {page_size}")
-        device = device or jax.devices()[0]
-        check_fp8_support(device, storage, attention_backend)
-        self.backend = resolve_backend(attention_backend, device)
-        if dtype in CHECK_DTYPES and self.backend != "reference":
-            raise ValueError(f"dtype={dtype!r} runs only with attention_backend='reference'")
-
-        if loaded is None:
-            from jfp8kv.models.loader import load_model
-
-            loaded = load_model(model, dtype)
-        cfg = loaded.config
-        self.config = cfg
-        self.tokenizer = loaded.tokenizer
-        self.dtype = dtype
-        if kv_scale_mode == "block" and cfg.head_dim % 32:
-            raise ValueError(f"kv_scale_mode='block' needs head_dim divisible by 32 (this model "
-                             f"has {cfg.head_dim}); use 'token', 'channel' or 'tensor'")
-        max_model_len = max_model_len or cfg.max_position_embeddings
-        bpt = bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, storage,
-                              kv_scale_mode)
-        if kv_cache_memory is None:
-            kv_cache_memory = self._default_cache_memory(device, bpt, max_model_len, max_num_seqs)
-        usable = plan_num_pages(kv_cache_memory, num_layers=cfg.num_layers,
-                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                page_size=page_size, storage_dtype=storage,
-                                scale_mode=kv_scale_mode)
-        if usable * page_size < max_model_len:
-            need = math.ceil(max_model_len / page_size) * page_size * bpt
-            raise ValueError(
-                f"kv_cache_memory={kv_cache_memory} bytes holds {usable * page_size} tokens "
-                f"({bpt} bytes/token), fewer than one sequence of max_model_len={max_model_len}; "
-                f"give at least {need} bytes or lower max_model_len")
-        self.cache_config = CacheConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                        usable + 1, page_size, storage, kv_scale_mode)
-        self.kv_cache_memory = kv_cache_memory
-        self.bytes_per_token = bpt
-        k_s, v_s = self._static_scales(loaded, kv_scales)
-        cache = KVCache.init(self.cache_config, k_s, v_s)
-        max_pages = math.ceil(max_model_len / page_size)
-        on_gpu = device.platform == "gpu"
-        runner = ModelRunner(cfg, loaded.params, cache, self.backend, max_pages,
-                             decode_buckets=GPU_DECODE_BUCKETS if on_gpu else None,
-                             min_chunk=GPU_MIN_CHUNK if on_gpu else 16)
-        if decode_steps is None:
-            decode_steps = GPU_DECODE_STEPS if on_gpu else 1
-        scheduler = Scheduler(PageAllocator(usable + 1), page_size, max_model_len, max_num_seqs,
-                              max_num_batched_tokens, decode_steps)
-        eos = set(cfg.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.engine = LLMEngine(runner, scheduler, self.tokenizer, model_name=loaded.name,
-                                max_model_len=max_model_len, eos_token_ids=tuple(eos),
-                                seed=seed, max_queue_len=max_queue_len)
-        self.max_model_len = max_model_len
+    def __init__(self, model: str | None = None, dtype: str | None = None,
+                 kv_cache_dtype: str | None = None, max_model_len: int | None = None,
+                 kv_cache_memory: int | None = None, page_size: int | None = None,
+                 seed: int | None = None, *, engine_config: EngineConfig | None = None,
+                 cache_options: CacheOptions | None = None, device=None, loaded=None,
+                 **options):
+        positional = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                          max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                          page_size=page_size, seed=seed)
+        options = {k: v for k, v in positional.items() if v is not None} | options
+        load, cache, engine = split_options(options, load=LoadConfig(model=model),
+                                            cache=cache_options, engine=engine_config)
+        built = build_engine(load, cache, engine, device=device, loaded=loaded)
+        self.engine = built.engine
+        self.engine_config = built.engine_config
+        self.cache_config = built.cache_config
+        self.config = built.loaded.config
+        self.tokenizer = built.loaded.tokenizer
+        self.dtype = built.dtype
+        self.backend = built.backend
+        self.max_model_len = built.engine_config.max_model_len
+        self.kv_cache_memory = built.engine_config.kv_cache_memory
+        self.bytes_per_token = built.bytes_per_token
+        self.kv_scales_source = built.kv_scales_source
+        self._built = built
         self._ids = itertools.count()
-        log.info("KV cache: %s", self.cache_info())
 
     def warmup(self, progress: bool = True) -> None:
         """Compile the decode and prefill buckets now (the server does this at start-up)."""
@@ -155,51 +67,6 @@ class LLM:
         runner = self.engine.runner
         shapes = runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens)
         runner.warmup(shapes, sched.decode_steps, progress)
-
-    @staticmethod
-    def _default_cache_memory(device, bpt, max_model_len, max_num_seqs) -> int:
-        if device.platform == "gpu":
-            stats = device.memory_stats() or {}
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-            if free > 0:
-                return int(free * GPU_CACHE_FRACTION)
-        return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, max_num_seqs // 4)))
-
-    def _static_scales(self, loaded, kv_scales):
-        ccfg = self.cache_config
-        if not ccfg.is_fp8 or ccfg.scale_mode not in ("tensor", "channel"):
-            if kv_scales is not None:
-                log.warning("kv_scales is ignored: kv_scale_mode=%s computes scales at store "
-                            "time", ccfg.scale_mode)
-            return None, None
-        shape = (ccfg.num_layers, ccfg.num_kv_heads, ccfg.head_dim)
-        if isinstance(kv_scales, (int, float)):
-            if kv_scales <= 0:
-                raise ValueError(f"kv_scales must be positive, got {kv_scales}")
-            if kv_scales == 1.0:
-                fp8.warn_unit_scale()
-            s = np.full(shape, kv_scales, np.float32)
-            self.kv_scales_source = f"constant {kv_scales}"
-            return s, s
-        if isinstance(kv_scales, str):
-            amax = calibrate.KVAmax.from_json(kv_scales, calibrate.fingerprint(self.config))
-        elif kv_scales is None and loaded.kv_scales is not None:
-            k = np.broadcast_to(np.asarray(loaded.kv_scales["k"], np.float32)[:, None, None], shape)
-            v = np.broadcast_to(np.asarray(loaded.kv_scales["v"], np.float32)[:, None, None], shape)
-            self.kv_scales_source = "checkpoint k_scale/v_scale"
-            log.info("fp8 KV: using the checkpoint's k_scale/v_scale tensors")
-            return k, v
-        elif kv_scales is None:
-            log.warning("fp8 KV with static scales and no kv_scales: calibrating at start-up on "
-                        "the built-in text (pass a scales JSON from `python -m jfp8kv.calibrate` "
-                        "for scales measured on your own data)")
-            amax = calibrate.calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT],
-                                               page_size=ccfg.page_size)
-        else:
-            raise ValueError(f"kv_scales must be a float, a path to a scales JSON or None, "
-                             f"got {type(kv_scales).__name__}")
-        self.kv_scales_source = amax.source
-        return amax.scales(ccfg.storage_dtype, ccfg.scale_mode)
 
     # -- generation -------------------------------------------------------------------
     def _submit(self, prompts, sampling_params) -> list[str]:
@@ -286,15 +153,8 @@ class LLM:
         return out
 
     def cache_info(self) -> dict:
-        c = self.cache_config
-        return dict(kv_cache_dtype=fp8.user_dtype_name(c.storage_dtype),
-                    storage_dtype=c.storage_dtype, kv_scale_mode=c.scale_mode,
-                    page_size=c.page_size, num_pages=c.num_pages - 1,
-                    max_tokens=c.max_tokens, bytes_per_token=self.bytes_per_token,
-                    kv_cache_memory=self.kv_cache_memory,
-                    pool_bytes=self.engine.runner.cache.nbytes(),
-                    compute_dtype=self.dtype, attention_backend=self.backend,
-                    max_model_len=self.max_model_len)
+        """The KV cache's resolved settings and sizes (dtype, pages, bytes, backend)."""
+        return cache_info(self._built)
 
     def kv_stats(self) -> dict:
         """Per-layer counters of saturated and NaN elements written, and running K/V amax."""
@@ -310,4 +170,5 @@ def generate(prompts, model: str | None = None, sampling_params=None, **kwargs):
     return LLM(model=model, **kwargs).generate(prompts, sampling_params)
 
 
-__all__ = ["LLM", "generate"]
+__all__ = ["DEFAULT_FP8_SCALE_MODE", "LLM", "check_fp8_support", "generate",
+           "resolve_backend"]

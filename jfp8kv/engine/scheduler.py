@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import time
 
+from jfp8kv.config import EngineConfig
 from jfp8kv.engine.types import SamplingParams
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.kvcache.prefix_cache import PrefixCache, PrefixCacheStats
@@ -115,6 +116,16 @@ class Scheduler:
         self._order = itertools.count()
         self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace)
                              if enable_prefix_caching else None)
+
+    @classmethod
+    def from_config(cls, allocator: PageAllocator, cfg: EngineConfig) -> "Scheduler":
+        """A scheduler with ``cfg``'s limits; ``cfg`` must be resolved (max_model_len and
+        decode_steps set, as ``jfp8kv.engine.builder`` returns it)."""
+        if cfg.max_model_len is None or cfg.decode_steps is None:
+            raise ValueError("Scheduler.from_config needs a resolved EngineConfig "
+                             "(max_model_len and decode_steps set)")
+        return cls(allocator, cfg.page_size, cfg.max_model_len, cfg.max_num_seqs,
+                   cfg.max_num_batched_tokens, cfg.decode_steps)
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

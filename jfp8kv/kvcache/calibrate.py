@@ -1,9 +1,10 @@
-"""Static fp8 scales: calibration over real text, the scales JSON file, and resolution.
+"""Static fp8 scales: the K/V amax record, its scales JSON file, and amax -> scales.
 
-Calibration runs the model over text with an unquantized (float32) paged cache, then reads
-the pages back and takes the absolute maximum of post-RoPE K and V per layer, KV head and
-channel. The JSON file stores those amax values (format-independent); a scale for a given
-fp8 format is ``amax * headroom / fmax``. Tensor mode reduces over heads and channels.
+Calibration (the forward pass lives in ``jfp8kv.engine.calibrate``) runs the model over
+text with an unquantized (float32) paged cache; ``fold_amax`` then reads the pages back and
+takes the absolute maximum of post-RoPE K and V per layer, KV head and channel. The JSON
+file stores those amax values (format-independent); a scale for a given fp8 format is
+``amax * headroom / fmax``. Tensor mode reduces over heads and channels.
 
     python -m jfp8kv.calibrate --model M --text FILE... --out scales.json [--headroom 1.0]
 """
@@ -97,34 +98,14 @@ def fingerprint(cfg) -> dict:
             "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size}
 
 
-def measure_amax(model_cfg, params, token_chunks, *, page_size: int = 16,
-                 backend: str = "reference", chunk: int = 512) -> KVAmax:
-    """Run each token list through an unquantized float32 paged cache; return K/V amax."""
-    from jfp8kv.config import CacheConfig
-    from jfp8kv.engine.runner import ModelRunner
-    from jfp8kv.kvcache.cache import KVCache
+def fold_amax(cache, num_tokens: int, k_amax: np.ndarray, v_amax: np.ndarray) -> None:
+    """Fold max |K| and |V| of the first ``num_tokens`` tokens of an unquantized cache into
+    ``k_amax`` / ``v_amax`` (float32 [layers, kv_heads, head_dim]), in place.
 
-    longest = max(len(t) for t in token_chunks)
-    pages_per_seq = -(-longest // page_size)
-    ccfg = CacheConfig(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                       pages_per_seq + 1, page_size, "float32")
-    runner = ModelRunner(model_cfg, params, KVCache.init(ccfg), backend, pages_per_seq)
-    pages = list(range(1, pages_per_seq + 1))
-    shape = (model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
-    k_amax, v_amax = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    for ids in token_chunks:
-        for s in range(0, len(ids), chunk):
-            part = ids[s:s + chunk]
-            runner.nll(part, part, s, pages)
-        n = len(ids)
-        for layer in range(model_cfg.num_layers):
-            for pool, acc in ((runner.cache.k[layer], k_amax), (runner.cache.v[layer], v_amax)):
-                x = np.asarray(pool[:, 1:]).reshape(model_cfg.num_kv_heads, -1,
-                                                    model_cfg.head_dim)[:, :n]
-                np.maximum(acc[layer], np.abs(x).max(axis=1), out=acc[layer])
-    return KVAmax(k_amax, v_amax, fingerprint(model_cfg))
-
-
-def calibrate_on_text(loaded, texts: list[str], **kw) -> KVAmax:
-    ids = [loaded.tokenizer.encode(t) for t in texts]
-    return measure_amax(loaded.config, loaded.params, ids, **kw)
+    The tokens must sit in pages 1, 2, ... in order (page 0 is the padding sink); pages are
+    laid out ``[kv_heads, num_pages, page_size, head_dim]`` (see ``cache.py``)."""
+    cfg = cache.config
+    for layer in range(cfg.num_layers):
+        for pool, acc in ((cache.k[layer], k_amax), (cache.v[layer], v_amax)):
+            x = np.asarray(pool[:, 1:]).reshape(cfg.num_kv_heads, -1, cfg.head_dim)
+            np.maximum(acc[layer], np.abs(x[:, :num_tokens]).max(axis=1), out=acc[layer])

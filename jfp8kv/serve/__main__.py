@@ -14,22 +14,20 @@ import time
 
 import uvicorn
 
-from jfp8kv import LLM
-from jfp8kv.cli import add_engine_args, llm_kwargs
+from jfp8kv.cli import add_engine_args, build_llm, setup_logging
 from jfp8kv.serve.app import build_app
 from jfp8kv.serve.async_engine import AsyncEngine
 
 logger = logging.getLogger("jfp8kv.serve")
+PROG = "python -m jfp8kv.serve"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jfp8kv.serve", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: the engine's model name)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="waiting requests beyond this are refused with 503 + Retry-After")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -75,14 +73,6 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def cache_summary(info: dict) -> str:
-    """One line for the log from ``LLM.cache_info()``: KV cache dtype, pages and tokens."""
-    mode = f" ({info['kv_scale_mode']} scales)" if info.get("kv_scale_mode") else ""
-    return (f"KV cache: dtype {info['storage_dtype']}{mode}, {info['num_pages']} pages x "
-            f"{info['page_size']} tokens = {info['max_tokens']} tokens, "
-            f"{info['bytes_per_token']} bytes/token, backend {info['attention_backend']}")
-
-
 def check_chat_template(chat_prompt) -> None:
     """Render a probe conversation once at start-up. A missing template dependency stops the
     server with the import error (it names the package); a model without a usable chat
@@ -97,15 +87,13 @@ def check_chat_template(chat_prompt) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(**llm_kwargs(args), max_queue_len=args.max_queue_len)
+    setup_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = build_llm(args, PROG)  # logs the one KV-cache summary line
     check_chat_template(llm.chat_prompt)
     if args.warmup == "on" or (args.warmup == "auto" and llm.backend == "pallas"):
         llm.warmup()
     engine = llm.engine
-    logger.info("model %s, max_model_len %d", engine.model_name, engine.max_model_len)
-    logger.info(cache_summary(llm.cache_info()))
+    logger.info("model %s", engine.model_name)
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, served_model_name=args.served_model_name or engine.model_name,
                     tokenizer=llm.tokenizer, chat_prompt=llm.chat_prompt,

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jfp8kv
-from jfp8kv import SamplingParams
+from jfp8kv import EngineConfig, SamplingParams
+from jfp8kv.engine.calibrate import calibrate_on_text
 from jfp8kv.engine.llm import LLM
 from jfp8kv.kvcache import calibrate
 from jfp8kv.models.loader import load_model
@@ -205,6 +206,38 @@ def test_user_errors_are_clear(llama, qwen3, tmp_path):
         SamplingParams(max_tokens=0)
 
 
+def test_engine_config_reaches_scheduler_and_runner(llama):
+    """An EngineConfig gives the same engine as the same keywords; keywords override it."""
+    cfg = EngineConfig(max_model_len=128, kv_cache_memory=1 << 20, max_num_batched_tokens=64,
+                       decode_steps=3, decode_buckets=(2, 8), min_prefill_chunk=32)
+    llm = LLM(loaded=llama, dtype="float32", engine_config=cfg)
+    sched, runner = llm.engine.scheduler, llm.engine.runner
+    assert (sched.decode_steps, runner.decode_buckets, runner.min_chunk) == (3, (2, 8), 32)
+    assert llm.engine_config == cfg  # nothing left to resolve on CPU
+    by_kw = make(llama, decode_steps=3, decode_buckets=(2, 8), min_prefill_chunk=32)
+    ps = prompts(llama.config.vocab_size, (3, 17, 9))
+    assert ([o.token_ids for o in llm.generate(ps, GREEDY)]
+            == [o.token_ids for o in by_kw.generate(ps, GREEDY)])
+    assert make(llama).engine_config.decode_steps == 1  # CPU default
+    over = LLM(loaded=llama, dtype="float32", engine_config=cfg, page_size=32, decode_steps=1)
+    assert over.cache_config.page_size == 32 and over.engine.scheduler.decode_steps == 1
+    with pytest.raises(TypeError, match="unknown engine option"):
+        make(llama, max_num_seq=4)
+
+
+def test_start_up_logs_one_cache_line_and_warns_on_fp8_only_options(llama, caplog):
+    with caplog.at_level(logging.INFO):
+        make(llama, kv_cache_dtype="bfloat16", kv_scale_mode="tensor", kv_scales=0.5)
+    summary = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    assert len(summary) == 1 and summary[0].startswith("KV cache: dtype bfloat16,")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "kv_scale_mode='tensor', kv_scales=0.5: fp8-only" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        make(llama, kv_cache_dtype="fp8", kv_scale_mode="token")
+    assert not caplog.records
+
+
 def test_fp8_needs_compute_capability_89(llama):
     @dataclasses.dataclass
     class FakeGPU:
@@ -224,7 +257,7 @@ def test_static_scales_warn_calibrate_and_round_trip(qwen3, llama, tmp_path, cap
     with caplog.at_level(logging.WARNING):
         make(qwen3, kv_cache_dtype="fp8", kv_scale_mode="tensor", kv_scales=1.0)
     assert "scale of 1.0" in caplog.text
-    amax = calibrate.calibrate_on_text(qwen3, [calibrate.BUILTIN_TEXT])
+    amax = calibrate_on_text(qwen3, [calibrate.BUILTIN_TEXT])
     assert amax.k.shape == (2, 2, 32) and (amax.k > 0).all()
     path = str(tmp_path / "scales.json")
     amax.to_json(path)

@@ -1,0 +1,267 @@
+"""Build a ready engine from (LoadConfig, CacheOptions, EngineConfig): one pass down the layers.
+
+``build_engine`` runs these steps in order, each a function of its own:
+
+1. ``resolve_storage``: cache storage dtype and scale mode (cheap checks, before any weights)
+2. ``choose_backend``: attention backend for the device, fp8 hardware support
+3. ``device_defaults``: the device's shape policy for the knobs left ``None``
+4. load the model (or take an already ``LoadedModel``)
+5. ``plan_capacity``: max_model_len, memory budget and page count -> ``CacheConfig``
+6. ``resolve_static_scales``: static fp8 scales (a float, a JSON, the checkpoint, calibration)
+7. ``assemble_engine``: cache, runner, scheduler and ``LLMEngine``
+
+Every error a user can cause is a ValueError (FileNotFoundError for paths) raised here, at
+construction, naming what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax
+import numpy as np
+
+from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheOptions,
+                           EngineConfig, LoadConfig, check_compute_dtype)
+from jfp8kv.engine.llm_engine import LLMEngine
+from jfp8kv.engine.runner import ModelRunner
+from jfp8kv.engine.scheduler import Scheduler
+from jfp8kv.kvcache import calibrate, fp8
+from jfp8kv.kvcache.allocator import PageAllocator
+from jfp8kv.kvcache.cache import STATIC_MODES, KVCache, bytes_per_token, plan_num_pages
+
+log = logging.getLogger(__name__)
+
+# Chosen from bench/results/quality-cpu.json (see README, "Choosing the default scale mode").
+DEFAULT_FP8_SCALE_MODE = "token"
+CPU_DEFAULT_CACHE_MEMORY = 1 << 30
+# GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
+# compiles; several decode steps per dispatch hide host overhead.
+GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
+GPU_MIN_CHUNK = 128
+GPU_DECODE_STEPS = 8
+GPU_CACHE_FRACTION = 0.85
+CPU_MIN_CHUNK = 16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BuiltEngine:
+    """What ``build_engine`` made: the engine, the loaded model and every resolved setting.
+    ``engine_config`` is the resolved copy (device defaults, max_model_len and
+    kv_cache_memory filled in); ``kv_scales_source`` is None unless scales are static."""
+
+    engine: LLMEngine
+    loaded: object  # jfp8kv.models.loader.LoadedModel
+    dtype: str
+    backend: str
+    engine_config: EngineConfig
+    cache_config: CacheConfig
+    bytes_per_token: int
+    kv_scales_source: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    cache_config: CacheConfig
+    max_model_len: int
+    kv_cache_memory: int
+    bytes_per_token: int
+
+
+def resolve_storage(cache: CacheOptions, dtype: str) -> tuple[str, str | None]:
+    """(storage dtype name, fp8 scale mode or None). fp8-only options given for another
+    storage dtype are ignored with a warning."""
+    check_compute_dtype(dtype)
+    storage = fp8.storage_dtype_name(cache.kv_cache_dtype, dtype)
+    if fp8.is_fp8(storage):
+        return storage, cache.kv_scale_mode or DEFAULT_FP8_SCALE_MODE
+    ignored = [f"{name}={value!r}" for name, value in
+               (("kv_scale_mode", cache.kv_scale_mode), ("kv_scales", cache.kv_scales))
+               if value is not None]
+    if ignored:
+        log.warning("%s: fp8-only option(s) ignored because kv_cache_dtype=%r stores %s; pass "
+                    "kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' to use them",
+                    ", ".join(ignored), cache.kv_cache_dtype, storage)
+    return storage, None
+
+
+def check_fp8_support(device, storage_dtype: str, backend: str | None = None) -> None:
+    """fp8 KV on a GPU needs compute capability >= 8.9 (Ada, Hopper, Blackwell)."""
+    if not fp8.is_fp8(storage_dtype) or device.platform != "gpu":
+        return
+    cc = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(x) for x in str(cc).split("."))
+    except (TypeError, ValueError):
+        return
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"fp8 KV cache needs an NVIDIA GPU of compute capability >= 8.9 (Ada/Hopper), "
+            f"but {device.device_kind} has {cc}; use kv_cache_dtype='auto' or 'bfloat16'")
+
+
+def resolve_backend(requested: str, device) -> str:
+    """'auto' -> 'pallas' on an NVIDIA GPU, 'reference' elsewhere; 'pallas' needs a GPU."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention_backend {requested!r}; choose one of "
+                         f"{list(ATTENTION_BACKENDS)}")
+    on_gpu = device.platform == "gpu"
+    if requested == "pallas" and not on_gpu:
+        raise ValueError("attention_backend='pallas' needs an NVIDIA GPU (Pallas Triton "
+                         "kernels); use 'reference' or 'auto' on this device "
+                         f"({device.platform})")
+    if requested == "auto":
+        return "pallas" if on_gpu else "reference"
+    return requested
+
+
+def choose_backend(requested: str, device, storage: str, dtype: str) -> str:
+    check_fp8_support(device, storage)
+    backend = resolve_backend(requested, device)
+    if dtype in CHECK_DTYPES and backend != "reference":
+        raise ValueError(f"dtype={dtype!r} runs only with attention_backend='reference'")
+    return backend
+
+
+def device_defaults(engine: EngineConfig, device) -> EngineConfig:
+    """Fill the shape-policy knobs left None: GPU decode is memory-bound (coarse batch
+    buckets, several steps per dispatch); CPU takes powers of two and one step."""
+    on_gpu = device.platform == "gpu"
+    return dataclasses.replace(
+        engine,
+        decode_steps=engine.decode_steps or (GPU_DECODE_STEPS if on_gpu else 1),
+        decode_buckets=engine.decode_buckets or (GPU_DECODE_BUCKETS if on_gpu else None),
+        min_prefill_chunk=engine.min_prefill_chunk or (GPU_MIN_CHUNK if on_gpu else CPU_MIN_CHUNK))
+
+
+def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int) -> int:
+    """GPU: a fraction of free device memory. CPU: room for a quarter of max_num_seqs (at
+    least 8) full-length sequences, capped at CPU_DEFAULT_CACHE_MEMORY."""
+    if device.platform == "gpu":
+        stats = device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        if free > 0:
+            return int(free * GPU_CACHE_FRACTION)
+    return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, max_num_seqs // 4)))
+
+
+def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
+                  device) -> CapacityPlan:
+    """Pages that fit the memory budget; raises when one max_model_len sequence does not."""
+    if mode == "block" and model_cfg.head_dim % 32:
+        raise ValueError(f"kv_scale_mode='block' needs head_dim divisible by 32 (this model "
+                         f"has {model_cfg.head_dim}); use 'token', 'channel' or 'tensor'")
+    max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
+    shape = dict(num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
+                 head_dim=model_cfg.head_dim)
+    bpt = bytes_per_token(*shape.values(), storage, mode)
+    memory = engine.kv_cache_memory or default_cache_memory(device, bpt, max_model_len,
+                                                            engine.max_num_seqs)
+    usable = plan_num_pages(memory, **shape, page_size=engine.page_size,
+                            storage_dtype=storage, scale_mode=mode)
+    if usable * engine.page_size < max_model_len:
+        need = math.ceil(max_model_len / engine.page_size) * engine.page_size * bpt
+        raise ValueError(
+            f"kv_cache_memory={memory} bytes holds {usable * engine.page_size} tokens "
+            f"({bpt} bytes/token), fewer than one sequence of max_model_len={max_model_len}; "
+            f"give at least {need} bytes or lower max_model_len")
+    ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode)
+    return CapacityPlan(ccfg, max_model_len, memory, bpt)
+
+
+def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales):
+    """(k_scale, v_scale, source) for static scale modes, (None, None, None) otherwise.
+    ``kv_scales``: a float for every layer, a scales JSON path, or None (the checkpoint's
+    k_scale/v_scale, else calibration on the built-in text)."""
+    if not ccfg.is_fp8 or ccfg.scale_mode not in STATIC_MODES:
+        if kv_scales is not None and ccfg.is_fp8:
+            log.warning("kv_scales is ignored: kv_scale_mode=%s computes scales at store "
+                        "time", ccfg.scale_mode)
+        return None, None, None
+    shape = (ccfg.num_layers, ccfg.num_kv_heads, ccfg.head_dim)
+    if isinstance(kv_scales, (int, float)):
+        if kv_scales == 1.0:
+            fp8.warn_unit_scale()
+        s = np.full(shape, kv_scales, np.float32)
+        return s, s, f"constant {kv_scales}"
+    if isinstance(kv_scales, str):
+        amax = calibrate.KVAmax.from_json(kv_scales, calibrate.fingerprint(loaded.config))
+    elif loaded.kv_scales is not None:
+        k, v = (np.broadcast_to(np.asarray(loaded.kv_scales[n], np.float32)[:, None, None],
+                                shape) for n in ("k", "v"))
+        log.info("fp8 KV: using the checkpoint's k_scale/v_scale tensors")
+        return k, v, "checkpoint k_scale/v_scale"
+    else:
+        from jfp8kv.engine.calibrate import calibrate_on_text
+
+        log.warning("fp8 KV with static scales and no kv_scales: calibrating at start-up on "
+                    "the built-in text (pass a scales JSON from `python -m jfp8kv.calibrate` "
+                    "for scales measured on your own data)")
+        amax = calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size)
+    return (*amax.scales(ccfg.storage_dtype, ccfg.scale_mode), amax.source)
+
+
+def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backend: str,
+                    k_scale, v_scale) -> LLMEngine:
+    """Cache, runner, scheduler and engine for a resolved configuration."""
+    ccfg = plan.cache_config
+    cache = KVCache.init(ccfg, k_scale, v_scale)
+    runner = ModelRunner(loaded.config, loaded.params, cache, backend,
+                         math.ceil(plan.max_model_len / ccfg.page_size),
+                         decode_buckets=engine_cfg.decode_buckets,
+                         min_chunk=engine_cfg.min_prefill_chunk)
+    scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg)
+    eos = set(loaded.config.eos_token_ids)
+    if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
+        eos.add(loaded.tokenizer.eos_token_id)
+    return LLMEngine(runner, scheduler, loaded.tokenizer, model_name=loaded.name,
+                     max_model_len=plan.max_model_len, eos_token_ids=tuple(eos),
+                     seed=engine_cfg.seed, max_queue_len=engine_cfg.max_queue_len)
+
+
+def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
+                 device=None, loaded=None) -> BuiltEngine:
+    """Validate, pick device and backend, load, plan capacity, resolve scales, assemble.
+    ``loaded`` (a LoadedModel) skips loading ``load.model``; ``device`` defaults to JAX's
+    first device. Logs one KV-cache summary line."""
+    storage, mode = resolve_storage(cache, load.dtype)
+    device = device or jax.devices()[0]
+    backend = choose_backend(engine.attention_backend, device, storage, load.dtype)
+    engine = device_defaults(engine, device)
+    if loaded is None:
+        from jfp8kv.models.loader import load_model
+
+        loaded = load_model(load.model, load.dtype)
+    plan = plan_capacity(loaded.config, engine, storage, mode, device)
+    engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
+                                 kv_cache_memory=plan.kv_cache_memory)
+    k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales)
+    built = BuiltEngine(assemble_engine(loaded, plan, engine, backend, k_scale, v_scale),
+                        loaded, load.dtype, backend, engine, plan.cache_config,
+                        plan.bytes_per_token, source)
+    log.info(cache_summary(cache_info(built)))
+    return built
+
+
+def cache_info(built: BuiltEngine) -> dict:
+    """The KV cache's resolved settings and sizes (``LLM.cache_info``)."""
+    c = built.cache_config
+    return dict(kv_cache_dtype=fp8.user_dtype_name(c.storage_dtype),
+                storage_dtype=c.storage_dtype, kv_scale_mode=c.scale_mode,
+                page_size=c.page_size, num_pages=c.num_pages - 1,
+                max_tokens=c.max_tokens, bytes_per_token=built.bytes_per_token,
+                kv_cache_memory=built.engine_config.kv_cache_memory,
+                pool_bytes=built.engine.runner.cache.nbytes(),
+                compute_dtype=built.dtype, attention_backend=built.backend,
+                max_model_len=built.engine_config.max_model_len)
+
+
+def cache_summary(info: dict) -> str:
+    """One log line from ``cache_info``: KV cache dtype, pages, tokens, backend."""
+    mode = f" ({info['kv_scale_mode']} scales)" if info.get("kv_scale_mode") else ""
+    return (f"KV cache: dtype {info['storage_dtype']}{mode}, {info['num_pages']} pages x "
+            f"{info['page_size']} tokens = {info['max_tokens']} tokens, "
+            f"{info['bytes_per_token']} bytes/token, max_model_len {info['max_model_len']}, "
+            f"backend {info['attention_backend']}")
