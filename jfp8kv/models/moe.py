@@ -21,7 +21,7 @@ with their router weights. Shapes are static (N*k rows), so it jits once per bat
 MoE layer params (weights [in, out] like the dense layers)::
 
     router [D, E], experts_gate [E, D, I], experts_up [E, D, I], experts_down [E, I, D]
-    (DeepSeek, later: router_bias [E], shared_gate/shared_up [D, Is], shared_down [Is, D])
+    DeepSeek adds router_bias [E] (V3) and shared_gate/shared_up [D, Is], shared_down [Is, D]
 """
 
 from __future__ import annotations
@@ -140,6 +140,44 @@ def qwen3_moe_mlp(h, lp, cfg):
     out = grouped_experts(flat, ids, weights, lp["experts_gate"], lp["experts_up"],
                           lp["experts_down"])
     return out.reshape(h.shape)
+
+
+def deepseek_moe_mlp(h, lp, *, version: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                     norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
+                     topk_method: str = "greedy"):
+    """DeepSeek-V2/V3 MoE block on h [B, T, D]: routed experts plus the shared expert(s).
+
+    ``lp`` holds router [D, E], experts_* (as Qwen3-MoE), shared_gate/shared_up [D, Is],
+    shared_down [Is, D] (the n_shared_experts fused into one SwiGLU of width Is) and, for V3,
+    router_bias [E] (e_score_correction_bias). The router runs in the accumulation dtype.
+    """
+    flat = h.reshape(-1, h.shape[-1])
+    logits = router_logits(flat.astype(_acc(h.dtype)), lp["router"].astype(_acc(h.dtype)))
+    if version == 3:
+        weights, ids = deepseek_v3_route(logits, lp["router_bias"], top_k, n_group=n_group,
+                                         topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                                         routed_scaling_factor=routed_scaling_factor)
+    elif version == 2:
+        weights, ids = deepseek_v2_route(logits, top_k, topk_method=topk_method, n_group=n_group,
+                                         topk_group=topk_group,
+                                         routed_scaling_factor=routed_scaling_factor)
+    else:
+        raise ValueError(f"DeepSeek MoE version must be 2 or 3, got {version!r}")
+    out = grouped_experts(flat, ids, weights, lp["experts_gate"], lp["experts_up"],
+                          lp["experts_down"])
+    return out.reshape(h.shape) + swiglu(h, lp["shared_gate"], lp["shared_up"],
+                                         lp["shared_down"])
+
+
+def swiglu(h, w_gate, w_up, w_down):
+    """down(silu(h @ w_gate) * (h @ w_up)) with the dense MLP's rounding points."""
+    acc = _acc(h.dtype)
+
+    def mm(x, w):
+        return jnp.einsum("...i,io->...o", x, w, preferred_element_type=acc).astype(h.dtype)
+
+    mid = jax.nn.silu(mm(h, w_gate).astype(acc)) * mm(h, w_up)
+    return mm(mid.astype(h.dtype), w_down)
 
 
 def moe_layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
