@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -32,7 +33,9 @@ class ModelConfig:
     """Shape and numerics of a decoder-only transformer (Llama / Qwen2 / Qwen3 families).
 
     ``family`` selects the per-family differences: ``qwen2`` adds q/k/v biases, ``qwen3``
-    adds per-head RMSNorm on q and k before RoPE.
+    adds per-head RMSNorm on q and k before RoPE; ``qwen3_moe`` is qwen3 attention with a
+    mixture-of-experts MLP in the layers ``is_moe_layer`` names (``num_experts`` > 0; the
+    other layers keep the dense MLP of ``intermediate_size``), as transformers' Qwen3-MoE.
     """
 
     family: str
@@ -53,6 +56,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    # Mixture of experts (qwen3_moe); num_experts == 0 means every layer is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` uses the routed experts (transformers' Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_per_kv(self) -> int:
@@ -65,7 +80,8 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            by_type = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+            by_type = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "qwen3_moe": "qwen3_moe"}
             if model_type not in by_type:
                 raise ValueError(
                     f"unsupported architecture {archs or model_type!r}; jfp8kv supports "
@@ -120,11 +136,26 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            **(_moe_fields(cfg) if family == "qwen3_moe" else {}),
         )
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert settings from config.json (``num_local_experts`` is the alias
+    transformers writes for ``num_experts``); raises ValueError on an impossible top-k."""
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
+    if experts > 0 and not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=max(1, int(cfg.get("decoder_sparse_step", 1) or 1)),
+                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8")

@@ -41,6 +41,7 @@ class TensorSpec(NamedTuple):
     layer: int | None  # None: top-level key of params
     key: str
     transpose: bool
+    expert: int | None = None  # routed expert: row of the [E, ...] stack at ``key``
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -57,6 +58,8 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
             TensorSpec(p + "self_attn.v_proj.weight", (kv_dim, d), n, "wv", True),
             TensorSpec(p + "self_attn.o_proj.weight", (d, q_dim), n, "wo", True),
             TensorSpec(p + "post_attention_layernorm.weight", (d,), n, "mlp_norm", False),
+        ]
+        specs += _moe_specs(cfg, n) if cfg.is_moe_layer(n) else [
             TensorSpec(p + "mlp.gate_proj.weight", (i_sz, d), n, "w_gate", True),
             TensorSpec(p + "mlp.up_proj.weight", (i_sz, d), n, "w_up", True),
             TensorSpec(p + "mlp.down_proj.weight", (d, i_sz), n, "w_down", True),
@@ -70,6 +73,16 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", (d,), None, "final_norm", False))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (v, d), None, "lm_head", True))
+    return specs
+
+
+def _moe_specs(cfg: ModelConfig, n: int) -> list[TensorSpec]:
+    """Router and per-expert SwiGLU weights of routed layer ``n`` (stacked at load time)."""
+    d, i_sz, p = cfg.hidden_size, cfg.moe_intermediate_size, f"model.layers.{n}.mlp."
+    specs = [TensorSpec(p + "gate.weight", (cfg.num_experts, d), n, "router", True)]
+    for e in range(cfg.num_experts):
+        specs += [TensorSpec(p + f"experts.{e}.{x}_proj.weight", shape, n, f"experts_{x}", True, e)
+                  for x, shape in (("gate", (i_sz, d)), ("up", (i_sz, d)), ("down", (d, i_sz)))]
     return specs
 
 
@@ -97,7 +110,13 @@ def build_params(cfg: ModelConfig, fetch: Callable[[str], np.ndarray | None], dt
                              f"expected {spec.shape}")
         host = np.ascontiguousarray(arr.T if spec.transpose else arr, dtype=out_dtype)
         target = params if spec.layer is None else params["layers"][spec.layer]
-        target[spec.key] = jnp.asarray(host)
+        if spec.expert is None:
+            target[spec.key] = jnp.asarray(host)
+        else:  # rows of an [E, ...] host stack, moved to the device once complete below
+            stack = target.setdefault(spec.key, np.empty((cfg.num_experts, *host.shape), out_dtype))
+            stack[spec.expert] = host
+    for lp in params["layers"]:
+        lp.update({k: jnp.asarray(v) for k, v in lp.items() if isinstance(v, np.ndarray)})
     return params
 
 

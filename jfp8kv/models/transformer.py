@@ -9,6 +9,7 @@ Params pytree (weights stored [in, out], HF linear weights transposed by the loa
     layers: list of {attn_norm [D], wq [D, H*hd], wk [D, Hkv*hd], wv [D, Hkv*hd],
                      wo [H*hd, D], mlp_norm [D], w_gate [D, I], w_up [D, I], w_down [I, D],
                      bq/bk/bv [..] (qwen2), q_norm/k_norm [hd] (qwen3)}
+    (a routed-expert layer has router/experts_* instead of w_gate/w_up/w_down: models/moe.py)
 
 The model knows nothing about how K/V are stored: it hands post-RoPE K/V to
 ``kernels.store_kv`` and reads through ``kernels.paged_attention``.
@@ -25,6 +26,7 @@ import numpy as np
 from jfp8kv import kernels
 from jfp8kv.config import ModelConfig
 from jfp8kv.kvcache.cache import KVCache
+from jfp8kv.models import moe
 
 
 def acc_dtype(dtype):
@@ -82,6 +84,13 @@ def _linear(x, w, b=None):
     return y.astype(x.dtype)
 
 
+def _dense_mlp(h, lp):
+    gate = _linear(h, lp["w_gate"])
+    up = _linear(h, lp["w_up"])
+    mid = jax.nn.silu(gate.astype(acc_dtype(h.dtype))) * up
+    return _linear(mid.astype(h.dtype), lp["w_down"])
+
+
 def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_lens, *,
             cfg: ModelConfig, backend: str = "reference"):
     """Run the model over a (possibly padded) chunk of new tokens.
@@ -114,9 +123,7 @@ def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_l
                                        sm_scale, backend)
         x = x + _linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate = _linear(h, lp["w_gate"])
-        up = _linear(h, lp["w_up"])
-        x = x + _linear((jax.nn.silu(gate.astype(acc_dtype(dtype))) * up).astype(dtype), lp["w_down"])
+        x = x + (moe.qwen3_moe_mlp(h, lp, cfg) if "router" in lp else _dense_mlp(h, lp))
         new_k.append(layer.k)
         new_v.append(layer.v)
         k_scale.append(layer.k_scale)
