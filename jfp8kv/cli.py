@@ -52,6 +52,10 @@ def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None 
                 help_text = help_text.split(" (default")[0]
             if default is not None and "(default" not in help_text:
                 help_text += " (default: %(default)s)"
+            if isinstance(f.default, bool):  # --name / --no-name
+                group.add_argument(flag_name(f), dest=f.name, default=default,
+                                   action=argparse.BooleanOptionalAction, help=help_text)
+                continue
             group.add_argument(flag_name(f), dest=f.name, default=default,
                                type=_value_parser(cls, f), choices=f.metadata.get("choices"),
                                metavar=f.metadata.get("metavar"), help=help_text)

@@ -306,6 +306,9 @@ class EngineConfig:
               "powers of two on CPU)", parse=parse_int_tuple, metavar="N,N,...")
     min_prefill_chunk: int | None = _knob(
         None, "smallest prefill chunk bucket in tokens (default: 128 on GPU, 16 on CPU)")
+    enable_prefix_caching: bool = _knob(
+        True, "reuse the cached KV pages of a prompt's prefix computed by an earlier request "
+              "(same tokens, same cache settings) instead of recomputing it")
 
     def __post_init__(self):
         ps = self.page_size

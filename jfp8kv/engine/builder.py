@@ -212,7 +212,11 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
                          math.ceil(plan.max_model_len / ccfg.page_size),
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk)
-    scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg)
+    # Pages are reused only under the settings that produced their numbers.
+    namespace = (loaded.name, ccfg.storage_dtype, ccfg.scale_mode,
+                 None if k_scale is None else hash(np.asarray(k_scale).tobytes()),
+                 None if v_scale is None else hash(np.asarray(v_scale).tobytes()))
+    scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg, namespace)
     eos = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
         eos.add(loaded.tokenizer.eos_token_id)
@@ -255,7 +259,10 @@ def cache_info(built: BuiltEngine) -> dict:
                 kv_cache_memory=built.engine_config.kv_cache_memory,
                 pool_bytes=built.engine.runner.cache.nbytes(),
                 compute_dtype=built.dtype, attention_backend=built.backend,
-                max_model_len=built.engine_config.max_model_len)
+                max_model_len=built.engine_config.max_model_len,
+                enable_prefix_caching=built.engine_config.enable_prefix_caching,
+                prefix_cache=dataclasses.asdict(
+                    built.engine.scheduler.prefix_cache_stats()))
 
 
 def cache_summary(info: dict) -> str:

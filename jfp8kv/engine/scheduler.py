@@ -118,14 +118,17 @@ class Scheduler:
                              if enable_prefix_caching else None)
 
     @classmethod
-    def from_config(cls, allocator: PageAllocator, cfg: EngineConfig) -> "Scheduler":
+    def from_config(cls, allocator: PageAllocator, cfg: EngineConfig,
+                    prefix_cache_namespace="") -> "Scheduler":
         """A scheduler with ``cfg``'s limits; ``cfg`` must be resolved (max_model_len and
         decode_steps set, as ``jfp8kv.engine.builder`` returns it)."""
         if cfg.max_model_len is None or cfg.decode_steps is None:
             raise ValueError("Scheduler.from_config needs a resolved EngineConfig "
                              "(max_model_len and decode_steps set)")
         return cls(allocator, cfg.page_size, cfg.max_model_len, cfg.max_num_seqs,
-                   cfg.max_num_batched_tokens, cfg.decode_steps)
+                   cfg.max_num_batched_tokens, cfg.decode_steps,
+                   enable_prefix_caching=cfg.enable_prefix_caching,
+                   prefix_cache_namespace=prefix_cache_namespace)
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
