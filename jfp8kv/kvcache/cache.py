@@ -3,7 +3,7 @@
 Layout (per layer ``l``)::
 
     k[l], v[l]              [num_kv_heads, num_pages, page_size, head_dim]  storage dtype
-    k_scale[l], v_scale[l]  depends on the scale mode:
+    k_scale[l], v_scale[l]  depends on the scale mode (``scale_modes``, which owns them):
         None (not fp8)      [0]                                             float32 (unused)
         "tensor"/"channel"  [num_kv_heads, head_dim]                        float32, static
         "token"             [num_kv_heads, num_pages, page_size]            float32, dynamic
@@ -29,56 +29,30 @@ import jax
 import jax.numpy as jnp
 
 from jfp8kv.config import CacheConfig
+from jfp8kv.kvcache import scale_modes
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
-STATIC_MODES = ("tensor", "channel")
-DYNAMIC_MODES = ("token", "block")
-
-
-def scale_dtype(scale_mode: str | None):
-    return jnp.float16 if scale_mode == "block" else jnp.float32
 
 
 def scale_shape(cfg: CacheConfig) -> tuple[int, ...]:
-    h, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
-    if not cfg.is_fp8 or cfg.scale_mode is None:
-        return (0,)
-    if cfg.scale_mode in STATIC_MODES:
-        return (h, d)
-    if cfg.scale_mode == "token":
-        return (h, p, s)
-    if cfg.scale_mode == "block":
-        return (h, p, s, d // cfg.scale_block)
-    raise ValueError(f"unknown kv_scale_mode {cfg.scale_mode!r}")
-
-
-def scale_bytes_per_token_head(storage_dtype: str, scale_mode: str | None, head_dim: int,
-                               scale_block: int = 32) -> int:
-    """Scale bytes stored per token per KV head, for K or V alone (0 for static modes)."""
-    if not storage_dtype.startswith("float8") or scale_mode in (None, *STATIC_MODES):
-        return 0
-    if scale_mode == "token":
-        return 4
-    if scale_mode == "block":
-        return 2 * (head_dim // scale_block)
-    raise ValueError(f"unknown kv_scale_mode {scale_mode!r}")
+    """Shape of one layer's K (or V) scale array (see ``scale_modes.ScaleMode``)."""
+    return scale_modes.of(cfg).scale_shape(cfg)
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, storage_dtype: str,
                     scale_mode: str | None, scale_block: int = 32) -> int:
     """KV bytes per cached token: 2 x layers x kv_heads x (head_dim x itemsize + scale bytes)."""
     item = jnp.dtype(storage_dtype).itemsize
-    per_head = head_dim * item + scale_bytes_per_token_head(
-        storage_dtype, scale_mode, head_dim, scale_block)
+    mode = scale_modes.get(scale_mode, storage_dtype)
+    per_head = head_dim * item + mode.scale_bytes_per_token_head(head_dim, scale_block)
     return 2 * num_layers * num_kv_heads * per_head
 
 
 def static_overhead_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
                           storage_dtype: str, scale_mode: str | None) -> int:
     """Bytes of per-layer static scale arrays (K and V), independent of the page count."""
-    if storage_dtype.startswith("float8") and scale_mode in STATIC_MODES:
-        return 2 * num_layers * num_kv_heads * head_dim * 4
-    return 0
+    return scale_modes.get(scale_mode, storage_dtype).static_bytes(num_layers, num_kv_heads,
+                                                                   head_dim)
 
 
 def plan_num_pages(cache_memory: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -109,23 +83,12 @@ class KVCache:
         """Allocate the pool. Static modes need ``static_{k,v}_scale``: [layers, heads, head_dim]."""
         shape = (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)
         dt = jnp.dtype(cfg.storage_dtype)
-        sshape = scale_shape(cfg)
-        sdt = scale_dtype(cfg.scale_mode)
-
-        def scales(static):
-            if cfg.is_fp8 and cfg.scale_mode in STATIC_MODES:
-                if static is None:
-                    raise ValueError(f"kv_scale_mode={cfg.scale_mode!r} needs static scales")
-                static = jnp.broadcast_to(jnp.asarray(static, jnp.float32),
-                                          (cfg.num_layers, *sshape))
-                return [static[i] for i in range(cfg.num_layers)]
-            return [jnp.ones(sshape, sdt) for _ in range(cfg.num_layers)]
-
+        mode = scale_modes.of(cfg)
         return cls(
             k=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],
             v=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],
-            k_scale=scales(static_k_scale),
-            v_scale=scales(static_v_scale),
+            k_scale=mode.init_scales(cfg, static_k_scale),
+            v_scale=mode.init_scales(cfg, static_v_scale),
             stats=jnp.zeros((cfg.num_layers, len(STAT_FIELDS)), jnp.float32),
             config=cfg,
         )
