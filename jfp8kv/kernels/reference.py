@@ -21,10 +21,20 @@ Contracts (shared with ``jfp8kv.kernels.pallas_*``)
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Float32, Int
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kvcache import scale_modes
 from jfp8kv.kvcache.cache import LayerKV
+
+# The contract's arrays (checked at run time under pytest: tests/conftest.py).
+NewRows = Float[Array, "n kv_heads head_dim"]
+Slots = Int[Array, "n"]
+StatsRow = Float32[Array, "6"]
+Queries = Float[Array, "b t heads head_dim"]
+PageTables = Int[Array, "b max_pages"]
+SeqLens = Int[Array, "b"]
+Positions = Int[Array, "b t"]
 
 
 def _quantize_rows(x, pool_scale, cfg: CacheConfig):
@@ -42,7 +52,8 @@ def _quantize_rows(x, pool_scale, cfg: CacheConfig):
     return q.reshape(n, h, d), s, sat
 
 
-def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig):
+def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots,
+             cfg: CacheConfig) -> tuple[LayerKV, StatsRow]:
     valid = slots >= cfg.page_size  # page 0 is the padding sink
     vmask = valid[:, None, None]
     h, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
@@ -88,8 +99,8 @@ def gather_dequantized(pages, scale, page_tables, cfg: CacheConfig):
     return jnp.moveaxis(x, 0, 1).reshape(b, h, mp * s, d)
 
 
-def paged_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: CacheConfig,
-                    sm_scale: float):
+def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,
+                    q_positions: Positions, cfg: CacheConfig, sm_scale: float) -> Queries:
     b, t, nh, d = q.shape
     hkv = cfg.num_kv_heads
     g = nh // hkv

@@ -24,14 +24,38 @@ Page 0 is reserved: padding lanes write there and no sequence ever owns it.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Float32, Shaped
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kvcache import scale_modes
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
+
+# Shapes of the pytree leaves (checked at run time under pytest: tests/conftest.py).
+Pages = Shaped[Array, "kv_heads pages page_size head_dim"]
+Scales = (Float[Array, "kv_heads head_dim"]  # static (tensor, channel)
+          | Float[Array, "kv_heads pages page_size"]  # one per token
+          | Float[Array, "kv_heads pages page_size groups"]  # one per group (block)
+          | Float[Array, "0"])  # unscaled pages
+Stats = Float32[Array, "layers 6"]
+
+
+def _check_layer(k: Pages, v: Pages, k_scale: Scales, v_scale: Scales) -> None:
+    """Nothing to do: the annotations are the check, when a type checker wraps this."""
+
+
+def _check_cache(k: list[Pages], v: list[Pages], k_scale: list[Scales],
+                 v_scale: list[Scales], stats: Stats) -> None:
+    """As ``_check_layer``, for the whole pool."""
+
+
+def _arrays(*xs) -> bool:
+    """JAX also rebuilds pytrees with other leaves (shapes, sentinels): check arrays only."""
+    return all(isinstance(x, jax.Array) for x in xs)
 
 
 def scale_shape(cfg: CacheConfig) -> tuple[int, ...]:
@@ -66,17 +90,23 @@ def plan_num_pages(cache_memory: int, *, num_layers: int, num_kv_heads: int, hea
     return max(0, budget // per_page)
 
 
+@typing.no_type_check  # fields are checked in __post_init__, for array leaves only
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
     """Functional paged KV cache. Arrays are pytree leaves; ``config`` is static."""
 
-    k: list[jax.Array]
-    v: list[jax.Array]
-    k_scale: list[jax.Array]
-    v_scale: list[jax.Array]
-    stats: jax.Array
+    k: list[Pages]
+    v: list[Pages]
+    k_scale: list[Scales]
+    v_scale: list[Scales]
+    stats: Stats
     config: CacheConfig = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.k and _arrays(self.k[0], self.v[0], self.k_scale[0], self.v_scale[0],
+                              self.stats):
+            _check_cache(self.k, self.v, self.k_scale, self.v_scale, self.stats)
 
     @classmethod
     def init(cls, cfg: CacheConfig, static_k_scale=None, static_v_scale=None) -> "KVCache":
@@ -101,12 +131,17 @@ class KVCache:
         return sum(x.size * x.dtype.itemsize for x in leaves)
 
 
+@typing.no_type_check  # as KVCache
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
     """One layer's pages and scales (see the module docstring for shapes)."""
 
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array
-    v_scale: jax.Array
+    k: Pages
+    v: Pages
+    k_scale: Scales
+    v_scale: Scales
+
+    def __post_init__(self):
+        if _arrays(self.k, self.v, self.k_scale, self.v_scale):
+            _check_layer(self.k, self.v, self.k_scale, self.v_scale)
