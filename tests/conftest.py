@@ -3,6 +3,10 @@
 XLA compiles on CPU are the slowest part of the suite; a persistent compilation cache
 shared by every test process of a run (and by the server subprocesses the serve tests
 start) lets identical shapes compile once.
+
+The jaxtyping annotations at the real boundaries (the kernels' contract, the cache pytree,
+``transformer.forward``) are checked at run time under pytest only: the import hook below
+wraps the functions of these modules with beartype before any test imports them.
 """
 
 import os
@@ -10,6 +14,10 @@ import tempfile
 
 import jax
 import pytest
+from jaxtyping import install_import_hook
+
+install_import_hook(["jfp8kv.kernels", "jfp8kv.kvcache.cache", "jfp8kv.models.transformer"],
+                    "beartype.beartype")
 
 _CACHE = os.environ.setdefault(
     "JFP8KV_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "jfp8kv-test-jax-cache"))

@@ -8,12 +8,17 @@
 
 from __future__ import annotations
 
+from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import reference
+from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
+                                      StatsRow)
+from jfp8kv.kvcache.cache import LayerKV
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
 
 
-def store_kv(layer, k_new, v_new, slots, cfg, backend: str = "reference"):
+def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: CacheConfig,
+             backend: str = "reference") -> tuple[LayerKV, StatsRow]:
     if backend == "reference":
         return reference.store_kv(layer, k_new, v_new, slots, cfg)
     from jfp8kv.kernels import pallas_store
@@ -22,8 +27,9 @@ def store_kv(layer, k_new, v_new, slots, cfg, backend: str = "reference"):
                                  interpret=backend == "pallas_interpret")
 
 
-def paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg, sm_scale,
-                    backend: str = "reference"):
+def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,
+                    q_positions: Positions, cfg: CacheConfig, sm_scale: float,
+                    backend: str = "reference") -> Queries:
     """q [B, T, H, D]; T == 1 routes to the decode kernel on Pallas backends."""
     if backend == "reference":
         return reference.paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg,

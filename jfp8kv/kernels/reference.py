@@ -21,37 +21,39 @@ Contracts (shared with ``jfp8kv.kernels.pallas_*``)
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Float32, Int
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kvcache import fp8
-from jfp8kv.kvcache.cache import STATIC_MODES, LayerKV
+from jfp8kv.kvcache import scale_modes
+from jfp8kv.kvcache.cache import LayerKV
+
+# The contract's arrays (checked at run time under pytest: tests/conftest.py).
+NewRows = Float[Array, "n kv_heads head_dim"]
+Slots = Int[Array, "n"]
+StatsRow = Float32[Array, "6"]
+Queries = Float[Array, "b t heads head_dim"]
+PageTables = Int[Array, "b max_pages"]
+SeqLens = Int[Array, "b"]
+Positions = Int[Array, "b t"]
 
 
-def _quantize_rows(x, static_scale, cfg: CacheConfig):
-    """x: [N, H, D] -> (stored values [N, H, D], scales for the pool or None, saturated count)."""
-    dt = jnp.dtype(cfg.storage_dtype)
-    x32 = x.astype(jnp.float32)
-    if not cfg.is_fp8:
-        return x.astype(dt), None, jnp.float32(0)
-    if cfg.scale_mode in STATIC_MODES:
-        s = static_scale[None]  # [1, H, D]
-        return fp8.quantize(x32, s, dt), None, fp8.saturation_count(x32, s, dt)
-    if cfg.scale_mode == "token":
-        amax = fp8.amax_ignoring_nan(x32)  # [N, H]; inf -> scale 1.0
-        s = fp8.dynamic_scale(amax, dt, jnp.float32)
-        return fp8.quantize(x32, s[..., None], dt), s, fp8.saturation_count(x32, s[..., None], dt)
-    if cfg.scale_mode == "block":
-        n, h, d = x32.shape
-        nb = d // cfg.scale_block
-        xb = x32.reshape(n, h, nb, cfg.scale_block)
-        amax = fp8.amax_ignoring_nan(xb)  # [N, H, nb]
-        s = fp8.dynamic_scale(amax, dt, jnp.float16)
-        q = fp8.quantize(xb, s[..., None], dt).reshape(n, h, d)
-        return q, s, fp8.saturation_count(xb, s[..., None], dt)
-    raise ValueError(f"unknown kv_scale_mode {cfg.scale_mode!r}")
+def _quantize_rows(x, pool_scale, cfg: CacheConfig):
+    """x: [N, H, D] -> (stored values [N, H, D], new scales [N, H, ...] or None, saturated).
+
+    ``pool_scale`` is the layer's scale array: read by static modes, its per-row shape
+    (``[H, P, S, ...]`` past P, S) is the layout of dynamic scales."""
+    mode = scale_modes.of(cfg)
+    n, h, d = x.shape
+    g, w = mode.group_view(d, cfg.scale_block)
+    static = pool_scale[None, :, None] if mode.is_static else None  # [1, H, 1, D]
+    q, s, sat = mode.quantize(x.reshape(n, h, g, w), static, jnp.dtype(cfg.storage_dtype))
+    if s is not None:
+        s = s.reshape(n, h, *pool_scale.shape[3:])
+    return q.reshape(n, h, d), s, sat
 
 
-def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig):
+def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots,
+             cfg: CacheConfig) -> tuple[LayerKV, StatsRow]:
     valid = slots >= cfg.page_size  # page 0 is the padding sink
     vmask = valid[:, None, None]
     h, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
@@ -86,21 +88,19 @@ def gather_dequantized(pages, scale, page_tables, cfg: CacheConfig):
     fp8 pages dequantize in float32 (the numerics contract); other pages come back as float32,
     or float64 when stored so (the float64 reference-check mode)."""
     g = pages[:, page_tables]  # [H, B, MP, S, D]
-    x = g.astype(jnp.float32 if cfg.is_fp8 else jnp.promote_types(g.dtype, jnp.float32))
-    if cfg.is_fp8:
-        if cfg.scale_mode in STATIC_MODES:
-            x = x * scale[:, None, None, None, :]
-        elif cfg.scale_mode == "token":
-            x = x * scale[:, page_tables][..., None]
-        elif cfg.scale_mode == "block":
-            sb = scale[:, page_tables].astype(jnp.float32)  # [H, B, MP, S, nb]
-            x = (x.reshape(*x.shape[:-1], -1, cfg.scale_block) * sb[..., None]).reshape(x.shape)
+    mode = scale_modes.of(cfg)
+    if mode.name is None:  # float32, or float64 in the float64 check mode
+        x = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    elif mode.is_static:
+        x = mode.dequantize(g, scale[:, None, None, None, :])
+    else:
+        x = mode.dequantize(g, scale[:, page_tables])  # [H, B, MP, S(, G)] scales
     h, b, mp, s, d = x.shape
     return jnp.moveaxis(x, 0, 1).reshape(b, h, mp * s, d)
 
 
-def paged_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: CacheConfig,
-                    sm_scale: float):
+def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,
+                    q_positions: Positions, cfg: CacheConfig, sm_scale: float) -> Queries:
     b, t, nh, d = q.shape
     hkv = cfg.num_kv_heads
     g = nh // hkv

@@ -3,7 +3,7 @@
 Layout (per layer ``l``)::
 
     k[l], v[l]              [num_kv_heads, num_pages, page_size, head_dim]  storage dtype
-    k_scale[l], v_scale[l]  depends on the scale mode:
+    k_scale[l], v_scale[l]  depends on the scale mode (``scale_modes``, which owns them):
         None (not fp8)      [0]                                             float32 (unused)
         "tensor"/"channel"  [num_kv_heads, head_dim]                        float32, static
         "token"             [num_kv_heads, num_pages, page_size]            float32, dynamic
@@ -24,61 +24,59 @@ Page 0 is reserved: padding lanes write there and no sequence ever owns it.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Float32, Shaped
 
 from jfp8kv.config import CacheConfig
+from jfp8kv.kvcache import scale_modes
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
-STATIC_MODES = ("tensor", "channel")
-DYNAMIC_MODES = ("token", "block")
+
+# Shapes of the pytree leaves (checked at run time under pytest: tests/conftest.py).
+Pages = Shaped[Array, "kv_heads pages page_size head_dim"]
+Scales = (Float[Array, "kv_heads head_dim"]  # static (tensor, channel)
+          | Float[Array, "kv_heads pages page_size"]  # one per token
+          | Float[Array, "kv_heads pages page_size groups"]  # one per group (block)
+          | Float[Array, "0"])  # unscaled pages
+Stats = Float32[Array, "layers 6"]
 
 
-def scale_dtype(scale_mode: str | None):
-    return jnp.float16 if scale_mode == "block" else jnp.float32
+def _check_layer(k: Pages, v: Pages, k_scale: Scales, v_scale: Scales) -> None:
+    """Nothing to do: the annotations are the check, when a type checker wraps this."""
+
+
+def _check_cache(k: list[Pages], v: list[Pages], k_scale: list[Scales],
+                 v_scale: list[Scales], stats: Stats) -> None:
+    """As ``_check_layer``, for the whole pool."""
+
+
+def _arrays(*xs) -> bool:
+    """JAX also rebuilds pytrees with other leaves (shapes, sentinels): check arrays only."""
+    return all(isinstance(x, jax.Array) for x in xs)
 
 
 def scale_shape(cfg: CacheConfig) -> tuple[int, ...]:
-    h, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
-    if not cfg.is_fp8 or cfg.scale_mode is None:
-        return (0,)
-    if cfg.scale_mode in STATIC_MODES:
-        return (h, d)
-    if cfg.scale_mode == "token":
-        return (h, p, s)
-    if cfg.scale_mode == "block":
-        return (h, p, s, d // cfg.scale_block)
-    raise ValueError(f"unknown kv_scale_mode {cfg.scale_mode!r}")
-
-
-def scale_bytes_per_token_head(storage_dtype: str, scale_mode: str | None, head_dim: int,
-                               scale_block: int = 32) -> int:
-    """Scale bytes stored per token per KV head, for K or V alone (0 for static modes)."""
-    if not storage_dtype.startswith("float8") or scale_mode in (None, *STATIC_MODES):
-        return 0
-    if scale_mode == "token":
-        return 4
-    if scale_mode == "block":
-        return 2 * (head_dim // scale_block)
-    raise ValueError(f"unknown kv_scale_mode {scale_mode!r}")
+    """Shape of one layer's K (or V) scale array (see ``scale_modes.ScaleMode``)."""
+    return scale_modes.of(cfg).scale_shape(cfg)
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, storage_dtype: str,
                     scale_mode: str | None, scale_block: int = 32) -> int:
     """KV bytes per cached token: 2 x layers x kv_heads x (head_dim x itemsize + scale bytes)."""
     item = jnp.dtype(storage_dtype).itemsize
-    per_head = head_dim * item + scale_bytes_per_token_head(
-        storage_dtype, scale_mode, head_dim, scale_block)
+    mode = scale_modes.get(scale_mode, storage_dtype)
+    per_head = head_dim * item + mode.scale_bytes_per_token_head(head_dim, scale_block)
     return 2 * num_layers * num_kv_heads * per_head
 
 
 def static_overhead_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
                           storage_dtype: str, scale_mode: str | None) -> int:
     """Bytes of per-layer static scale arrays (K and V), independent of the page count."""
-    if storage_dtype.startswith("float8") and scale_mode in STATIC_MODES:
-        return 2 * num_layers * num_kv_heads * head_dim * 4
-    return 0
+    return scale_modes.get(scale_mode, storage_dtype).static_bytes(num_layers, num_kv_heads,
+                                                                   head_dim)
 
 
 def plan_num_pages(cache_memory: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -92,40 +90,35 @@ def plan_num_pages(cache_memory: int, *, num_layers: int, num_kv_heads: int, hea
     return max(0, budget // per_page)
 
 
+@typing.no_type_check  # fields are checked in __post_init__, for array leaves only
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
     """Functional paged KV cache. Arrays are pytree leaves; ``config`` is static."""
 
-    k: list[jax.Array]
-    v: list[jax.Array]
-    k_scale: list[jax.Array]
-    v_scale: list[jax.Array]
-    stats: jax.Array
+    k: list[Pages]
+    v: list[Pages]
+    k_scale: list[Scales]
+    v_scale: list[Scales]
+    stats: Stats
     config: CacheConfig = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        if self.k and _arrays(self.k[0], self.v[0], self.k_scale[0], self.v_scale[0],
+                              self.stats):
+            _check_cache(self.k, self.v, self.k_scale, self.v_scale, self.stats)
 
     @classmethod
     def init(cls, cfg: CacheConfig, static_k_scale=None, static_v_scale=None) -> "KVCache":
         """Allocate the pool. Static modes need ``static_{k,v}_scale``: [layers, heads, head_dim]."""
         shape = (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)
         dt = jnp.dtype(cfg.storage_dtype)
-        sshape = scale_shape(cfg)
-        sdt = scale_dtype(cfg.scale_mode)
-
-        def scales(static):
-            if cfg.is_fp8 and cfg.scale_mode in STATIC_MODES:
-                if static is None:
-                    raise ValueError(f"kv_scale_mode={cfg.scale_mode!r} needs static scales")
-                static = jnp.broadcast_to(jnp.asarray(static, jnp.float32),
-                                          (cfg.num_layers, *sshape))
-                return [static[i] for i in range(cfg.num_layers)]
-            return [jnp.ones(sshape, sdt) for _ in range(cfg.num_layers)]
-
+        mode = scale_modes.of(cfg)
         return cls(
             k=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],
             v=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],
-            k_scale=scales(static_k_scale),
-            v_scale=scales(static_v_scale),
+            k_scale=mode.init_scales(cfg, static_k_scale),
+            v_scale=mode.init_scales(cfg, static_v_scale),
             stats=jnp.zeros((cfg.num_layers, len(STAT_FIELDS)), jnp.float32),
             config=cfg,
         )
@@ -138,12 +131,17 @@ class KVCache:
         return sum(x.size * x.dtype.itemsize for x in leaves)
 
 
+@typing.no_type_check  # as KVCache
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
     """One layer's pages and scales (see the module docstring for shapes)."""
 
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array
-    v_scale: jax.Array
+    k: Pages
+    v: Pages
+    k_scale: Scales
+    v_scale: Scales
+
+    def __post_init__(self):
+        if _arrays(self.k, self.v, self.k_scale, self.v_scale):
+            _check_layer(self.k, self.v, self.k_scale, self.v_scale)

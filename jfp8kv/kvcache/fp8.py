@@ -135,6 +135,18 @@ def quantize(x, scale, dtype):
     return saturating_cast(scaled(x, scale), dtype)
 
 
+def quantize_counted(x, scale, dtype, *, reciprocal=reciprocal, cast=saturating_cast):
+    """``(quantize(x, scale, dtype), saturation_count(x, scale, dtype))`` from one product.
+
+    Kernels pass their own primitives: ``reciprocal`` (any correctly rounded one, e.g.
+    ``rcp.rn.f32``) and ``cast`` (``encode_saturating`` where the backend's cast double-rounds).
+    """
+    x = jnp.asarray(x).astype(jnp.float32)
+    y = x * reciprocal(scale)
+    sat = jnp.sum(((jnp.abs(y) > fmax(dtype)) & jnp.isfinite(x)).astype(jnp.float32))
+    return cast(y, dtype), sat
+
+
 def dequantize(q, scale, out_dtype=jnp.float32):
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(out_dtype)
 
@@ -162,7 +174,7 @@ def _ceil_to_f16(s):
     return jnp.where(s >= 2.0**-14, up, sub)  # normals: 11 significant bits
 
 
-def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
+def dynamic_scale(amax, dtype, scale_dtype=jnp.float32, *, reciprocal=reciprocal):
     """Scale mapping ``amax`` onto ``fmax``, floored, rounded *up* to ``scale_dtype``.
 
     ``scale_dtype`` is float32 (token mode) or float16 (block mode). Rounding the scale up
@@ -171,6 +183,7 @@ def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
     overflowing to inf (rows with amax > 65504 x fmax saturate, and are counted).
     ``amax`` comes from ``amax_ignoring_nan``: a NaN element stays NaN in the data and the
     rest of its row keeps a proper scale. A NaN/inf amax gives scale 1.0 (inf saturates).
+    Kernels pass their own correctly rounded ``reciprocal``; the numbers are the same.
     """
     m = fmax(dtype)
     sdt = jnp.dtype(scale_dtype)
@@ -192,6 +205,51 @@ def dynamic_scale(amax, dtype, scale_dtype=jnp.float32):
     # fp16 overflow: cap, so the row saturates instead of reading back 0 * inf = NaN. The
     # value is exactly representable, so this cast does not round.
     return jnp.minimum(s, 65504.0).astype(jnp.float16)
+
+
+# (mantissa bits, exponent bias, NaN magnitude code) of each fp8 format.
+_FP8_BITS = {"float8_e4m3fn": (3, 7, 0x7F), "float8_e5m2": (2, 15, 0x7E)}
+
+
+def fp8_bits(y, dtype_name: str):
+    """Round-to-nearest-even fp8 bit pattern (int32 in [0, 255]) of float32 ``y``, by integer
+    arithmetic: the NaN codes of ``ml_dtypes``, no backend cast involved (some double-round).
+
+    ``y`` must already be clipped to +-fmax (or be NaN). Works in jnp and inside kernels.
+    """
+    mbits, bias, nan_code = _FP8_BITS[dtype_name]
+    bits = jax.lax.bitcast_convert_type(y.astype(jnp.float32), jnp.int32)
+    sign = jax.lax.shift_right_logical(bits, 31)
+    a = bits & 0x7FFFFFFF
+    # Normal results: round the f32 bit pattern to `mbits` mantissa bits, then re-bias.
+    shift = 23 - mbits
+    lsb = jax.lax.shift_right_logical(a, shift) & 1
+    rnd = a + ((1 << (shift - 1)) - 1) + lsb
+    normal = jax.lax.shift_right_logical(rnd, shift) - ((127 - bias) << mbits)
+    # Subnormal results: the integer multiple of 2^(1 - bias - mbits), rounded to even.
+    e = jax.lax.shift_right_logical(a, 23)
+    m = (a & 0x7FFFFF) | 0x800000
+    sh = jnp.minimum((150 + 1 - bias - mbits) - e, 25)
+    sh = jnp.maximum(sh, 1)
+    q = jax.lax.shift_right_logical(m, sh)
+    rem = m & (jax.lax.shift_left(jnp.ones_like(m), sh) - 1)
+    half = jax.lax.shift_left(jnp.ones_like(m), sh - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.astype(jnp.int32)
+    min_normal = (127 - bias + 1) << 23
+    mag = jnp.where(a >= min_normal, normal, sub)
+    mag = jnp.where(a > 0x7F800000, nan_code, mag)
+    return (sign << 7) | mag
+
+
+def encode_saturating(y, dtype):
+    """``saturating_cast`` by integer arithmetic (``fp8_bits``), for kernels: the clip keeps
+    NaN explicitly (Triton's max/min ignore it)."""
+    name = jnp.dtype(dtype).name
+    m = FMAX[name]
+    y = y.astype(jnp.float32)
+    yc = jnp.where(jnp.isnan(y), y, jnp.minimum(jnp.maximum(y, -m), m))
+    return jax.lax.bitcast_convert_type(fp8_bits(yc, name).astype(jnp.uint8), jnp.dtype(name))
 
 
 def saturation_count(x, scale, dtype):

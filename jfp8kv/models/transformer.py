@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
 from jfp8kv import kernels
 from jfp8kv.config import ModelConfig
@@ -91,8 +92,11 @@ def _dense_mlp(h, lp):
     return _linear(mid.astype(h.dtype), lp["w_down"])
 
 
-def forward(params, cache: KVCache, tokens, positions, slots, page_tables, seq_lens, *,
-            cfg: ModelConfig, backend: str = "reference"):
+def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
+            positions: Int[Array, "b t"], slots: Int[Array, "b t"],
+            page_tables: Int[Array, "b max_pages"], seq_lens: Int[Array, "b"], *,
+            cfg: ModelConfig, backend: str = "reference",
+            ) -> tuple[Float[Array, "b t hidden"], KVCache]:
     """Run the model over a (possibly padded) chunk of new tokens.
 
     tokens, positions, slots: int32[B, T] (padding lanes: slot in page 0);

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jfp8kv.kernels import pallas_decode, reference
+from jfp8kv.kernels.tiles import Variant
 
 from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec, sweep
 
@@ -68,14 +69,17 @@ def test_decode_matches_reference(case, exec_mode, variant=None):
     assert (np.asarray(out, np.float32)[empty] == 0).all(), "empty slots must return zeros"
 
 
-@pytest.mark.parametrize("variant", ["rowscale", "pagepf+rowscale+vmask"])
+@pytest.mark.parametrize("variant", [
+    Variant(rowscale=True), Variant(page_prefetch=True, rowscale=True, vmask=True)], ids=str)
 def test_decode_rowscale_variant_interpret(variant):
     """Token scales applied to the K/V tile rows (a prepared variant, not a default)."""
     test_decode_matches_reference(CASES[5], "interpret", variant)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["", "asm", "vmask", "pagepf+vmask", "asm+rowscale"])
+@pytest.mark.parametrize("variant", [
+    Variant(), Variant(asm=True), Variant(vmask=True), Variant(page_prefetch=True, vmask=True),
+    Variant(asm=True, rowscale=True)], ids=lambda v: str(v) or "plain")
 @pytest.mark.parametrize("case", [CASES[i] for i in (3, 4, 11)],
                          ids=[IDS[i] for i in (3, 4, 11)])
 def test_decode_codegen_variants_gpu(case, variant):

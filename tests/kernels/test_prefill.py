@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jfp8kv.kernels import pallas_prefill, reference
+from jfp8kv.kernels.tiles import Variant
 
 from .cases import assert_close, attention_case, make_cfg, on_cpu, on_exec, sweep
 
@@ -57,7 +58,7 @@ def test_prefill_matches_reference(case, exec_mode):
     q_dtype = np.float32 if storage == "float32" else "bfloat16"
     q = jnp.asarray(rng.standard_normal((len(lens), t, nh, d)), q_dtype)
     sm_scale = 1.0 / np.sqrt(d)
-    tuning = pallas_prefill.PrefillTuning(block_m=bm, block_k=bk, variant=variant)
+    tuning = pallas_prefill.PrefillTuning(block_m=bm, block_k=bk, variant=Variant.parse(variant))
     out = on_exec(exec_mode, pallas_prefill.prefill_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
                   tuning=tuning)

@@ -30,7 +30,7 @@ ref_store = jax.jit(reference.store_kv, static_argnums=4)
 def _encode_vs_ml_dtypes(y: np.ndarray, name: str):
     m = fp8.FMAX[name]
     yc = np.where(np.isnan(y), y, np.clip(y, -m, m)).astype(np.float32)
-    got = np.asarray(jax.jit(pallas_store.f32_to_fp8_bits, static_argnums=1)(yc, name))
+    got = np.asarray(jax.jit(fp8.fp8_bits, static_argnums=1)(yc, name))
     want = yc.astype(ML[name]).view(np.uint8).astype(np.int32)
     nan = np.isnan(yc)
     assert (got[~nan] == want[~nan]).all(), yc[~nan][got[~nan] != want[~nan]][:8]

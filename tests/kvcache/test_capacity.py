@@ -111,3 +111,33 @@ def test_pool_bytes_agree_with_planner(storage, mode):
     assert pool == (usable + 1) * page + overhead
     # The sink page lies outside the budget: the pool exceeds it by less than one page.
     assert memory - page < pool - page <= memory
+
+
+def test_every_user_mode_has_one_policy_object():
+    from jfp8kv.config import KV_SCALE_MODES
+    from jfp8kv.kvcache import scale_modes
+
+    assert tuple(scale_modes.MODES) == KV_SCALE_MODES
+    assert {m for m in KV_SCALE_MODES if scale_modes.get(m).is_static} == {"tensor", "channel"}
+    assert scale_modes.get("token", "bfloat16") is scale_modes.UNSCALED
+    with pytest.raises(ValueError, match="choose one of"):
+        scale_modes.get("row")
+    with pytest.raises(ValueError, match="head_dim divisible by 32"):
+        scale_modes.get("block").validate(48)
+
+
+def test_static_scales_from_amax():
+    """tensor: one scale per layer tensor (max over heads and channels); channel: per channel;
+    both amax * headroom / fmax in float32, floored."""
+    import numpy as np
+
+    from jfp8kv.kvcache import scale_modes
+
+    amax = np.random.default_rng().uniform(0, 10, (3, 2, 8)).astype(np.float32)
+    amax[0, 0, 0] = 0.0
+    ch = scale_modes.get("channel").static_from_amax(amax, 1.5, "float8_e4m3fn")
+    np.testing.assert_array_equal(ch, np.maximum(amax * np.float32(1.5) / np.float32(448),
+                                                 np.float32(1e-12)))
+    te = scale_modes.get("tensor").static_from_amax(amax, 1.0, "float8_e5m2")
+    np.testing.assert_array_equal(te, np.broadcast_to(
+        amax.max(axis=(1, 2), keepdims=True) / np.float32(57344), amax.shape))
