@@ -30,7 +30,8 @@ from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache import calibrate, fp8
 from jfp8kv.kvcache.allocator import PageAllocator
-from jfp8kv.kvcache.cache import STATIC_MODES, KVCache, bytes_per_token, plan_num_pages
+from jfp8kv.kvcache import scale_modes
+from jfp8kv.kvcache.cache import KVCache, bytes_per_token, plan_num_pages
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,7 @@ def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
                   device) -> CapacityPlan:
     """Pages that fit the memory budget; raises when one max_model_len sequence does not."""
-    if mode == "block" and model_cfg.head_dim % 32:
-        raise ValueError(f"kv_scale_mode='block' needs head_dim divisible by 32 (this model "
-                         f"has {model_cfg.head_dim}); use 'token', 'channel' or 'tensor'")
+    scale_modes.get(mode, storage).validate(model_cfg.head_dim)
     max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
     shape = dict(num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
                  head_dim=model_cfg.head_dim)
@@ -175,7 +174,7 @@ def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales):
     """(k_scale, v_scale, source) for static scale modes, (None, None, None) otherwise.
     ``kv_scales``: a float for every layer, a scales JSON path, or None (the checkpoint's
     k_scale/v_scale, else calibration on the built-in text)."""
-    if not ccfg.is_fp8 or ccfg.scale_mode not in STATIC_MODES:
+    if not scale_modes.of(ccfg).is_static:
         if kv_scales is not None and ccfg.is_fp8:
             log.warning("kv_scales is ignored: kv_scale_mode=%s computes scales at store "
                         "time", ccfg.scale_mode)

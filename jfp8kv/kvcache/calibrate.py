@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from jfp8kv.kvcache import fp8
+from jfp8kv.kvcache import fp8, scale_modes
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,10 @@ class KVAmax:
     source: str = "calibration"
 
     def scales(self, storage_dtype: str, mode: str, headroom: float = 1.0):
-        """Static scales [layers, kv_heads, head_dim] for ``mode`` in ("tensor", "channel")."""
-        m = fp8.fmax(storage_dtype)
-
-        def conv(a):
-            if mode == "tensor":
-                a = np.broadcast_to(a.max(axis=(1, 2), keepdims=True), a.shape)
-            return np.maximum(a * headroom / m, fp8.SCALE_FLOOR).astype(np.float32)
-
-        return conv(self.k), conv(self.v)
+        """Static scales [layers, kv_heads, head_dim] for a static ``mode``."""
+        m = scale_modes.get(mode, storage_dtype)
+        return (m.static_from_amax(self.k, headroom, storage_dtype),
+                m.static_from_amax(self.v, headroom, storage_dtype))
 
     def to_json(self, path: str, headroom: float = 1.0) -> None:
         doc = {"format_version": FORMAT_VERSION, "model": self.model_fingerprint,
