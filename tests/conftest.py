@@ -1,4 +1,4 @@
-"""Session-wide test settings.
+"""Session-wide test settings and the tiny-checkpoint fixtures every test folder shares.
 
 XLA compiles on CPU are the slowest part of the suite; a persistent compilation cache
 shared by every test process of a run (and by the server subprocesses the serve tests
@@ -11,6 +11,7 @@ wraps the functions of these modules with beartype before any test imports them.
 
 import os
 import tempfile
+from pathlib import Path
 
 import jax
 import pytest
@@ -18,6 +19,8 @@ from jaxtyping import install_import_hook
 
 install_import_hook(["jfp8kv.kernels", "jfp8kv.kvcache.cache", "jfp8kv.models.transformer"],
                     "beartype.beartype")
+
+from tests.tiny_checkpoints import build_tiny_checkpoint, build_tiny_tokenizer
 
 _CACHE = os.environ.setdefault(
     "JFP8KV_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "jfp8kv-test-jax-cache"))
@@ -32,3 +35,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
+
+
+# ------------------------------------------- tiny checkpoints (built by tests/tiny_checkpoints.py)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny byte-level BPE tokenizer (ChatML template) saved as a directory."""
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """Factory: ``tiny_hf_checkpoint(family, dtype="float32", tied=None, sharded=None)``."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str, dtype: str = "float32", tied: bool | None = None,
+             sharded: bool | None = None) -> Path:
+        key = (family, dtype, tied, sharded)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}-{dtype}")
+            made[key] = build_tiny_checkpoint(path, family, dtype, tied, sharded,
+                                              tokenizer_dir=tiny_tokenizer_dir)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The packaged SmolLM2-135M-Instruct Q4_1 GGUF (fetched once into the cache if needed)."""
+    from jfp8kv.models import hub
+
+    return hub.default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf_path) -> Path:
+    """The default model's tokenizer (built from its GGUF metadata) saved as a directory."""
+    from jfp8kv.models.gguf_tokenizer import load_gguf_tokenizer
+
+    path = tmp_path_factory.mktemp("smollm2-tokenizer")
+    load_gguf_tokenizer(smollm2_gguf_path).save_pretrained(str(path))
+    return path

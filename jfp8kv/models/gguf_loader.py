@@ -1,6 +1,7 @@
 """llama.cpp GGUF files -> params pytree, dequantized to the compute dtype.
 
-Tensors are renamed to Hugging Face names and assembled by ``hf_loader.build_params``.
+Tensors are renamed to Hugging Face names and assembled by ``hf_loader.build_params``; the
+tokenizer is built from the file's metadata by ``gguf_tokenizer`` (no torch needed).
 Two layout facts matter:
 
 - GGUF lists dims in ggml ``ne`` order (fastest first), so a linear weight of HF shape
@@ -14,9 +15,6 @@ Two layout facts matter:
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,10 +22,9 @@ from typing import Any
 import numpy as np
 
 from jfp8kv.config import ModelConfig
-from jfp8kv.models import hf_loader, hub
+from jfp8kv.models import hf_loader
+from jfp8kv.models.gguf_tokenizer import load_gguf_tokenizer
 from jfp8kv.models.loader import LoadedModel
-
-log = logging.getLogger(__name__)
 
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -117,39 +114,6 @@ def config_from_gguf(reader, name: str) -> ModelConfig:
         name=name)
 
 
-def _tokenizer_cache_key(path: Path) -> str:
-    import transformers
-
-    st = path.stat()
-    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:20]
-
-
-def load_gguf_tokenizer(path: Path) -> Any:
-    """The GGUF's tokenizer via transformers, cached as a converted tokenizer directory.
-
-    Converting the vocabulary from GGUF takes seconds; the result is saved under the jfp8kv
-    cache (keyed by file path, size, mtime and transformers version) and reloaded from there.
-    """
-    from transformers import AutoTokenizer
-
-    cached = hub.cache_dir() / "tokenizers" / _tokenizer_cache_key(path)
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  local_files_only=True)
-    except (KeyError, ValueError, OSError) as e:
-        raise ValueError(f"could not build a tokenizer from the metadata of {path}: {e}") from e
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    try:
-        tokenizer.save_pretrained(str(tmp))
-        os.replace(tmp, cached)
-    except OSError as e:  # a read-only cache only costs speed
-        log.warning("could not cache the converted tokenizer at %s: %s", cached, e)
-    return tokenizer
-
-
 def load_gguf(path: Path, dtype: str, name: str | None = None) -> LoadedModel:
     """Load a GGUF file (see ``loader.load_model``); weights dequantized to ``dtype``."""
     import gguf
@@ -186,6 +150,6 @@ def load_gguf(path: Path, dtype: str, name: str | None = None) -> LoadedModel:
 
     hf_loader.check_no_unused(by_hf_name, cfg, source=str(path))
     params = hf_loader.build_params(cfg, fetch, dtype, source=str(path))
-    tokenizer = load_gguf_tokenizer(path)
+    tokenizer = load_gguf_tokenizer(path, reader)
     cfg = hf_loader.with_stop_ids(cfg, tokenizer)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, kv_scales=None, name=name)

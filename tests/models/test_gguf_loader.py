@@ -10,7 +10,6 @@ original weights within that format's quantization error.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -228,39 +227,6 @@ def test_tiny_gguf_matches_dequantize_and_original(tiny_hf_checkpoint, tmp_path,
         ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
         assert loaded.tokenizer.decode(ids) == text
     assert loaded.tokenizer.chat_template == tokenizer.chat_template
-
-
-def test_gguf_tokenizer_is_converted_once_then_cached(tiny_hf_checkpoint, tmp_path,
-                                                     monkeypatch):
-    from transformers import AutoTokenizer
-
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("JFP8KV_CACHE", str(cache))
-    hf_cfg, state, tokenizer = _hf_model(tiny_hf_checkpoint("llama"))
-    path = tmp_path / "tok.gguf"
-    write_tiny_gguf(path, "llama", hf_cfg, state, tokenizer)
-    calls = []
-    real = AutoTokenizer.from_pretrained
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("gguf_file"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
-    first = gguf_loader.load_gguf_tokenizer(path)
-    second = gguf_loader.load_gguf_tokenizer(path)
-    assert calls == [path.name, None]  # converted from the GGUF once, then read from the cache
-    assert len(list((cache / "tokenizers").glob("*/tokenizer_config.json"))) == 1
-    prompt = first.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                       add_generation_prompt=True)
-    for text in TEXTS + [prompt]:
-        assert second(text)["input_ids"] == first(text)["input_ids"]
-    assert second.chat_template == first.chat_template == tokenizer.chat_template
-    assert (second.bos_token_id, second.eos_token_id) == (first.bos_token_id,
-                                                          first.eos_token_id)
-    st = path.stat()  # a rewritten file is converted again
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    gguf_loader.load_gguf_tokenizer(path)
-    assert calls[-1] == path.name
 
 
 def test_gguf_rope_freqs_and_unknown_arch_rejected(tmp_path):

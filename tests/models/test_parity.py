@@ -17,7 +17,7 @@ from jfp8kv.kvcache.cache import KVCache
 from jfp8kv.models import transformer
 from jfp8kv.models.loader import load_model
 
-from tests.models.conftest import FAMILIES
+from tests.tiny_checkpoints import FAMILIES
 
 PAGE = 8
 LENGTHS = (5, 23, 41)  # unequal, not multiples of the page size, several page boundaries

@@ -8,9 +8,9 @@ compilation cache under pytest's cache dir, so the spare server and later runs s
 compiles. Tests send temperature 0 unless sampling is the point, which keeps the set of
 compiled shapes small.
 
-The checkpoint is a 2-layer Llama written with ``save_pretrained`` next to the SmolLM2
-tokenizer (converted once from the packaged GGUF and cached by the loader), so the server
-runs the real loader, engine and tokenizer on CPU. Weights use a larger init scale than HF's
+The checkpoint is a 2-layer Llama written by the shared builder (tests/tiny_checkpoints.py)
+next to the SmolLM2 tokenizer (built from the packaged GGUF's metadata), so the server runs
+the real loader, engine and tokenizer on CPU. Weights use a larger init scale than HF's
 default so that greedy argmaxes are not near-ties.
 """
 
@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.tiny_checkpoints import build_tiny_checkpoint
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240.0
 # float32 K/V of the tiny model: 2 layers x 2 (K, V) x 2 heads x 16 dims x 4 B = 512 B/token,
@@ -38,23 +40,15 @@ SERVER_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
                 "--max-queue-len", "40")
 
 
-def build_tiny_checkpoint(path: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_server_checkpoint(path: Path, tokenizer_dir: Path) -> Path:
+    """The served tiny Llama: HF's init at range 0.2 (seed 1234), the SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
 
-    from jfp8kv.models import hub
-    from jfp8kv.models.gguf_loader import load_gguf_tokenizer
-
-    tokenizer = load_gguf_tokenizer(hub.default_gguf_path())
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, initializer_range=0.2,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      tie_word_embeddings=False)
-    torch.manual_seed(1234)
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return path
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    return build_tiny_checkpoint(
+        path, "llama", tokenizer_dir=tokenizer_dir, init_seed=1234, vocab_size=len(tokenizer),
+        intermediate_size=128, head_dim=16, rms_norm_eps=1e-6, initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
 def free_port() -> int:
@@ -110,8 +104,8 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    return build_server_checkpoint(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

