@@ -99,10 +99,11 @@ class SamplingParams:
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """One token's log-prob and the ``len(top)`` most likely tokens at its position,
-    as (token_id, logprob) pairs, most likely first."""
+    as (token_id, logprob) pairs, most likely first. ``logprob`` is None only where a
+    server echoes a prompt's first token (it has no context)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
