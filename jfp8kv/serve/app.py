@@ -10,7 +10,6 @@ task that listens for ``http.disconnect``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Any, Callable
 
@@ -22,10 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfp8kv.serve import protocol as P
 from jfp8kv.serve.async_engine import AsyncEngine
-from jfp8kv.serve.openai_serving import (COMPLETIONS_DEFAULT_MAX_TOKENS, ApiError,  # noqa: F401
-                                         OpenAIServing)
-
-logger = logging.getLogger("jfp8kv.serve")
+from jfp8kv.serve.openai_serving import ApiError, OpenAIServing
 
 RETRY_AFTER_S = "1"
 
