@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
-from jfp8kv.engine.sampler import sample
+from jfp8kv.engine.sampler import SamplingExtras, init_state, sample_step
 from jfp8kv.kvcache.cache import KVCache
 from jfp8kv.models import transformer
 
@@ -40,6 +40,7 @@ class SamplingArrays:
     top_p: np.ndarray  # float32[B]
     seeds: np.ndarray  # uint32[B]
     counters: np.ndarray  # int32[B]
+    extras: SamplingExtras | None = None  # penalties / log-probs; None compiles them out
 
     @classmethod
     def empty(cls, b: int) -> "SamplingArrays":
@@ -47,33 +48,39 @@ class SamplingArrays:
                    np.zeros(b, np.uint32), np.zeros(b, np.int32))
 
     def args(self):
-        return (self.temperature, self.top_k, self.top_p, self.seeds, self.counters)
+        return (self.temperature, self.top_k, self.top_p, self.seeds, self.counters, self.extras)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy"),
                    donate_argnames=("cache",))
 def _prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
-             temperature, top_k, top_p, seeds, counters, *, cfg, backend, all_greedy):
-    """Static: cfg, backend, all_greedy. Donated: cache."""
+             temperature, top_k, top_p, seeds, counters, extras=None, *, cfg, backend,
+             all_greedy):
+    """Static: cfg, backend, all_greedy (and extras' structure). Donated: cache. Returns
+    (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs."""
     hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
                                         seq_lens, cfg=cfg, backend=backend)
     last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     logits = transformer.logits(params, last)
-    toks = sample(logits, temperature, top_k, top_p, seeds, counters, all_greedy=all_greedy)
-    return toks, cache
+    state = init_state(extras, logits.shape[-1])
+    toks, _, lp = sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras,
+                              all_greedy=all_greedy)
+    return (toks if lp is None else (toks, lp)), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "num_steps"),
                    donate_argnames=("cache",))
 def _decode(params, cache, tokens, positions, page_tables, limits, temperature, top_k, top_p,
-            seeds, counters, *, cfg, backend, all_greedy, num_steps):
+            seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps):
     """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
     inactive rows write to the sink page and attend nothing. Static: cfg, backend,
-    all_greedy, num_steps. Donated: cache. Returns (int32[B, num_steps], cache)."""
+    all_greedy, num_steps (and extras' structure: the penalty token counts ride in the scan
+    carry only when given). Donated: cache. Returns (int32[B, num_steps], cache), or
+    ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs."""
     ps = cache.config.page_size
 
     def body(carry, i):
-        cache, tok = carry
+        cache, tok, state = carry
         pos = positions + i
         active = pos < limits
         page = jnp.take_along_axis(page_tables, (pos // ps)[:, None] % page_tables.shape[1],
@@ -84,12 +91,13 @@ def _decode(params, cache, tokens, positions, page_tables, limits, temperature, 
                                             slot[:, None], page_tables, seq_len, cfg=cfg,
                                             backend=backend)
         logits = transformer.logits(params, hidden[:, 0])
-        nxt = sample(logits, temperature, top_k, top_p, seeds, counters + i,
-                     all_greedy=all_greedy)
-        return (cache, nxt), nxt
+        nxt, state, lp = sample_step(logits, state, temperature, top_k, top_p, seeds,
+                                     counters + i, extras, all_greedy=all_greedy)
+        return (cache, nxt, state), (nxt if lp is None else (nxt, lp))
 
-    (cache, _), toks = jax.lax.scan(body, (cache, tokens), jnp.arange(num_steps))
-    return toks.T, cache
+    state = init_state(extras, cfg.vocab_size)
+    (cache, _, _), out = jax.lax.scan(body, (cache, tokens, state), jnp.arange(num_steps))
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
@@ -232,5 +240,7 @@ def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:
     n = len(s.temperature)
     pad = SamplingArrays.empty(b)
     for f in dataclasses.fields(SamplingArrays):
-        getattr(pad, f.name)[:n] = getattr(s, f.name)
+        if f.name != "extras":
+            getattr(pad, f.name)[:n] = getattr(s, f.name)
+    pad.extras = None if s.extras is None else s.extras.pad(b)
     return pad

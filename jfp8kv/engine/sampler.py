@@ -1,4 +1,5 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, seeded per request.
+"""On-device sampling: greedy, temperature, top-k, top-p, seeded per request; optional
+penalties, min_tokens and log-probs.
 
 Each row's key is ``fold_in(PRNGKey(seed), counter)`` where ``counter`` is the index of
 the token being sampled, so a request's samples do not depend on which other requests
@@ -7,8 +8,14 @@ share its batch.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jfp8kv.engine.types import MAX_LOGPROBS
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters, *, all_greedy: bool):
@@ -33,3 +40,124 @@ def sample(logits, temperature, top_k, top_p, seeds, counters, *, all_greedy: bo
     pick = jax.vmap(jax.random.categorical)(keys, srt)
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+# -- optional per-row features: penalties, min_tokens, log-probs ---------------------------
+# They are compiled in only when a batch row asks (``SamplingExtras`` present, its fields set);
+# the default path above is untouched.
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["history", "num_prompt", "presence", "frequency", "repetition",
+                                "min_tokens", "stop_ids"], meta_fields=[])
+@dataclasses.dataclass
+class PenaltyArrays:
+    """Host arrays of the penalty state of B rows.
+
+    history int32[B, L]: prompt + generated ids so far, -1 padded (L fixed per runner);
+    num_prompt int32[B]: how many of them are prompt; presence/frequency/repetition
+    float32[B] (0, 0, 1 = off); min_tokens int32[B]; stop_ids int32[B, S]: the ids masked
+    while fewer than min_tokens were generated (EOS and stop_token_ids), -1 padded.
+    """
+
+    history: np.ndarray
+    num_prompt: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+    min_tokens: np.ndarray
+    stop_ids: np.ndarray
+
+    def pad(self, b: int) -> "PenaltyArrays":
+        """Rows up to b: no history, no penalty."""
+        def grow(x, fill):
+            out = np.full((b,) + x.shape[1:], fill, x.dtype)
+            out[:len(x)] = x
+            return out
+        return PenaltyArrays(grow(self.history, -1), grow(self.num_prompt, 0),
+                             grow(self.presence, 0), grow(self.frequency, 0),
+                             grow(self.repetition, 1), grow(self.min_tokens, 0),
+                             grow(self.stop_ids, -1))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["penalty"],
+                   meta_fields=["logprobs"])
+@dataclasses.dataclass
+class SamplingExtras:
+    """``penalty``: PenaltyArrays or None (compiled out). ``logprobs`` (static): also return
+    each sampled token's log-prob and the top MAX_LOGPROBS log-probs of the raw logits."""
+
+    penalty: PenaltyArrays | None = None
+    logprobs: bool = False
+
+    def pad(self, b: int) -> "SamplingExtras":
+        return SamplingExtras(None if self.penalty is None else self.penalty.pad(b), self.logprobs)
+
+
+def history_counts(history, num_prompt, vocab: int):
+    """-> (counts int32[B, V]: occurrences in the generated part; seen bool[B, V]: in the
+    prompt or the generated part). Padding (-1) is dropped."""
+    b, width = history.shape
+    idx = jnp.where(history >= 0, history, vocab)  # out of range: dropped by the scatter
+    generated = (jnp.arange(width)[None, :] >= num_prompt[:, None]).astype(jnp.int32)
+    rows = jnp.arange(b)[:, None]
+    counts = jnp.zeros((b, vocab), jnp.int32).at[rows, idx].add(generated, mode="drop")
+    seen = jnp.zeros((b, vocab), jnp.bool_).at[rows, idx].set(True, mode="drop")
+    return counts, seen
+
+
+def apply_penalties(logits, counts, seen, presence, frequency, repetition):
+    """Repetition (over prompt + output), then frequency and presence (over output)."""
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    c = counts.astype(logits.dtype)
+    return logits - frequency[:, None] * c - presence[:, None] * (c > 0).astype(logits.dtype)
+
+
+def mask_stop_ids(logits, stop_ids, num_generated, min_tokens):
+    """-inf at each row's stop_ids while num_generated < min_tokens."""
+    block = (num_generated < min_tokens)[:, None] & (stop_ids >= 0)
+    idx = jnp.where(block, stop_ids, logits.shape[-1])
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, idx].set(-jnp.inf, mode="drop")
+
+
+def token_logprobs(logits, tokens):
+    """Raw logits [B, V], tokens [B] -> (logprob [B], top values [B, K], top ids [B, K])."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    vals, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    return tok, vals, ids.astype(jnp.int32)
+
+
+@jax.jit
+def top_logprobs(logits):
+    """Logits [..., V] -> (top values, top ids) [..., K] of log_softmax (prompt scoring)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    vals, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    return vals, ids.astype(jnp.int32)
+
+
+def init_state(extras: SamplingExtras | None, vocab: int):
+    """The scan-carried token-count state: None, or (counts, seen) from the history."""
+    if extras is None or extras.penalty is None:
+        return None
+    return history_counts(extras.penalty.history, extras.penalty.num_prompt, vocab)
+
+
+def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras, *,
+                all_greedy: bool):
+    """``sample`` with the optional features. ``counters`` is also the number of tokens
+    generated so far (min_tokens). Returns (tokens, new state, log-probs or None)."""
+    raw = logits
+    if state is not None:
+        p = extras.penalty
+        counts, seen = state
+        logits = apply_penalties(logits, counts, seen, p.presence, p.frequency, p.repetition)
+        logits = mask_stop_ids(logits, p.stop_ids, counters, p.min_tokens)
+    toks = sample(logits, temperature, top_k, top_p, seeds, counters, all_greedy=all_greedy)
+    if state is not None:
+        rows = jnp.arange(toks.shape[0])
+        state = (state[0].at[rows, toks].add(1), state[1].at[rows, toks].set(True))
+    lp = token_logprobs(raw, toks) if extras is not None and extras.logprobs else None
+    return toks, state, lp

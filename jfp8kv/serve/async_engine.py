@@ -52,6 +52,7 @@ class Update:
     ``text`` is the text that is safe to emit: while the request runs, a trailing U+FFFD
     (an incomplete UTF-8 sequence that the next token may complete) is held back.
     ``finish_reason`` is None while running, else "stop", "length", "abort" or "error".
+    ``logprobs`` / ``prompt_logprobs``: the engine output's (cumulative), when asked for.
     """
 
     text: str
@@ -59,6 +60,8 @@ class Update:
     num_prompt_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -318,9 +321,11 @@ class AsyncEngine:
             state.num_prompt_tokens = len(out.prompt_token_ids)
             m.requests.labels(finish_reason=out.finish_reason).inc()
             m.e2e.observe(now - state.arrival)
+        lp, plp = getattr(out, "logprobs", None), getattr(out, "prompt_logprobs", None)
         return Update(safe_text(out.text, finished, state.stop), state.num_tokens,
-                      state.num_prompt_tokens,
-                      out.finish_reason)
+                      state.num_prompt_tokens, out.finish_reason,
+                      logprobs=None if lp is None else tuple(lp),
+                      prompt_logprobs=None if plp is None else tuple(plp))
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._states):

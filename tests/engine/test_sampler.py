@@ -1,0 +1,96 @@
+"""The sampler's optional features against numpy references of their formulas."""
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfp8kv.engine import sampler
+from jfp8kv.engine.sampler import PenaltyArrays, SamplingExtras
+
+V = 50
+
+
+def ref_penalize(logits, prompt, output, presence, frequency, repetition):
+    """vLLM/HF repetition penalty over prompt + output, then OpenAI frequency/presence."""
+    out = logits.astype(np.float64).copy()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t, c in Counter(output).items():
+        out[t] -= frequency * c + presence
+    return out
+
+
+def _rows(rng):
+    """Three rows: all penalties, none (defaults), repetition only; random histories."""
+    prompts = [rng.integers(0, V, 7).tolist(), rng.integers(0, V, 3).tolist(),
+               rng.integers(0, V, 5).tolist()]
+    outputs = [rng.integers(0, 10, 9).tolist(), rng.integers(0, V, 4).tolist(), []]
+    presence = np.array([0.7, 0.0, 0.0], np.float32)
+    frequency = np.array([0.3, 0.0, 0.0], np.float32)
+    repetition = np.array([1.8, 1.0, 0.6], np.float32)
+    width = 24
+    history = np.full((3, width), -1, np.int32)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        history[i, :len(p) + len(o)] = p + o
+    pen = PenaltyArrays(history, np.array([len(p) for p in prompts], np.int32), presence,
+                        frequency, repetition, np.zeros(3, np.int32), np.full((3, 8), -1, np.int32))
+    return prompts, outputs, pen
+
+
+def test_penalties_match_numpy_reference():
+    rng = np.random.default_rng()
+    prompts, outputs, pen = _rows(rng)
+    logits = rng.normal(0, 3, (3, V)).astype(np.float32)
+    counts, seen = sampler.history_counts(jnp.asarray(pen.history), jnp.asarray(pen.num_prompt), V)
+    got = np.asarray(sampler.apply_penalties(jnp.asarray(logits), counts, seen, pen.presence,
+                                             pen.frequency, pen.repetition))
+    for i in range(3):
+        want = ref_penalize(logits[i], prompts[i], outputs[i], pen.presence[i],
+                            pen.frequency[i], pen.repetition[i])
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[1], logits[1])  # defaults change nothing
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = jnp.zeros((2, V))
+    stop_ids = jnp.array([[3, 7, -1], [3, -1, -1]], jnp.int32)
+    out = np.asarray(sampler.mask_stop_ids(logits, stop_ids, jnp.array([1, 2]),
+                                           jnp.array([2, 2])))
+    assert np.isneginf(out[0, [3, 7]]).all() and np.isfinite(np.delete(out[0], [3, 7])).all()
+    assert np.isfinite(out[1]).all()  # row 1 has generated min_tokens already
+
+
+def test_sample_step_greedy_takes_penalized_argmax_and_counts_it():
+    rng = np.random.default_rng()
+    prompts, outputs, pen = _rows(rng)
+    logits = rng.normal(0, 3, (3, V)).astype(np.float32)
+    extras = SamplingExtras(jax.tree.map(jnp.asarray, pen), logprobs=True)
+    state = sampler.init_state(extras, V)
+    zeros = jnp.zeros(3, jnp.int32)
+    toks, state, (lp, vals, ids) = sampler.sample_step(
+        jnp.asarray(logits), state, jnp.zeros(3), zeros, jnp.ones(3), zeros.astype(jnp.uint32),
+        zeros, extras, all_greedy=True)
+    toks = np.asarray(toks)
+    for i in range(3):
+        want = ref_penalize(logits[i], prompts[i], outputs[i], pen.presence[i],
+                            pen.frequency[i], pen.repetition[i])
+        assert toks[i] == want.argmax()
+        assert int(state[0][i, toks[i]]) == outputs[i].count(toks[i]) + 1
+    # log-probs are of the raw logits, not the penalized ones
+    ref = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lp), ref[np.arange(3), toks], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(vals), -np.sort(-ref, axis=-1)[:, :20], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids)[:, 0], ref.argmax(-1))
+
+
+def test_no_extras_is_plain_sample():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(0, 3, (4, V)).astype(np.float32))
+    args = (jnp.full(4, 0.8), jnp.array([0, 5, 0, 2], jnp.int32), jnp.full(4, 0.9),
+            jnp.arange(4, dtype=jnp.uint32), jnp.arange(4, dtype=jnp.int32))
+    toks, state, lp = sampler.sample_step(logits, None, *args, None, all_greedy=False)
+    assert state is None and lp is None
+    np.testing.assert_array_equal(toks, sampler.sample(logits, *args, all_greedy=False))

@@ -1,0 +1,93 @@
+"""Log-probs, prompt scoring, penalties and min_tokens through the offline API (tiny llama,
+CPU, several decode steps per dispatch so the penalty state rides in the scan carry)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jfp8kv import SamplingParams
+from jfp8kv.engine.llm import LLM
+from jfp8kv.models.loader import load_model
+
+from tests.engine.test_sampler import ref_penalize
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_hf_checkpoint):
+    loaded = load_model(str(tiny_hf_checkpoint("llama")), "float32")
+    return LLM(loaded=loaded, dtype="float32", max_model_len=128, kv_cache_memory=1 << 20,
+               max_num_batched_tokens=64, decode_steps=4)
+
+
+def _prompt(llm, n, seed=None):
+    return np.random.default_rng(seed).integers(3, llm.config.vocab_size, n).tolist()
+
+
+def test_prompt_logprobs_equal_minus_nll(llm):
+    ids = _prompt(llm, 90)  # two scoring chunks of 64
+    out = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    plp = out.prompt_logprobs
+    assert plp[0] is None and [e.token_id for e in plp[1:]] == ids[1:]
+    np.testing.assert_array_equal([e.logprob for e in plp[1:]], -llm.nll(ids))
+    assert all(len(e.top) == 3 and e.top[0][1] >= e.logprob - 1e-6 for e in plp[1:])
+    assert llm.engine.scheduler.allocator.num_used == 0
+    # prompt scoring followed by generation: same tokens as without scoring
+    both = llm.generate(ids[:20], dataclasses.replace(GREEDY, prompt_logprobs=0))[0]
+    assert both.token_ids == llm.generate(ids[:20], GREEDY)[0].token_ids
+    assert len(both.prompt_logprobs) == 20
+
+
+def test_generated_logprobs_match_teacher_forcing(llm):
+    ids = _prompt(llm, 9)
+    out = llm.generate(ids, dataclasses.replace(GREEDY, logprobs=5))[0]
+    assert [e.token_id for e in out.logprobs] == out.token_ids
+    nll = llm.nll(ids + out.token_ids)[len(ids) - 1:]
+    np.testing.assert_allclose([e.logprob for e in out.logprobs], -nll, rtol=1e-4, atol=1e-4)
+    for e in out.logprobs:  # greedy: the sampled token is the most likely one
+        assert len(e.top) == 5 and e.top[0][0] == e.token_id
+        assert [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True)
+    assert llm.generate(ids, GREEDY)[0].logprobs is None
+
+
+def test_penalized_greedy_is_argmax_of_reference_penalties(llm):
+    ids = _prompt(llm, 6)
+    plain = llm.generate(ids, dataclasses.replace(GREEDY, max_tokens=16))[0]
+    sp = dataclasses.replace(GREEDY, max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5,
+                             repetition_penalty=1.3)
+    # batched with an unpenalized request, whose output must not change
+    pen, other = llm.generate([ids, ids[:4]], [sp, dataclasses.replace(GREEDY, max_tokens=16)])
+    assert other.token_ids == llm.generate(ids[:4], dataclasses.replace(GREEDY, max_tokens=16))[0].token_ids
+    assert pen.token_ids != plain.token_ids
+    _, logits = llm.nll(ids + pen.token_ids, return_logits=True)
+    for t, tok in enumerate(pen.token_ids):
+        ref = ref_penalize(logits[len(ids) - 1 + t], ids, pen.token_ids[:t], 1.5, 0.5, 1.3)
+        assert ref[tok] >= ref.max() - 1e-3, (t, tok, ref.argmax())
+    # the effect: penalties spread the output over more distinct tokens
+    assert len(set(pen.token_ids)) > len(set(plain.token_ids))
+
+
+def test_min_tokens_and_stop_token_ids(llm):
+    ids = _prompt(llm, 7)
+    free = llm.generate(ids, GREEDY)[0].token_ids
+    stop = free[0]
+    first = llm.generate(ids, dataclasses.replace(GREEDY, stop_token_ids=[stop]))[0]
+    assert first.token_ids == [stop] and first.finish_reason == "stop"
+    held = llm.generate(ids, dataclasses.replace(GREEDY, stop_token_ids=[stop], min_tokens=5))[0]
+    assert stop not in held.token_ids[:5] and len(held.token_ids) >= 5
+    if stop in held.token_ids:
+        assert held.token_ids[-1] == stop and held.finish_reason == "stop"
+
+
+def test_new_fields_are_validated():
+    for kw, word in [({"presence_penalty": 3}, "presence_penalty"),
+                     ({"repetition_penalty": 0}, "repetition_penalty"),
+                     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+                     ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                     ({"max_tokens": 0}, "prompt_logprobs")]:
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(**kw)
+    SamplingParams(max_tokens=0, prompt_logprobs=0)
