@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -132,25 +131,9 @@ class LLM:
     def nll_chunks(self, token_ids: Sequence[int], chunk_size: int | None = None):
         """``nll`` without the host copies: a list of (nll [t], logits [t, V], n) device arrays
         per chunk, valid in their first n rows (for scoring on the device)."""
-        ids = [int(t) for t in token_ids]
-        if len(ids) < 2:
-            raise ValueError("nll needs at least 2 tokens")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.max_model_len}")
         if self.engine.has_unfinished():
             raise RuntimeError("nll() needs an idle engine")
-        sched = self.engine.scheduler
-        chunk_size = chunk_size or sched.max_num_batched_tokens
-        pages = sched.allocator.allocate(math.ceil(len(ids) / sched.page_size))
-        out = []
-        try:
-            for s in range(0, len(ids) - 1, chunk_size):
-                part = ids[s:min(s + chunk_size, len(ids) - 1)]
-                tgt = ids[s + 1:s + 1 + len(part)]
-                out.append((*self.engine.runner.nll(part, tgt, s, pages), len(part)))
-        finally:
-            sched.allocator.free(pages)
-        return out
+        return self.engine.nll_chunks(token_ids, chunk_size)
 
     def cache_info(self) -> dict:
         """The KV cache's resolved settings and sizes (dtype, pages, bytes, backend)."""

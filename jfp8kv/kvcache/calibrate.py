@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from jfp8kv.kvcache import fp8, scale_modes
+from jfp8kv.kvcache import scale_modes
 
 log = logging.getLogger(__name__)
 
