@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use JAX's persistent compilation cache "
+                        "($JFP8KV_CACHE/jax-cache, default ~/.cache/jfp8kv/jax-cache)")
     return p
 
 
@@ -45,4 +48,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                 page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                attention_backend=args.attention_backend, seed=args.seed)
+                attention_backend=args.attention_backend, seed=args.seed,
+                compile_cache=args.compile_cache)

@@ -12,8 +12,9 @@ import numpy as np
 
 from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, KV_SCALE_MODES, CacheConfig,
                             check_compute_dtype)
+from jfp8kv.engine.compile_cache import setup_compile_cache
 from jfp8kv.engine.llm_engine import LLMEngine
-from jfp8kv.engine.runner import ModelRunner
+from jfp8kv.engine.runner import ModelRunner, page_widths_from
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.engine.types import RequestOutput, SamplingParams
 from jfp8kv.kvcache import fp8
@@ -32,6 +33,10 @@ GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
 GPU_MIN_CHUNK = 128
 GPU_DECODE_STEPS = 8
 GPU_CACHE_FRACTION = 0.85
+# CPU shape policy (reference attention reads every page in its table): decode page tables
+# are as wide as the batch needs (256 tokens, then x4), few batch buckets, one-row prefill.
+CPU_DECODE_BUCKETS = (1, 4, 16, 64)
+CPU_PAGE_WIDTH_FLOOR_TOKENS = 256
 
 
 def check_fp8_support(device, storage_dtype: str, backend: str) -> None:
@@ -79,7 +84,7 @@ class LLM:
                  kv_scale_mode: str | None = None, kv_scales=None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_queue_len: int = 1024,
                  attention_backend: str = "auto", decode_steps: int | None = None,
-                 device=None, loaded=None):
+                 device=None, loaded=None, compile_cache: bool = True):
         # Cheap validation first, before any weights are read.
         check_compute_dtype(dtype)
         storage = fp8.storage_dtype_name(kv_cache_dtype, dtype)
@@ -92,6 +97,7 @@ class LLM:
             kv_scale_mode = None
         if page_size < 1 or page_size & (page_size - 1) or not 8 <= page_size <= 128:
             raise ValueError(f"page_size must be a power of two in [8, 128], got {page_size}")
+        setup_compile_cache(compile_cache)
         device = device or jax.devices()[0]
         check_fp8_support(device, storage, attention_backend)
         self.backend = resolve_backend(attention_backend, device)
@@ -133,8 +139,11 @@ class LLM:
         max_pages = math.ceil(max_model_len / page_size)
         on_gpu = device.platform == "gpu"
         runner = ModelRunner(cfg, loaded.params, cache, self.backend, max_pages,
-                             decode_buckets=GPU_DECODE_BUCKETS if on_gpu else None,
-                             min_chunk=GPU_MIN_CHUNK if on_gpu else 16)
+                             decode_buckets=GPU_DECODE_BUCKETS if on_gpu else CPU_DECODE_BUCKETS,
+                             min_chunk=GPU_MIN_CHUNK if on_gpu else 16,
+                             page_widths=None if self.backend != "reference" else page_widths_from(
+                                 max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // page_size), max_pages),
+                             prefill_one_row=not on_gpu)
         if decode_steps is None:
             decode_steps = GPU_DECODE_STEPS if on_gpu else 1
         scheduler = Scheduler(PageAllocator(usable + 1), page_size, max_model_len, max_num_seqs,
