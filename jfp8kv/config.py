@@ -306,6 +306,9 @@ class EngineConfig:
               "powers of two on CPU)", parse=parse_int_tuple, metavar="N,N,...")
     min_prefill_chunk: int | None = _knob(
         None, "smallest prefill chunk bucket in tokens (default: 128 on GPU, 16 on CPU)")
+    compile_cache: bool = _knob(
+        True, "keep compiled executables in JAX's persistent cache ($JFP8KV_CACHE/jax-cache, "
+              "default ~/.cache/jfp8kv/jax-cache), so later starts skip compilation")
     enable_prefix_caching: bool = _knob(
         True, "reuse the cached KV pages of a prompt's prefix computed by an earlier request "
               "(same tokens, same cache settings) instead of recomputing it")

@@ -26,7 +26,8 @@ import numpy as np
 from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheOptions,
                            EngineConfig, LoadConfig, check_compute_dtype)
 from jfp8kv.engine.llm_engine import LLMEngine
-from jfp8kv.engine.runner import ModelRunner
+from jfp8kv.engine.compile_cache import setup_compile_cache
+from jfp8kv.engine.runner import ModelRunner, page_widths_from
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache import calibrate, fp8
 from jfp8kv.kvcache.allocator import PageAllocator
@@ -45,6 +46,10 @@ GPU_MIN_CHUNK = 128
 GPU_DECODE_STEPS = 8
 GPU_CACHE_FRACTION = 0.85
 CPU_MIN_CHUNK = 16
+# CPU shape policy (reference attention reads every page in its table): decode page tables
+# as wide as the batch needs (256 tokens, then x4), few batch buckets, one-row prefill.
+CPU_DECODE_BUCKETS = (1, 4, 16, 64)
+CPU_PAGE_WIDTH_FLOOR_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,12 +133,13 @@ def choose_backend(requested: str, device, storage: str, dtype: str) -> str:
 
 def device_defaults(engine: EngineConfig, device) -> EngineConfig:
     """Fill the shape-policy knobs left None: GPU decode is memory-bound (coarse batch
-    buckets, several steps per dispatch); CPU takes powers of two and one step."""
+    buckets, several steps per dispatch); CPU takes a few batch buckets and one step."""
     on_gpu = device.platform == "gpu"
     return dataclasses.replace(
         engine,
         decode_steps=engine.decode_steps or (GPU_DECODE_STEPS if on_gpu else 1),
-        decode_buckets=engine.decode_buckets or (GPU_DECODE_BUCKETS if on_gpu else None),
+        decode_buckets=engine.decode_buckets or (GPU_DECODE_BUCKETS if on_gpu
+                                                 else CPU_DECODE_BUCKETS),
         min_prefill_chunk=engine.min_prefill_chunk or (GPU_MIN_CHUNK if on_gpu else CPU_MIN_CHUNK))
 
 
@@ -203,14 +209,19 @@ def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales):
 
 
 def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backend: str,
-                    k_scale, v_scale) -> LLMEngine:
+                    on_gpu: bool, k_scale, v_scale) -> LLMEngine:
     """Cache, runner, scheduler and engine for a resolved configuration."""
     ccfg = plan.cache_config
     cache = KVCache.init(ccfg, k_scale, v_scale)
-    runner = ModelRunner(loaded.config, loaded.params, cache, backend,
-                         math.ceil(plan.max_model_len / ccfg.page_size),
+    max_pages = math.ceil(plan.max_model_len / ccfg.page_size)
+    widths = None  # the Pallas decode kernel splits each row's own length: one width
+    if backend == "reference":
+        widths = page_widths_from(max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // ccfg.page_size),
+                                  max_pages)
+    runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
-                         min_chunk=engine_cfg.min_prefill_chunk)
+                         min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
+                         prefill_one_row=not on_gpu)
     # Pages are reused only under the settings that produced their numbers.
     namespace = (loaded.name, ccfg.storage_dtype, ccfg.scale_mode,
                  None if k_scale is None else hash(np.asarray(k_scale).tobytes()),
@@ -230,6 +241,7 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     ``loaded`` (a LoadedModel) skips loading ``load.model``; ``device`` defaults to JAX's
     first device. Logs one KV-cache summary line."""
     storage, mode = resolve_storage(cache, load.dtype)
+    setup_compile_cache(engine.compile_cache)
     device = device or jax.devices()[0]
     backend = choose_backend(engine.attention_backend, device, storage, load.dtype)
     engine = device_defaults(engine, device)
@@ -241,7 +253,8 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
     k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales)
-    built = BuiltEngine(assemble_engine(loaded, plan, engine, backend, k_scale, v_scale),
+    built = BuiltEngine(assemble_engine(loaded, plan, engine, backend,
+                                        device.platform == "gpu", k_scale, v_scale),
                         loaded, load.dtype, backend, engine, plan.cache_config,
                         plan.bytes_per_token, source)
     log.info(cache_summary(cache_info(built)))

@@ -9,8 +9,18 @@ function jitted once per bucket with the cache donated:
   device and feeding each token back; slots are computed on device from the page tables.
 * ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
 
-Buckets: batch sizes and chunk lengths are padded to powers of two and the page-table width
-is fixed (max_model_len / page_size), so no request shape causes a new compile once warmed up.
+Buckets: batch sizes and chunk lengths are padded to powers of two (or the given decode
+buckets). The decode page-table width is fixed (max_model_len / page_size) unless
+``page_widths`` is given: then it is the smallest of those widths that holds every row's
+pages, so a short sequence attends over a short table whatever max_model_len is (the
+reference backend reads every page in the table; the Pallas decode kernel stops at each
+row's length and keeps the fixed width). ``warmup_shapes`` lists every shape the engine can
+dispatch, so nothing compiles after ``warmup``.
+
+On CPU, XLA converts bf16/f16 matmul weights to float32 on every call (it has no
+low-precision dot), which costs more than the matmuls themselves; the runner therefore holds
+float32 copies of the matmul weights there (``cpu_float32_weights``). The activations keep
+the compute dtype, and the products are exact in float32 either way.
 """
 
 from __future__ import annotations
@@ -26,6 +36,31 @@ from jfp8kv.config import ModelConfig
 from jfp8kv.engine.sampler import SamplingExtras, init_state, sample_step
 from jfp8kv.kvcache.cache import KVCache
 from jfp8kv.models import transformer
+
+
+def cpu_float32_weights(params):
+    """params with every bf16/f16 matmul weight as float32 (the embedding table stays as it
+    is: its dtype is the activation dtype; a tied LM head gets its own float32 [V, D] copy)."""
+    def up(x):
+        return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+    out = dict(params)
+    out["layers"] = [{k: up(v) for k, v in lp.items()} for lp in params["layers"]]
+    out["final_norm"] = up(params["final_norm"])
+    if params.get("lm_head") is not None:
+        out["lm_head"] = up(params["lm_head"])
+    elif params["embed"].dtype in (jnp.bfloat16, jnp.float16):
+        out["lm_head"] = up(params["embed"]).T
+    return out
+
+
+def page_widths_from(floor: int, max_pages: int, factor: int = 4) -> tuple[int, ...]:
+    """Page-table widths floor, floor * factor, ... capped at max_pages (which is last)."""
+    widths, w = [], max(1, floor)
+    while w < max_pages:
+        widths.append(w)
+        w *= factor
+    return tuple(widths) + (max_pages,)
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -117,64 +152,75 @@ class ModelRunner:
 
     def __init__(self, model_cfg: ModelConfig, params, cache: KVCache, backend: str,
                  max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
-                 min_chunk: int = 16):
+                 min_chunk: int = 16, page_widths: tuple[int, ...] | None = None,
+                 prefill_one_row: bool = False):
         """``decode_buckets``: allowed decode batch sizes (None: powers of two). Decode is
         memory-bound, so padding a batch up to a coarse bucket costs little and saves
-        compiles. ``min_chunk``: the smallest prefill chunk bucket."""
+        compiles. ``min_chunk``: the smallest prefill chunk bucket. ``page_widths``: decode
+        page-table widths (None: max_pages_per_seq only). ``prefill_one_row``: dispatch each
+        prefill chunk alone (batch 1), so prefill compiles once per chunk bucket. On a CPU
+        device the matmul weights are held in float32 (see the module docstring)."""
         self.cfg = model_cfg
-        self.params = params
+        on_cpu = all(d.platform == "cpu" for d in jax.tree_util.tree_leaves(params)[0].devices())
+        self.params = cpu_float32_weights(params) if on_cpu else params
         self.cache = cache
         self.backend = backend
         self.page_size = cache.config.page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.min_chunk = min_chunk
+        widths = sorted({min(w, max_pages_per_seq) for w in page_widths or ()})
+        self.page_widths = tuple(w for w in widths if w < max_pages_per_seq) + (max_pages_per_seq,)
+        self.prefill_one_row = prefill_one_row
 
     def decode_bucket(self, n: int) -> int:
         if self.decode_buckets is None:
             return bucket(n)
         return next((b for b in self.decode_buckets if b >= n), bucket(n))
 
+    def page_width(self, num_pages: int) -> int:
+        """The decode page-table width for rows owning at most ``num_pages`` pages."""
+        return next(w for w in self.page_widths if w >= num_pages)
+
     def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int):
-        """(kind, batch, length) shapes compiled by ``warmup``: every decode bucket up to
-        max_num_seqs, and single-sequence prefill chunks of every length bucket."""
-        top = self.decode_bucket(max_num_seqs)
-        if self.decode_buckets is None:
-            dec = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
-        else:
-            dec = [b for b in self.decode_buckets if b <= top]
+        """(kind, batch, length, page-table width) of every shape ``decode`` and ``prefill``
+        can dispatch: each decode bucket up to max_num_seqs at each page width, and prefill
+        chunks of every length bucket (batch 1; batched prefill only with one-row prefill
+        off, where wider prefill batches compile on first use)."""
+        dec = sorted({self.decode_bucket(n) for n in range(1, max_num_seqs + 1)})
         lens, t = [], bucket(1, self.min_chunk)
         while t <= bucket(max_num_batched_tokens, self.min_chunk):
             lens.append(t)
             t *= 2
-        return [("decode", b, 1) for b in dec] + [("prefill", 1, t) for t in lens]
+        return ([("decode", b, 1, w) for b in dec for w in self.page_widths]
+                + [("prefill", 1, t, self.max_pages_per_seq) for t in lens])
 
     def warmup(self, shapes, num_steps: int, progress: bool = True) -> None:
         """Compile (and run once, writing only to the sink page) each shape, greedy and
-        sampled decode alike."""
+        sampled alike."""
         from tqdm import tqdm
 
-        for kind, b, t in tqdm(shapes, desc="compiling buckets", disable=not progress):
+        for kind, b, t, w in tqdm(shapes, desc="compiling buckets", disable=not progress):
             z = np.zeros(b, np.int32)
-            pt = np.zeros((b, self.max_pages_per_seq), np.int32)
-            if kind == "decode":
-                for greedy in (True, False):
+            pt = np.zeros((b, w), np.int32)
+            zz = np.zeros((b, t), np.int32)
+            for greedy in (True, False):
+                if kind == "decode":
                     toks, self.cache = _decode(
                         self.params, self.cache, z, z, pt, z,
                         *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
                         all_greedy=greedy, num_steps=num_steps)
-            else:
-                zz = np.zeros((b, t), np.int32)
-                toks, self.cache = _prefill(
-                    self.params, self.cache, zz, zz, zz, pt, z, z,
-                    *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
-                    all_greedy=True)
+                else:
+                    toks, self.cache = _prefill(
+                        self.params, self.cache, zz, zz, zz, pt, z, z,
+                        *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
+                        all_greedy=greedy)
             jax.block_until_ready(toks)
 
-    def _page_table(self, rows: list[list[int]], b: int) -> np.ndarray:
-        # Fixed width: kernels stop at each row's length, and one width means one compile
-        # per (batch, chunk) bucket instead of one per context-length bucket too.
-        pt = np.zeros((b, self.max_pages_per_seq), np.int32)
+    def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
+        # Prefill keeps the fixed width (one compile per (batch, chunk) bucket, not one per
+        # context-length bucket too); decode passes its width bucket.
+        pt = np.zeros((b, width or self.max_pages_per_seq), np.int32)
         for i, r in enumerate(rows):
             pt[i, :len(r)] = r
         return pt
@@ -200,7 +246,11 @@ class ModelRunner:
         return tokens, positions, slots, pt, seq_lens, last_idx
 
     def prefill(self, chunks, sampling: SamplingArrays, all_greedy: bool):
-        """Returns a device array int32[B_bucket] of sampled tokens (row i <-> chunks[i])."""
+        """Returns int32[>= len(chunks)] sampled tokens (row i <-> chunks[i]): a device array,
+        or with one-row prefill a host array (one dispatch per chunk)."""
+        if self.prefill_one_row and len(chunks) > 1:
+            return np.concatenate([np.asarray(self.prefill([c], _pick(sampling, i), all_greedy))
+                                   for i, c in enumerate(chunks)])
         b = bucket(len(chunks))
         t = bucket(max(len(c[0]) for c in chunks), self.min_chunk)
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
@@ -217,7 +267,8 @@ class ModelRunner:
         limits = np.zeros(b, np.int32)
         for i, (tok, pos, _, lim) in enumerate(rows):
             tokens[i], positions[i], limits[i] = tok, pos, lim
-        pt = self._page_table([r[2] for r in rows], b)
+        pages = [r[2] for r in rows]
+        pt = self._page_table(pages, b, self.page_width(max(len(p) for p in pages)))
         toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *_pad_sampling(sampling, b).args(), cfg=self.cfg,
                                    backend=self.backend, all_greedy=all_greedy,
@@ -234,6 +285,10 @@ class ModelRunner:
         nll, logits, self.cache = _nll(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, tgt, cfg=self.cfg, backend=self.backend)
         return nll[0], logits[0]
+
+
+def _pick(s: SamplingArrays, i: int) -> SamplingArrays:
+    return SamplingArrays(*(getattr(s, f.name)[i:i + 1] for f in dataclasses.fields(s)))
 
 
 def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:

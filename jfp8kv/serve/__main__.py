@@ -34,9 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to wait for in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="info")
     p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
-                   help="compile the batch/chunk buckets at start-up behind a progress bar; "
-                        "auto = on with the GPU kernels, off on CPU (where a 30-layer model "
-                        "takes ~20 s per bucket; buckets then compile on first use)")
+                   help="compile every batch/chunk/page-width bucket before /health says "
+                        "ready, behind a progress bar (auto = on; the persistent compilation "
+                        "cache makes later starts fast)")
     return p.parse_args(argv)
 
 
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     setup_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = build_llm(args, PROG)  # logs the one KV-cache summary line
     check_chat_template(llm.chat_prompt)
-    if args.warmup == "on" or (args.warmup == "auto" and llm.backend == "pallas"):
+    if args.warmup in ("on", "auto"):
         llm.warmup()
     engine = llm.engine
     logger.info("model %s", engine.model_name)
