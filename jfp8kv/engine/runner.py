@@ -249,8 +249,9 @@ class ModelRunner:
         """Returns int32[>= len(chunks)] sampled tokens (row i <-> chunks[i]): a device array,
         or with one-row prefill a host array (one dispatch per chunk)."""
         if self.prefill_one_row and len(chunks) > 1:
-            return np.concatenate([np.asarray(self.prefill([c], _pick(sampling, i), all_greedy))
-                                   for i, c in enumerate(chunks)])
+            outs = [self.prefill([c], _pick(sampling, i), all_greedy)
+                    for i, c in enumerate(chunks)]
+            return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *outs)
         b = bucket(len(chunks))
         t = bucket(max(len(c[0]) for c in chunks), self.min_chunk)
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
@@ -288,7 +289,9 @@ class ModelRunner:
 
 
 def _pick(s: SamplingArrays, i: int) -> SamplingArrays:
-    return SamplingArrays(*(getattr(s, f.name)[i:i + 1] for f in dataclasses.fields(s)))
+    """Row i of ``s`` alone (a batch of one)."""
+    rows = [getattr(s, f.name)[i:i + 1] for f in dataclasses.fields(s) if f.name != "extras"]
+    return SamplingArrays(*rows, extras=None if s.extras is None else s.extras.row(i))
 
 
 def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:

@@ -93,6 +93,14 @@ class SamplingExtras:
     def pad(self, b: int) -> "SamplingExtras":
         return SamplingExtras(None if self.penalty is None else self.penalty.pad(b), self.logprobs)
 
+    def row(self, i: int) -> "SamplingExtras":
+        """Row i alone (a batch of one)."""
+        if self.penalty is None:
+            return self
+        p = self.penalty
+        return SamplingExtras(PenaltyArrays(*(getattr(p, f.name)[i:i + 1]
+                                              for f in dataclasses.fields(p))), self.logprobs)
+
 
 def history_counts(history, num_prompt, vocab: int):
     """-> (counts int32[B, V]: occurrences in the generated part; seen bool[B, V]: in the
