@@ -266,8 +266,8 @@ class LLMEngine:
         reason = ("length" if gen0 + end >= p.max_tokens or known + end >= self.max_model_len
                   else None)
         hit = np.flatnonzero(np.isin(toks[:end], seq.stop_ids)
-                             & (np.arange(end) >= p.min_tokens - gen0))
-        if hit.size:
+                             & (np.arange(end) >= p.min_tokens - gen0)) if seq.stop_ids.size else ()
+        if len(hit):
             end, reason = int(hit[0]) + 1, "stop"
         # A final EOS (unless ignore_eos) is not part of the text; a stop token is checked
         # before stop strings.
