@@ -78,8 +78,9 @@ def test_overlapped_equals_serialized(llama, decode_steps, seed):
 
 
 def test_overlapped_equals_serialized_under_preemption(llama):
-    """A pool of 12 pages of 16 tokens for 8 requests of up to 60 tokens: preemptions."""
-    kw = dict(kv_cache_memory=None, page_size=16, max_model_len=64, decode_steps=2,
+    """A pool of ~12 pages of 16 tokens (512 bytes a token) for 8 requests of up to 57
+    tokens: preemptions."""
+    kw = dict(kv_cache_memory=100_000, page_size=16, max_model_len=64, decode_steps=2,
               max_num_batched_tokens=32)
     outs = []
     for overlap in (False, True):
