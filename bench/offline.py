@@ -188,6 +188,8 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
               kv_scale_mode=args.kv_scale_mode if kv.startswith("fp8") else None,
               kv_cache_memory=parse_bytes(args.kv_cache_memory), seed=args.seed,
               attention_backend=args.attention_backend, decode_steps=args.decode_steps)
+    if args.overlap_scheduling is not None:
+        kw["overlap_scheduling"] = args.overlap_scheduling == "on"
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -303,6 +305,8 @@ def parse_args(argv):
                    help="default: longest prompt + longest output")
     p.add_argument("--decode-steps", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--overlap-scheduling", choices=("on", "off"), default=None,
+                   help="the engine's overlap scheduling (default: the engine's default)")
     p.add_argument("--warmup", choices=("full", "buckets", "off"), default="full")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: bench/results/offline-<machine>.json")

@@ -312,6 +312,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(
         True, "reuse the cached KV pages of a prompt's prefix computed by an earlier request "
               "(same tokens, same cache settings) instead of recomputing it")
+    overlap_scheduling: bool = _knob(
+        True, "schedule and dispatch the next engine step while the device runs the current "
+              "one, reading its sampled tokens one step later (same tokens as the serialized "
+              "path; off: read, then schedule)")
 
     def __post_init__(self):
         ps = self.page_size

@@ -232,7 +232,8 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
         eos.add(loaded.tokenizer.eos_token_id)
     return LLMEngine(runner, scheduler, loaded.tokenizer, model_name=loaded.name,
                      max_model_len=plan.max_model_len, eos_token_ids=tuple(eos),
-                     seed=engine_cfg.seed, max_queue_len=engine_cfg.max_queue_len)
+                     seed=engine_cfg.seed, max_queue_len=engine_cfg.max_queue_len,
+                     overlap_scheduling=engine_cfg.overlap_scheduling)
 
 
 def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,

@@ -13,10 +13,13 @@ import time
 
 import numpy as np
 
+from jfp8kv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from jfp8kv.engine.errors import EngineOverloaded
+from jfp8kv.engine.overlap import InFlight, feed
+from jfp8kv.engine.overlap import host_outputs as _host, pick_logprob as _pick
 from jfp8kv.engine.runner import ModelRunner, SamplingArrays, bucket
 from jfp8kv.engine.sampler import PenaltyArrays, SamplingExtras, top_logprobs
-from jfp8kv.engine.scheduler import Scheduler, Sequence
+from jfp8kv.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from jfp8kv.engine.stats import StepStats
 from jfp8kv.engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
 
@@ -26,7 +29,9 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, *, model_name: str,
                  max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0,
-                 max_queue_len: int = 1024):
+                 max_queue_len: int = 1024, overlap_scheduling: bool = True):
+        """``overlap_scheduling``: schedule and dispatch step N before reading step N-1's
+        samples (see ``step``); False runs the serialized path (read, then schedule)."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -43,6 +48,10 @@ class LLMEngine:
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_generated_tokens = 0
         self.stats = StepStats()  # per-step anatomy, off until enabled (benchmarks)
+        self.overlap_scheduling = overlap_scheduling
+        self._inflight: InFlight | None = None  # dispatched, samples not read yet
+        self._mailbox_size = runner.decode_bucket(scheduler.max_num_seqs)
+        self._mailbox_zeros = np.zeros(self._mailbox_size, np.int32)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -73,6 +82,9 @@ class LLMEngine:
         n = next(self._counter)
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + n)
         seq = Sequence(request_id, ids, params, seed=seed & 0xFFFFFFFF, prompt=text)
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        seq.stop_ids = np.array(sorted(set(params.stop_token_ids) | (
+            set() if params.ignore_eos else self.eos_token_ids)), np.int64)
         self._seqs[request_id] = seq
         if params.logprobs is not None:
             self._logprobs[request_id] = []
@@ -97,55 +109,108 @@ class LLMEngine:
             self._forget(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._scoring)
+        return self.scheduler.has_work() or bool(self._scoring) or self._inflight is not None
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, dispatch and post-process one step; returns the outputs that changed.
+
+        With overlap scheduling, step N is scheduled and dispatched before step N-1's
+        samples are read, and the outputs returned are step N-1's: the host reads and
+        post-processes them while the device runs step N. Stop rules therefore act one step
+        late; a row of a sequence that finished at N-1 may have run in step N, and its
+        tokens are discarded. The tokens are exactly the serialized path's."""
         changed: dict[str, Sequence] = {s.request_id: s for s in self._aborted}
         self._aborted = []
         rec = self.stats.begin()
         for seq in self._score_waiting():
             changed[seq.request_id] = seq
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._must_read(prev):
+            self._process(prev, changed)  # the next step needs these tokens on the host
+            prev = None
         plan = self.scheduler.schedule()
         rec.scheduled(plan)
-        if plan.empty:
+        cur = None if plan.empty else self._dispatch(plan, prev)
+        if self.overlap_scheduling:
+            self._inflight = cur
+            cur = prev
+        if cur is not None:
+            rec.synced(*cur.outputs)  # a no-op unless stats are enabled
+            self._process(cur, changed)  # the only device->host sync of the step
+        elif plan.empty:
             return [self._output(s) for s in changed.values()]
-        decode_out = prefill_out = None
+        outputs = [self._output(s) for s in changed.values()]
+        self.stats.end(rec)
+        return outputs
+
+    def _must_read(self, prev: InFlight) -> bool:
+        """Whether ``prev``'s samples must be read before scheduling: penalties and
+        min_tokens need every row's token history on the host."""
+        rows = [r.seq for r in prev.plan.decode] + [c.seq for c in prev.plan.prefill]
+        return any(s.params.uses_penalties and s.finish_reason is None for s in rows)
+
+    def _dispatch(self, plan: ScheduledStep, prev: InFlight | None) -> InFlight:
+        """Dispatch ``plan``'s decode and prefill (asynchronously) and advance each
+        sequence's ``num_cached`` and ``num_pending`` past what the device will compute."""
+        f = InFlight(plan)
         if plan.decode:
             seqs = [r.seq for r in plan.decode]
-            rows = [(s.tokens[-1], s.num_cached, s.pages, s.num_cached + r.steps)
+            rows = [(s.last_token, s.num_cached, s.pages, s.num_cached + r.steps)
                     for s, r in zip(seqs, plan.decode)]
+            fed = None
+            if any(s.num_pending for s in seqs):  # inputs still on the device
+                b = self.runner.decode_bucket(len(rows))
+                src, host = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+                for i, s in enumerate(seqs):
+                    src[i] = s.mail_slot if s.num_pending else -1
+                    host[i] = rows[i][0] if not s.num_pending else 0
+                fed = feed(prev.mailbox, src, host)
             # One scan length for every dispatch (one compile per batch bucket); rows that
             # need fewer steps go inactive at their limit.
-            decode_out = self.runner.decode(rows, self._sampling(seqs), self._greedy(seqs),
-                                            self.scheduler.decode_steps)
+            f.decode_out = self.runner.decode(rows, self._sampling(seqs), self._greedy(seqs),
+                                              self.scheduler.decode_steps, fed)
+            for i, (s, r) in enumerate(zip(seqs, plan.decode)):
+                f.decode_base.append(s.num_cached + 1)
+                s.num_cached += r.steps
+                s.num_pending += r.steps
+                s.mail_slot = i
         if plan.prefill:
             seqs = [c.seq for c in plan.prefill]
             chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages)
                       for c in plan.prefill]
-            prefill_out = self.runner.prefill(chunks, self._sampling(seqs), self._greedy(seqs))
-        rec.synced(decode_out, prefill_out)  # a no-op unless stats are enabled
-        # Post-process (the only device->host sync of the step).
-        if decode_out is not None:
-            toks, lps = _host(decode_out)
-            for i, row in enumerate(plan.decode):
+            f.completes = [c.completes for c in plan.prefill]
+            f.prefill_out = self.runner.prefill(chunks, self._sampling(seqs), self._greedy(seqs))
+            for i, c in enumerate(plan.prefill):
+                c.seq.num_cached += c.length
+                if f.completes[i]:
+                    c.seq.num_pending += 1
+                    c.seq.mail_slot = len(plan.decode) + i
+        if self.overlap_scheduling:
+            f.make_mailbox(self._mailbox_size, self._mailbox_zeros)
+        return f
+
+    def _process(self, f: InFlight, changed: dict) -> None:
+        """Read ``f``'s samples, append them and apply stop rules. Rows of sequences that
+        finished (or were aborted) after ``f`` was dispatched are discarded."""
+        if f.decode_out is not None:
+            toks, lps = _host(f.decode_out)
+            for i, row in enumerate(f.plan.decode):
                 seq = row.seq
-                for j in range(row.steps):
-                    seq.num_cached += 1
-                    if self._append(seq, int(toks[i, j]), _pick(lps, i, j)):
-                        break
-                changed[seq.request_id] = seq
-        if prefill_out is not None:
-            toks, lps = _host(prefill_out)
-            for i, chunk in enumerate(plan.prefill):
-                seq = chunk.seq
-                seq.num_cached += chunk.length
-                if chunk.completes:
-                    self._append(seq, int(toks[i]), _pick(lps, i))
+                seq.num_pending -= row.steps
+                if seq.finish_reason is None:
+                    self._take(seq, toks[i, :row.steps], lps, i, f.decode_base[i])
                     changed[seq.request_id] = seq
-        outputs = [self._output(s) for s in changed.values()]
-        self.stats.end(rec)
-        return outputs
+        if f.prefill_out is not None:
+            toks, lps = _host(f.prefill_out)
+            lps = None if lps is None else tuple(x[:, None] for x in lps)
+            for i, chunk in enumerate(f.plan.prefill):
+                seq = chunk.seq
+                if f.completes[i]:
+                    seq.num_pending -= 1
+                    if seq.finish_reason is None:
+                        self._take(seq, toks[i:i + 1], lps, i, chunk.start + chunk.length)
+                        changed[seq.request_id] = seq
 
     def _sampling(self, seqs: list[Sequence]) -> SamplingArrays:
         extras = None
@@ -158,7 +223,7 @@ class LLMEngine:
             top_k=np.array([s.params.top_k for s in seqs], np.int32),
             top_p=np.array([s.params.top_p for s in seqs], np.float32),
             seeds=np.array([s.seed for s in seqs], np.uint32),
-            counters=np.array([len(s.output_ids) for s in seqs], np.int32),
+            counters=np.array([s.num_generated for s in seqs], np.int32),
             extras=extras)
 
     def _penalty_arrays(self, seqs: list[Sequence]) -> PenaltyArrays:
@@ -170,8 +235,9 @@ class LLMEngine:
                         | (set() if s.params.ignore_eos else self.eos_token_ids))
                  if s.params.min_tokens > 0 else [] for s in seqs]
         stop_ids = np.full((len(seqs), bucket(max(map(len, stops)), 8)), -1, np.int32)
-        for i, s in enumerate(seqs):
-            history[i, :s.num_tokens] = s.tokens
+        for i, s in enumerate(seqs):  # (rows with tokens in flight use no penalty)
+            t = s.tokens
+            history[i, :len(t)] = t
             stop_ids[i, :len(stops[i])] = stops[i]
         p = [s.params for s in seqs]
         return PenaltyArrays(
@@ -187,42 +253,54 @@ class LLMEngine:
     def _greedy(seqs) -> bool:
         return all(s.params.greedy for s in seqs)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Append a sampled token, apply stop rules; return True if the sequence finished."""
+    def _take(self, seq: Sequence, toks: np.ndarray, lps, row: int, base: int) -> None:
+        """Append a row's sampled tokens up to the first stop rule, in order: a stop token
+        (stop_token_ids, EOS unless ignore_eos; not before min_tokens), a stop string in the
+        text (not before min_tokens), max_tokens or max_model_len. ``base``: ``num_cached``
+        once the first token is appended (the sequence finished after token j keeps
+        ``base + j``). Token rules are vectorized; text is decoded once per row unless stop
+        strings need a check after each token."""
         p = seq.params
-        seq.output_ids.append(token)
-        if seq.request_id in self._logprobs and logprob is not None:
-            self._logprobs[seq.request_id].append(_top(logprob, token, p.logprobs))
-        self.num_generated_tokens += 1
-        reason = None
-        may_stop = len(seq.output_ids) > p.min_tokens
-        if may_stop and (token in p.stop_token_ids
-                         or (not p.ignore_eos and token in self.eos_token_ids)):
-            reason = "stop"
-        seq.text = self._detokenize(seq)
-        if reason is None and p.stop and may_stop:
-            cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text = seq.text[:cut]
-                reason = "stop"
-        if reason is None and (len(seq.output_ids) >= p.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        gen0, known = len(seq.output_ids), seq.num_tokens - seq.num_pending
+        end = min(len(toks), p.max_tokens - gen0, self.max_model_len - known)
+        reason = ("length" if gen0 + end >= p.max_tokens or known + end >= self.max_model_len
+                  else None)
+        hit = np.flatnonzero(np.isin(toks[:end], seq.stop_ids)
+                             & (np.arange(end) >= p.min_tokens - gen0)) if seq.stop_ids.size else ()
+        if len(hit):
+            end, reason = int(hit[0]) + 1, "stop"
+        # A final EOS (unless ignore_eos) is not part of the text; a stop token is checked
+        # before stop strings.
+        token_stop = end - 1 if reason == "stop" else -1
+        drop = int(token_stop >= 0 and not p.ignore_eos
+                   and int(toks[token_stop]) in self.eos_token_ids)
+        detok, cut = seq.detok, -1
+        if p.stop:
+            for j in range(end - drop):
+                detok.add((int(toks[j]),))
+                if gen0 + j + 1 > p.min_tokens and j != token_stop:
+                    cut = find_stop(detok.text, p.stop, seq.stop_searched)
+                    seq.stop_searched = len(detok.committed)
+                    if cut >= 0:
+                        end, reason = j + 1, "stop"
+                        break
+        else:
+            detok.add(toks[:end - drop].tolist())
+        seq.text = detok.text if cut < 0 else detok.text[:cut]
+        seq.output_ids.extend(toks[:end].tolist())
+        self.num_generated_tokens += end
+        if seq.request_id in self._logprobs and lps is not None:
+            self._logprobs[seq.request_id].extend(
+                _top(_pick(lps, row, j), int(toks[j]), p.logprobs) for j in range(end))
         if reason is not None:
+            if seq.pages:  # still running: the K/V it keeps ends at its last input token
+                seq.num_cached = base + end - 1
             self._finish(seq, reason)
-            return True
-        return False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
-
-    def _detokenize(self, seq: Sequence) -> str:
-        ids = seq.output_ids
-        if ids and ids[-1] in self.eos_token_ids and not seq.params.ignore_eos:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         rid = seq.request_id
@@ -310,22 +388,6 @@ class LLMEngine:
             generated_tokens_total=self.num_generated_tokens,
             time=time.time(),
         )
-
-
-def _host(out):
-    """A step's device output -> (tokens, log-prob arrays or None) on the host."""
-    if isinstance(out, tuple):
-        toks, (lp, vals, ids) = out
-        return np.asarray(toks), (np.asarray(lp), np.asarray(vals), np.asarray(ids))
-    return np.asarray(out), None
-
-
-def _pick(lps, *index) -> TokenLogprob | None:
-    """Row (and step) ``index`` of the host log-prob arrays, with all MAX_LOGPROBS tops."""
-    if lps is None:
-        return None
-    lp, vals, ids = (x[index] for x in lps)
-    return TokenLogprob(-1, float(lp), tuple(zip(ids.tolist(), vals.tolist())))
 
 
 def _top(entry: TokenLogprob, token: int, k: int) -> TokenLogprob:

@@ -260,8 +260,11 @@ class ModelRunner:
                                     cfg=self.cfg, backend=self.backend, all_greedy=all_greedy)
         return toks
 
-    def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int):
-        """rows: list of (last_token, position, pages, limit). Returns int32[B_bucket, steps]."""
+    def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
+               input_tokens=None):
+        """rows: list of (last_token, position, pages, limit). Returns int32[B_bucket, steps].
+        ``input_tokens``: a device int32[B_bucket] used instead of the rows' last tokens
+        (overlap scheduling feeds tokens the host has not read yet)."""
         b = self.decode_bucket(len(rows))
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
@@ -270,6 +273,7 @@ class ModelRunner:
             tokens[i], positions[i], limits[i] = tok, pos, lim
         pages = [r[2] for r in rows]
         pt = self._page_table(pages, b, self.page_width(max(len(p) for p in pages)))
+        tokens = tokens if input_tokens is None else input_tokens
         toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *_pad_sampling(sampling, b).args(), cfg=self.cfg,
                                    backend=self.backend, all_greedy=all_greedy,

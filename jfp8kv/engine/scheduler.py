@@ -6,6 +6,13 @@ remaining > 1 means prefill (chunked under the token budget), remaining == 1 mea
 (the last sampled token is the input). Preemption frees all pages and sets num_cached = 0,
 so the sequence is recomputed by prefill later; its generated tokens are kept.
 
+Overlap scheduling (``LLMEngine``): tokens sampled by a dispatched step whose values the host
+has not read yet count in ``num_tokens`` as ``num_pending`` (the engine advances
+``num_cached`` at dispatch), so the next step is scheduled before they are read. A pending
+last token can feed a decode row (from the device); it cannot be prefilled or hashed, so a
+sequence with pending tokens is neither admitted nor registered past its known tokens. A row
+is not scheduled when its pending tokens already reach max_tokens or max_model_len.
+
 Prefix caching (``enable_prefix_caching``, on by default): full computed pages are registered
 in a ``PrefixCache`` at the start of each step and when a sequence releases its pages (finish,
 abort, preemption). An admission maps the registered pages its tokens start with (shared,
@@ -25,6 +32,7 @@ import collections
 import dataclasses
 import itertools
 import time
+from typing import Any
 
 from jfp8kv.config import EngineConfig
 from jfp8kv.engine.types import SamplingParams
@@ -54,14 +62,34 @@ class Sequence:
     # preemption since tokens only grow), and how many of ``pages`` were offered to the cache.
     page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     num_registered: int = 0
+    # Sampled by dispatched steps, not read by the host yet, and the mailbox slot of the
+    # last of them (overlap scheduling, see jfp8kv/engine/overlap.py).
+    num_pending: int = 0
+    mail_slot: int = -1
+    # The engine's post-processing state: incremental detokenizer, the ids that stop the
+    # sequence (stop_token_ids, EOS unless ignore_eos), text searched for stop strings.
+    detok: Any = dataclasses.field(default=None, repr=False)
+    stop_ids: Any = dataclasses.field(default=None, repr=False)
+    stop_searched: int = 0
 
     @property
     def tokens(self) -> list[int]:
+        """The known tokens (prompt + read output; pending ones are not included)."""
         return self.prompt_token_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        """The last known token (without building ``tokens``)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_ids)
+        """Prompt + generated tokens, pending ones included."""
+        return len(self.prompt_token_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
     @property
     def remaining(self) -> int:
@@ -162,9 +190,10 @@ class Scheduler:
 
     def _register(self, seq: Sequence) -> None:
         """Offer ``seq``'s newly full, computed pages to the prefix cache."""
-        if self.prefix_cache and seq.num_cached // self.page_size > seq.num_registered:
+        computed = min(seq.num_cached, seq.num_tokens - seq.num_pending)  # known tokens only
+        if self.prefix_cache and computed // self.page_size > seq.num_registered:
             seq.num_registered = self.prefix_cache.register(
-                seq.tokens, seq.page_keys, seq.pages, seq.num_registered, seq.num_cached)
+                seq.tokens, seq.page_keys, seq.pages, seq.num_registered, computed)
 
     def _release(self, seq: Sequence) -> None:
         self._register(seq)
@@ -214,8 +243,10 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.order):
             if seq not in self.running or seq.remaining != 1 or budget <= 0:
                 continue
-            steps = min(self.decode_steps, seq.params.max_tokens - len(seq.output_ids),
+            steps = min(self.decode_steps, seq.params.max_tokens - seq.num_generated,
                         self.max_model_len - seq.num_cached)
+            if steps <= 0:
+                continue  # its pending tokens finish it (overlap scheduling)
             if not self._grow(seq, seq.num_cached + steps, protect):
                 continue
             protect.add(seq)
@@ -236,6 +267,8 @@ class Scheduler:
                 budget -= chunk.length
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with tokens in flight: prefill needs their values
             if not self._admit(seq, budget):
                 break  # admission needs free pages; never preempt to admit
             self.waiting.popleft()

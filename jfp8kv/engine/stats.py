@@ -8,7 +8,9 @@ so the step pays one attribute test). Enabled, each step that runs something app
 * ``schedule_ms``: the scheduler's host work (``Scheduler.schedule``);
 * ``device_ms``: from the end of scheduling until every output of the step is ready on the
   device (host-side dispatch, i.e. padding and copying the batch, is included: it is on
-  the critical path until host work overlaps the device);
+  the critical path until host work overlaps the device); with overlap scheduling, until
+  the previous step's outputs are ready (the ones this step reads), so it holds this step's
+  dispatch and the wait for the device;
 * ``post_ms``: host post-processing after that (copies to the host, appending tokens, stop
   rules, detokenization, outputs);
 * what the step computed: decode rows, decode tokens (useful ones: rows stop at their
