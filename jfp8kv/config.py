@@ -303,7 +303,7 @@ class EngineConfig:
         None, "decode steps per device dispatch (default: 8 on GPU, 1 on CPU)")
     decode_buckets: tuple[int, ...] | None = _knob(
         None, "allowed decode batch sizes, e.g. 8,32,64 (default: 8,32,64,128,256 on GPU, "
-              "powers of two on CPU)", parse=parse_int_tuple, metavar="N,N,...")
+              "1,4,16,64 on CPU)", parse=parse_int_tuple, metavar="N,N,...")
     min_prefill_chunk: int | None = _knob(
         None, "smallest prefill chunk bucket in tokens (default: 128 on GPU, 16 on CPU)")
     compile_cache: bool = _knob(
