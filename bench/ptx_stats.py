@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import cache_cfg
-from jfp8kv.kernels import pallas_prefill
+from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kvcache.cache import KVCache
 
 
@@ -114,6 +114,74 @@ def prefill_record(storage, mode, bm, bk, nw, ns, variant, hkv=8, d=128, hq=32):
         ptx, info, shared = compile_ptx(ttir, nw, ns)
         rec.update(loop_stats(ptx, info), shared_bytes=shared)
         rec["warp_instr_per_1k_pairs"] = round(rec["loop_instr"] * nw / (bm * bk) * 1000, 1)
+    except Exception as e:  # noqa: BLE001 - a failed config is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+def kernel_stats(ptx: str, ptxas_info: str):
+    """Instructions of the whole kernel body (for loop-free kernels such as the store)."""
+    body = [ln.strip() for ln in ptx.split("\n")]
+    start = next(i for i, ln in enumerate(body) if ".entry" in ln) + 1
+    body = [ln for ln in body[start:] if ln and not ln.startswith(
+        (".loc", "//", "$L", "{", "}", ".reg", ".param", ".shared", ".file", ".section", "(",
+         ")", ".maxntid", ".reqntid")) and not ln.startswith(".b8") and ln != "ret;"]
+    ops = collections.Counter(re.sub(r"^@!?%p\d+\s+", "", ln).split()[0] for ln in body)
+    return dict(kernel_instr=len(body), ops=dict(ops),
+                regs=int(re.search(r"Used (\d+) registers", ptxas_info).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas_info).group(1)),
+                top_ops=ops.most_common(12))
+
+
+def store_record(storage, mode, fp8_cast, block_n=32, nw=4, hkv=8, d=128):
+    """Static statistics of one store program (block_n tokens x one KV head, K and V)."""
+    cfg = cache_cfg(storage, mode, hkv, d, num_pages=64)
+    static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
+    layer = KVCache.init(cfg, static, static).layer(0)
+    n = 4 * block_n
+    args = (layer, jnp.zeros((n, hkv, d), jnp.bfloat16), jnp.zeros((n, hkv, d), jnp.bfloat16),
+            jnp.arange(16, 16 + n, dtype=jnp.int32))
+    f = functools.partial(pallas_store.store_kv, cfg=cfg, block_n=block_n, num_warps=nw,
+                          fp8_cast=fp8_cast)
+    rec = dict(kernel="store_kv", storage=storage, kv_scale_mode=mode, fp8_cast=fp8_cast,
+               block_n=block_n, num_warps=nw, num_kv_heads=hkv, head_dim=d)
+    try:
+        (ttir,) = capture_ttir(lambda *a: f(*a), *args)
+        ptx, info, shared = compile_ptx(ttir, nw, 1)
+        st = kernel_stats(ptx, info)
+        ops = st.pop("ops")
+        rec.update(st, shared_bytes=shared,
+                   cvt_satfinite=sum(v for k, v in ops.items() if "satfinite" in k))
+        # K and V: 2 * block_n * d elements per program
+        rec["warp_instr_per_1k_elems"] = round(st["kernel_instr"] * nw / (2 * block_n * d)
+                                               * 1000, 1)
+    except Exception as e:  # noqa: BLE001 - a failed config is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+def decode_record(storage, mode, variant, bk=128, nw=4, ns=3, hq=32, hkv=8, d=128):
+    """Static statistics of the decode key loop: per-thread instructions per tile, and bytes
+    of K+V (+ token scales) per warp-instruction."""
+    tun = pallas_decode.DecodeTuning(block_k=bk, num_warps=nw, num_stages=ns,
+                                     variant=variant)
+    cfg = cache_cfg(storage, mode, hkv, d, num_pages=64)
+    static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
+    layer = KVCache.init(cfg, static, static).layer(0)
+    b = 2
+    args = (jnp.zeros((b, hq, d), jnp.bfloat16), layer, jnp.zeros((b, 16), jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+    f = functools.partial(pallas_decode.decode_attention, cfg=cfg, sm_scale=0.1, tuning=tun)
+    rec = dict(kernel="decode_attention", storage=storage, kv_scale_mode=mode, block_k=bk,
+               num_warps=nw, num_stages=ns, variant=variant, num_heads=hq, num_kv_heads=hkv,
+               head_dim=d)
+    try:
+        (ttir,) = capture_ttir(lambda *a: f(*a), *args)
+        ptx, info, shared = compile_ptx(ttir, nw, ns)
+        rec.update(loop_stats(ptx, info), shared_bytes=shared)
+        item = jnp.dtype(storage).itemsize
+        tile_bytes = 2 * bk * (d * item + (4 if mode == "token" else 0))
+        rec["bytes_per_warp_instr"] = round(tile_bytes / (rec["loop_instr"] * nw), 2)
     except Exception as e:  # noqa: BLE001 - a failed config is a result too
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return rec
