@@ -1,7 +1,8 @@
-"""Static code statistics of the Pallas prefill kernel, on a machine without a GPU.
+"""Static code statistics of the Pallas kernels (prefill, store, decode), without a GPU.
 
     pip install --no-deps --target /tmp/tritonpkg triton==3.6.0   # once (~170 MB)
-    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --out bench/results/prefill-ptx-stats.json
+    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels prefill
+    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels store,decode
 
 Each configuration (storage x scale mode x tile shape x warps x upcast variant) is lowered
 by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platforms=
@@ -187,34 +188,78 @@ def decode_record(storage, mode, variant, bk=128, nw=4, ns=3, hq=32, hkv=8, d=12
     return rec
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results/prefill-ptx-stats.json")
-    ap.add_argument("--quick", action="store_true", help="two configurations only")
-    args = ap.parse_args()
-    import triton
-
+def prefill_jobs(quick: bool):
     shapes = [(64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (128, 32, 4)]
     # "asm" is left out: for prefill it compiles to the same PTX as "" (Triton already emits
     # the packed cvt.rn.f16x2.e4m3x2 for an e4m3 -> f16 astype on sm_90).
     configs = [("bfloat16", None, "")] + [
         ("float8_e4m3fn", "token", v) for v in ("", "vmask", "rowscale", "rowscale+vmask")] + [
         ("float8_e4m3fn", "tensor", v) for v in ("", "vmask")]
-    if args.quick:
+    if quick:
         shapes, configs = shapes[:1], [configs[0], configs[1]]
+    return [functools.partial(prefill_record, st, mode, bm, bk, nw, 2, v)
+            for st, mode, v in configs for bm, bk, nw in shapes]
+
+
+def store_jobs(quick: bool):
+    """bf16 vs each fp8 cast path (fp8.KERNEL_CASTS), every scale mode, e4m3 and e5m2."""
+    jobs = [functools.partial(store_record, "bfloat16", None, "auto")]
+    for st in ("float8_e4m3fn",) if quick else ("float8_e4m3fn", "float8_e5m2"):
+        for mode in ("token",) if quick else ("token", "tensor", "block", "channel"):
+            for cast in ("software", "hardware", "satfinite"):
+                jobs.append(functools.partial(store_record, st, mode, cast))
+    return jobs
+
+
+def decode_jobs(quick: bool):
+    """Decode key loop at 32/8/128 (GQA 4) and 9/3/64 (GQA 3): bf16, fp8 token/tensor with
+    the upcast / P.V variants, at 128-token tiles (and 32/64 for the multiply-reduce one)."""
+    heads = [(32, 8, 128)] if quick else [(32, 8, 128), (9, 3, 64)]
+    fp8_vars = [("pagepf", 128, 3), ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3),
+                ("pagepf+asm+vmask", 128, 2), ("pagepf+asm+vmask", 64, 3),
+                ("pagepf+asm+nomma", 32, 3), ("pagepf+asm+nomma", 128, 3)]
+    if quick:
+        fp8_vars = fp8_vars[1:3]
+    jobs = []
+    for hq, hkv, d in heads:
+        hd = dict(hq=hq, hkv=hkv, d=d)
+        jobs += [functools.partial(decode_record, "bfloat16", None, "pagepf", bk=bk, **hd)
+                 for bk in (64, 128)]
+        for mode in ("token", "tensor"):
+            jobs += [functools.partial(decode_record, "float8_e4m3fn", mode, v, bk=bk, ns=ns,
+                                       **hd) for v, bk, ns in fp8_vars]
+    return jobs
+
+
+JOBS = {"prefill": prefill_jobs, "store": store_jobs, "decode": decode_jobs}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default="prefill",
+                    help=f"comma list of {list(JOBS)} (default prefill)")
+    ap.add_argument("--out", default=None, help="default bench/results/<kernels>-ptx-stats.json")
+    ap.add_argument("--quick", action="store_true", help="a few configurations only")
+    args = ap.parse_args()
+    import triton
+
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = set(kernels) - set(JOBS)
+    if unknown:
+        raise SystemExit(f"unknown --kernels {sorted(unknown)}; choose from {list(JOBS)}")
+    out = args.out or f"bench/results/{'-'.join(kernels)}-ptx-stats.json"
     doc = {"machine": f"{platform.node()} (no GPU: static compile for sm_90)",
            "versions": {"jax": jax.__version__, "triton": triton.__version__,
                         "python": platform.python_version()},
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "records": []}
-    for storage, mode, variant in configs:
-        for bm, bk, nw in shapes:
-            rec = prefill_record(storage, mode, bm, bk, nw, 2, variant)
-            doc["records"].append(rec)
-            print({k: v for k, v in rec.items() if k != "top_ops"}, flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as fh:
-                json.dump(doc, fh, indent=1)
+    for job in [j for k in kernels for j in JOBS[k](args.quick)]:
+        rec = job()
+        doc["records"].append(rec)
+        print({k: v for k, v in rec.items() if k != "top_ops"}, flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
 
 
 if __name__ == "__main__":
