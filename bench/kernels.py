@@ -159,13 +159,14 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
     return make
 
 
-def store_chain(cfg: CacheConfig, interpret: bool):
+def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto"):
     def make(reps):
         @functools.partial(jax.jit, donate_argnums=(0,))
         def f(layer, k, v, slots):
             tot = jnp.zeros((6,), jnp.float32)
             for _ in range(reps):
-                layer, st = pallas_store.store_kv(layer, k, v, slots, cfg, interpret=interpret)
+                layer, st = pallas_store.store_kv(layer, k, v, slots, cfg, interpret=interpret,
+                                                  fp8_cast=fp8_cast)
                 tot = tot + st
             return layer, tot
         return f
@@ -218,7 +219,7 @@ class Bench:
         self.doc[where].append(rec)
         self.save()
         keys = ("op", "impl", "kv_cache_dtype", "kv_scale_mode", "batch", "context", "tokens",
-                "ms", "tbps", "tuning", "error")
+                "fp8_cast", "ms", "tbps", "ratio_vs_bf16", "tuning", "error")
         print(" ".join(f"{k}={rec[k]}" for k in keys if k in rec), flush=True)
 
     def decode(self, impl, storage, mode, batch, context, hq, hkv, d, tuning=None,
@@ -243,9 +244,10 @@ class Bench:
         self.add(rec, where)
         return rec
 
-    def store(self, storage, mode, tokens, hkv=8, d=128):
+    def store(self, storage, mode, tokens, hkv=8, d=128, fp8_cast="auto", where="records"):
         rec = dict(op="store", impl="jfp8kv", kv_cache_dtype=USER_NAME.get(storage, storage),
-                   kv_scale_mode=mode, batch=1, tokens=tokens, num_kv_heads=hkv, head_dim=d)
+                   kv_scale_mode=mode, batch=1, tokens=tokens, num_kv_heads=hkv, head_dim=d,
+                   fp8_cast=fp8_cast)
         try:
             s = 16
             p = 2 + 2 * tokens // s
@@ -254,7 +256,7 @@ class Bench:
             k = jax.random.normal(jax.random.key(2), (tokens, hkv, d), jnp.bfloat16)
             v = jax.random.normal(jax.random.key(3), (tokens, hkv, d), jnp.bfloat16)
             slots = jnp.asarray(self.rng.permutation((p - 1) * s)[:tokens] + s, jnp.int32)
-            make = store_chain(cfg, self.interpret)
+            make = store_chain(cfg, self.interpret, fp8_cast)
             holder = {"layer": layer}
 
             def fn(reps):  # donation consumes the layer: thread it through the calls
@@ -268,11 +270,12 @@ class Bench:
             sc = {"token": 4, "block": 2 * d // 32}.get(mode, 0) if cfg.is_fp8 else 0
             moved = 2 * tokens * hkv * (d * 2 + d * item + sc) + tokens * 4
             ms, reps = timed(fn, k, v, slots, est_ms=0.004 + moved / 1e9,
-                             calls=3 if self.smoke else 10)
+                             calls=3 if self.smoke else 10, max_reps=2 if self.smoke else 48)
             rec.update(ms=round(ms, 5), tbps=round(moved / ms / 1e9, 4), bytes=moved, reps=reps)
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        self.add(rec)
+        self.add(rec, where)
+        return rec
 
     def prefill(self, storage, mode, batch, chunk, prefix, hq=32, hkv=8, d=128, tuning=None,
                 where="records"):
@@ -365,6 +368,69 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
     return sweep_prefill(b, shapes, storage, mode, [best] + grid2)
 
 
+# Issue 13 comparison (``--compare``): the store's f32 -> fp8 cast paths and the decode P.V
+# candidates, each next to bf16 and today's default, with ratios, in one run.
+COMPARE_STORE_CASTS = ("software", "hardware", "satfinite")
+COMPARE_DECODE_VARIANTS = (  # (variant, block_k, num_stages); the first is today's default
+    ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3), ("pagepf+asm+vmask", 128, 2),
+    ("pagepf+asm+vmask", 64, 3), ("pagepf+asm+nomma", 32, 3))
+
+
+def compare(b: Bench, sections, smoke: bool, budget_s: float):
+    """Rows under doc["compare"] with ``ratio_vs_bf16`` (time / bf16 time, same shape) and,
+    for decode, ``ratio_vs_default`` (time / today's default variant). Stops starting new
+    rows after ``budget_s`` seconds (the skipped rows are listed in doc["compare_skipped"])."""
+    t0 = time.perf_counter()
+    b.doc.setdefault("compare", [])
+    b.doc["compare_skipped"] = []
+
+    def run(label, fn):
+        if time.perf_counter() - t0 > budget_s:
+            b.doc["compare_skipped"].append(label)
+            return None
+        return fn()
+
+    if "store" in sections:
+        for tokens in ((512, 2048, 8192) if not smoke else (40,)):
+            base = run(f"store bf16 {tokens}",
+                       lambda: b.store("bfloat16", None, tokens, where="compare"))
+            for mode in ("token", "tensor", "block"):
+                for cast in COMPARE_STORE_CASTS[:2] if smoke else COMPARE_STORE_CASTS:
+                    r = run(f"store {mode} {cast} {tokens}", lambda: b.store(
+                        "float8_e4m3fn", mode, tokens, fp8_cast=cast, where="compare"))
+                    if r and base and "ms" in r and "ms" in base:
+                        r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
+                        b.save()
+    if "decode" in sections:
+        D = pallas_decode.DecodeTuning
+        shapes = [(64, 8192, 32, 8, 128), (64, 8192, 9, 3, 64), (8, 32768, 32, 8, 128)]
+        if smoke:
+            shapes = [(2, 64, 8, 2, 64)]
+        for batch, ctx, hq, hkv, d in shapes:
+            bf = pallas_decode.default_tuning(cache_cfg("bfloat16", None, hkv, d, 2))
+            base = run(f"decode bf16 {batch}x{ctx} {hq}/{hkv}/{d}", lambda: b.decode(
+                "jfp8kv", "bfloat16", None, batch, ctx, hq, hkv, d, bf, where="compare"))
+            for mode in ("token", "tensor"):
+                default = None
+                for i, (var, bk, ns) in enumerate(COMPARE_DECODE_VARIANTS):
+                    t = D(block_k=bk, num_stages=ns, target_programs=528, variant=var)
+                    r = run(f"decode {mode} {var} bk{bk} ns{ns} {batch}x{ctx} {hq}/{hkv}/{d}",
+                            lambda: b.decode("jfp8kv", "float8_e4m3fn", mode, batch, ctx, hq,
+                                             hkv, d, t, where="compare"))
+                    if not r or "ms" not in r:
+                        continue
+                    if base and "ms" in base:
+                        r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
+                    if i == 0:
+                        default = r
+                    elif default:
+                        r["ratio_vs_default"] = round(r["ms"] / default["ms"], 3)
+                    b.save()
+    b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
+        time.perf_counter() - t0, 1)
+    b.save()
+
+
 def plot(doc, png_path):
     import matplotlib
 
@@ -409,8 +475,16 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
                     "decode,jax,store,prefill")
+    ap.add_argument("--compare", default="", help="comma list of store,decode: only the issue-13 "
+                    "comparison (fp8 store cast paths, decode P.V variants, bf16 and today's "
+                    "default side by side, with ratios), added to --out under 'compare' (the "
+                    "file's other results are kept)")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="--compare starts no new row after this many seconds")
     args = ap.parse_args()
     b = Bench(args.out, args.smoke)
+    if args.compare:
+        return run_compare(b, args)
     skip = set(filter(None, args.skip.split(",")))
     b.doc["copy_tbps"] = round(copy_tbps(args.smoke), 4)
     print("copy TB/s", b.doc["copy_tbps"], flush=True)
@@ -479,6 +553,28 @@ def main():
     except Exception as e:  # noqa: BLE001 - the JSON is the result; the plot is a view of it
         print("plot failed:", e)
     print(json.dumps({"copy_tbps": b.doc["copy_tbps"], "n_records": len(b.doc["records"])}))
+
+
+def run_compare(b: Bench, args):
+    """``--compare``: keep what --out already holds, except its 'compare' rows of the sections
+    being re-run."""
+    sections = set(filter(None, args.compare.split(",")))
+    if sections - {"store", "decode"}:
+        raise SystemExit(f"--compare takes store,decode, not {sorted(sections)}")
+    if os.path.exists(args.out):
+        with open(args.out) as fh:
+            old = json.load(fh)
+        ops = {"store" if s == "store" else "decode_attention" for s in sections}
+        old["compare"] = [r for r in old.get("compare", []) if r["op"] not in ops]
+        b.doc = {**old, "compare_machine": b.doc["machine"],
+                 "compare_versions": b.doc["versions"], "compare_command": b.doc["command"]}
+    b.doc["compare_copy_tbps"] = round(copy_tbps(args.smoke), 4)
+    print("copy TB/s", b.doc["compare_copy_tbps"], flush=True)
+    compare(b, sections, args.smoke, args.budget_s)
+    print(json.dumps({"compare_rows": len(b.doc["compare"]),
+                      "skipped": len(b.doc["compare_skipped"]),
+                      "elapsed_s": b.doc["compare_elapsed_s"]}))
+    return None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Static code statistics of the Pallas prefill kernel, on a machine without a GPU.
+"""Static code statistics of the Pallas kernels (prefill, store, decode), without a GPU.
 
     pip install --no-deps --target /tmp/tritonpkg triton==3.6.0   # once (~170 MB)
-    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --out bench/results/prefill-ptx-stats.json
+    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels prefill
+    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels store,decode
 
 Each configuration (storage x scale mode x tile shape x warps x upcast variant) is lowered
 by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platforms=
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import cache_cfg
-from jfp8kv.kernels import pallas_prefill
+from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kvcache.cache import KVCache
 
 
@@ -119,34 +120,146 @@ def prefill_record(storage, mode, bm, bk, nw, ns, variant, hkv=8, d=128, hq=32):
     return rec
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench/results/prefill-ptx-stats.json")
-    ap.add_argument("--quick", action="store_true", help="two configurations only")
-    args = ap.parse_args()
-    import triton
+def kernel_stats(ptx: str, ptxas_info: str):
+    """Instructions of the whole kernel body (for loop-free kernels such as the store)."""
+    body = [ln.strip() for ln in ptx.split("\n")]
+    start = next(i for i, ln in enumerate(body) if ".entry" in ln) + 1
+    body = [ln for ln in body[start:] if ln and not ln.startswith(
+        (".loc", "//", "$L", "{", "}", ".reg", ".param", ".shared", ".file", ".section", "(",
+         ")", ".maxntid", ".reqntid")) and not ln.startswith(".b8") and ln != "ret;"]
+    ops = collections.Counter(re.sub(r"^@!?%p\d+\s+", "", ln).split()[0] for ln in body)
+    return dict(kernel_instr=len(body), ops=dict(ops),
+                regs=int(re.search(r"Used (\d+) registers", ptxas_info).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas_info).group(1)),
+                top_ops=ops.most_common(12))
 
+
+def store_record(storage, mode, fp8_cast, block_n=32, nw=4, hkv=8, d=128):
+    """Static statistics of one store program (block_n tokens x one KV head, K and V)."""
+    cfg = cache_cfg(storage, mode, hkv, d, num_pages=64)
+    static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
+    layer = KVCache.init(cfg, static, static).layer(0)
+    n = 4 * block_n
+    args = (layer, jnp.zeros((n, hkv, d), jnp.bfloat16), jnp.zeros((n, hkv, d), jnp.bfloat16),
+            jnp.arange(16, 16 + n, dtype=jnp.int32))
+    f = functools.partial(pallas_store.store_kv, cfg=cfg, block_n=block_n, num_warps=nw,
+                          fp8_cast=fp8_cast)
+    rec = dict(kernel="store_kv", storage=storage, kv_scale_mode=mode, fp8_cast=fp8_cast,
+               block_n=block_n, num_warps=nw, num_kv_heads=hkv, head_dim=d)
+    try:
+        (ttir,) = capture_ttir(lambda *a: f(*a), *args)
+        ptx, info, shared = compile_ptx(ttir, nw, 1)
+        st = kernel_stats(ptx, info)
+        ops = st.pop("ops")
+        rec.update(st, shared_bytes=shared,
+                   cvt_satfinite=sum(v for k, v in ops.items() if "satfinite" in k))
+        # K and V: 2 * block_n * d elements per program
+        rec["warp_instr_per_1k_elems"] = round(st["kernel_instr"] * nw / (2 * block_n * d)
+                                               * 1000, 1)
+    except Exception as e:  # noqa: BLE001 - a failed config is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+def decode_record(storage, mode, variant, bk=128, nw=4, ns=3, hq=32, hkv=8, d=128):
+    """Static statistics of the decode key loop: per-thread instructions per tile, and bytes
+    of K+V (+ token scales) per warp-instruction."""
+    tun = pallas_decode.DecodeTuning(block_k=bk, num_warps=nw, num_stages=ns,
+                                     variant=variant)
+    cfg = cache_cfg(storage, mode, hkv, d, num_pages=64)
+    static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
+    layer = KVCache.init(cfg, static, static).layer(0)
+    b = 2
+    args = (jnp.zeros((b, hq, d), jnp.bfloat16), layer, jnp.zeros((b, 16), jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+    f = functools.partial(pallas_decode.decode_attention, cfg=cfg, sm_scale=0.1, tuning=tun)
+    rec = dict(kernel="decode_attention", storage=storage, kv_scale_mode=mode, block_k=bk,
+               num_warps=nw, num_stages=ns, variant=variant, num_heads=hq, num_kv_heads=hkv,
+               head_dim=d)
+    try:
+        (ttir,) = capture_ttir(lambda *a: f(*a), *args)
+        ptx, info, shared = compile_ptx(ttir, nw, ns)
+        rec.update(loop_stats(ptx, info), shared_bytes=shared)
+        item = jnp.dtype(storage).itemsize
+        tile_bytes = 2 * bk * (d * item + (4 if mode == "token" else 0))
+        rec["bytes_per_warp_instr"] = round(tile_bytes / (rec["loop_instr"] * nw), 2)
+    except Exception as e:  # noqa: BLE001 - a failed config is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+def prefill_jobs(quick: bool):
     shapes = [(64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (128, 32, 4)]
     # "asm" is left out: for prefill it compiles to the same PTX as "" (Triton already emits
     # the packed cvt.rn.f16x2.e4m3x2 for an e4m3 -> f16 astype on sm_90).
     configs = [("bfloat16", None, "")] + [
         ("float8_e4m3fn", "token", v) for v in ("", "vmask", "rowscale", "rowscale+vmask")] + [
         ("float8_e4m3fn", "tensor", v) for v in ("", "vmask")]
-    if args.quick:
+    if quick:
         shapes, configs = shapes[:1], [configs[0], configs[1]]
+    return [functools.partial(prefill_record, st, mode, bm, bk, nw, 2, v)
+            for st, mode, v in configs for bm, bk, nw in shapes]
+
+
+def store_jobs(quick: bool):
+    """bf16 vs each fp8 cast path (fp8.KERNEL_CASTS), every scale mode, e4m3 and e5m2."""
+    jobs = [functools.partial(store_record, "bfloat16", None, "auto")]
+    for st in ("float8_e4m3fn",) if quick else ("float8_e4m3fn", "float8_e5m2"):
+        for mode in ("token",) if quick else ("token", "tensor", "block", "channel"):
+            for cast in ("software", "hardware", "satfinite"):
+                jobs.append(functools.partial(store_record, st, mode, cast))
+    return jobs
+
+
+def decode_jobs(quick: bool):
+    """Decode key loop at 32/8/128 (GQA 4) and 9/3/64 (GQA 3): bf16, fp8 token/tensor with
+    the upcast / P.V variants, at 128-token tiles (and 32/64 for the multiply-reduce one)."""
+    heads = [(32, 8, 128)] if quick else [(32, 8, 128), (9, 3, 64)]
+    fp8_vars = [("pagepf", 128, 3), ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3),
+                ("pagepf+asm+vmask", 128, 2), ("pagepf+asm+vmask", 64, 3),
+                ("pagepf+asm+nomma", 32, 3), ("pagepf+asm+nomma", 128, 3)]
+    if quick:
+        fp8_vars = fp8_vars[1:3]
+    jobs = []
+    for hq, hkv, d in heads:
+        hd = dict(hq=hq, hkv=hkv, d=d)
+        jobs += [functools.partial(decode_record, "bfloat16", None, "pagepf", bk=bk, **hd)
+                 for bk in (64, 128)]
+        for mode in ("token", "tensor"):
+            jobs += [functools.partial(decode_record, "float8_e4m3fn", mode, v, bk=bk, ns=ns,
+                                       **hd) for v, bk, ns in fp8_vars]
+    return jobs
+
+
+JOBS = {"prefill": prefill_jobs, "store": store_jobs, "decode": decode_jobs}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default="prefill",
+                    help=f"comma list of {list(JOBS)} (default prefill)")
+    ap.add_argument("--out", default=None, help="default bench/results/<kernels>-ptx-stats.json")
+    ap.add_argument("--quick", action="store_true", help="a few configurations only")
+    args = ap.parse_args()
+    import triton
+
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = set(kernels) - set(JOBS)
+    if unknown:
+        raise SystemExit(f"unknown --kernels {sorted(unknown)}; choose from {list(JOBS)}")
+    out = args.out or f"bench/results/{'-'.join(kernels)}-ptx-stats.json"
     doc = {"machine": f"{platform.node()} (no GPU: static compile for sm_90)",
            "versions": {"jax": jax.__version__, "triton": triton.__version__,
                         "python": platform.python_version()},
            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "records": []}
-    for storage, mode, variant in configs:
-        for bm, bk, nw in shapes:
-            rec = prefill_record(storage, mode, bm, bk, nw, 2, variant)
-            doc["records"].append(rec)
-            print({k: v for k, v in rec.items() if k != "top_ops"}, flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as fh:
-                json.dump(doc, fh, indent=1)
+    for job in [j for k in kernels for j in JOBS[k](args.quick)]:
+        rec = job()
+        doc["records"].append(rec)
+        print({k: v for k, v in rec.items() if k != "top_ops"}, flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(doc, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 One program per (batch row, KV head, split). All ``G = num_heads // num_kv_heads`` query
 heads of a KV head share the program, so every K/V byte is read once per step. The q block
 is padded to ``Gp = max(16, next_pow2(G))`` rows (Triton's ``dot`` needs M >= 16); padded
-rows are masked on load and never stored.
+rows are masked on load and never stored. With ``Variant.nomma`` (prepared, not a default)
+q.K and P.V are f32 multiply-reduce products over ``next_pow2(G)`` rows, no matrix unit.
 
 The key loop, tile gathers, masking and online softmax are ``tiles``' (shared with
 prefill): tokens at or past ``seq_len`` are masked, so whatever an unused page holds (NaN
@@ -82,7 +83,8 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     # ks_ref/vs_ref: the policy's kernel layout (static [Hkv, D] | dynamic [Hkv, P*S*G])
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
-    gp = max(16, next_pow2(num_groups))
+    # Triton's dot needs M >= 16; the multiply-reduce products need only a power of two.
+    gp = next_pow2(num_groups) if variant.nomma else max(16, next_pow2(num_groups))
     g_idx = jnp.arange(gp, dtype=jnp.int32)
     g_ok = g_idx < num_groups
 
@@ -95,6 +97,8 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     q = plgpu.load(q_ref.at[b, h, g_idx[:, None], cols(d)], mask=out_mask,
                    other=0.0).astype(jnp.float32)  # [Gp, D]
     q = prepare_q(q, ks_ref, h, kv)
+    if variant.nomma:
+        q = q.astype(jnp.float32)  # f16 (exact for fp8 pages) -> the f32 products
     qk_scale = sm_scale * LOG2E
     kvar = k_variant(variant)
 
@@ -103,7 +107,8 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
         v_raw = load_kv_raw(v_ref, vs_ref, h, rows, valid, kv)
         k, k_tok = dequant_kv(*k_raw, valid, kv, kvar)
         return softmax_step(state, q, k, k_tok, valid[None, :], qk_scale,
-                            lambda: dequant_kv(*v_raw, valid, kv, variant), kv.cdt)
+                            lambda: dequant_kv(*v_raw, valid, kv, variant), kv.cdt,
+                            variant.nomma)
 
     acc, m_i, l_i = key_loop(pt_ref, b, start, end, block_k, kv.page_size, init_state(gp, d),
                              step, variant.page_prefetch)

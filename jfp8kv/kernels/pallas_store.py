@@ -12,8 +12,11 @@ Bit-exactness with ``reference.store_kv``: the kernel calls the same policy code
 primitives of its own:
 * a correctly rounded reciprocal (``rcp.rn.f32`` inline PTX on the GPU, because Triton
   lowers ``/`` on f32 to the approximate ``div.full.f32``);
-* the fp32 -> fp8 cast by integer arithmetic (``fp8.encode_saturating``), exact RNE with
-  the NaN encodings of ``ml_dtypes``, so no Triton cast path (some double-round) is used;
+* the fp32 -> fp8 cast the policy picks for the device (``fp8.kernel_cast_name``): from
+  sm_90 the hardware conversion (``fp8.hardware_saturating_cast``: a NaN-keeping clip, then
+  one ``cvt.rn.satfinite`` per pair), elsewhere (sm_89, interpret mode) integer arithmetic
+  (``fp8.encode_saturating``, exact RNE with the NaN encodings of ``ml_dtypes``), as
+  Triton's cast double-rounds through f16 below sm_90;
 * NaN is handled explicitly (Triton's max/min ignore NaN, XLA's may or may not): amax
   ignores NaN (``fp8.amax_ignoring_nan``), the clip keeps NaN.
 
@@ -49,13 +52,23 @@ def recip_rn(s, interpret: bool):
     return out
 
 
+def device_capability(interpret: bool):
+    """The GPU's compute capability ("9.0"), or None in interpret mode / without a GPU."""
+    if interpret:
+        return None
+    try:
+        return jax.devices("gpu")[0].compute_capability
+    except RuntimeError:
+        return None
+
+
 def _store_one(x_ref, pages_ref, scale_in_ref, scale_out_ref, h, tok, ok, slots, valid, cfg,
-               interpret):
+               interpret, cast):
     """Quantize one tensor (K or V) for tokens ``tok`` of head h and scatter it.
 
     x_ref [N, Hkv, D]; pages_ref [Hkv, P*S, D]. Rows are loaded in the scale mode's group
     view [BN, G, W] (channel c = group * W + j) and quantized by the policy, with this
-    backend's primitives (``recip_rn``, ``fp8.encode_saturating``).
+    backend's primitives (``recip_rn`` and ``cast``, one of ``fp8.KERNEL_CASTS``).
     Returns (saturated, nan count, amax) f32 scalars over the valid lanes.
     """
     mode = scale_modes.of(cfg)
@@ -70,9 +83,12 @@ def _store_one(x_ref, pages_ref, scale_in_ref, scale_out_ref, h, tok, ok, slots,
     x = jnp.where(vmask, x, 0.0)  # padding lanes are stored as zeros
     nan = jnp.isnan(x)
     n_nan = jnp.sum(nan.astype(jnp.float32))
-    amax_all = jnp.max(jnp.where(nan, 0.0, jnp.abs(x)))
+    if mode.is_dynamic:  # the mode's own amax expression (NaN ignored): computed once
+        amax_all = jnp.max(fp8.amax_ignoring_nan(x))
+    else:
+        amax_all = jnp.max(jnp.where(nan, 0.0, jnp.abs(x)))
     static = plgpu.load(scale_in_ref.at[h, c]) if mode.is_static else None  # [1, 1, D]
-    q, s, sat = mode.quantize(x, static, pages_ref.dtype, cast=fp8.encode_saturating,
+    q, s, sat = mode.quantize(x, static, pages_ref.dtype, cast=cast,
                               reciprocal=functools.partial(recip_rn, interpret=interpret))
     if s is not None:  # dynamic scales [BN, G] at flat index slot * G + group
         idx = slots[:, None] * g + jnp.arange(g, dtype=jnp.int32)[None, :]
@@ -82,7 +98,7 @@ def _store_one(x_ref, pages_ref, scale_in_ref, scale_out_ref, h, tok, ok, slots,
 
 
 def _store_kernel(slots_ref, k_ref, v_ref, _k_pages_in, _v_pages_in, ks_in, vs_in, *refs,
-                  cfg, block_n, dynamic, interpret):
+                  cfg, block_n, dynamic, interpret, cast):
     # slots_ref [N] i32; k_ref/v_ref [N, Hkv, D] compute dtype; pages [Hkv, P*S, D]
     # scales: static [Hkv, D] f32 (read only) | token [Hkv, P*S] f32 | block [Hkv, P*S*nb] f16
     # refs (outputs): k_pages, v_pages (aliased), [k_scale, v_scale (aliased)], stats
@@ -99,8 +115,9 @@ def _store_kernel(slots_ref, k_ref, v_ref, _k_pages_in, _v_pages_in, ks_in, vs_i
     # Lanes past N get an out-of-range slot: their (masked) writes can never alias a real one.
     slots = plgpu.load(slots_ref.at[tok], mask=ok, other=k_pages.shape[1])
     valid = ok & (slots >= cfg.page_size)
-    k_stats = _store_one(k_ref, k_pages, ks_in, ks_out, h, tok, ok, slots, valid, cfg, interpret)
-    v_stats = _store_one(v_ref, v_pages, vs_in, vs_out, h, tok, ok, slots, valid, cfg, interpret)
+    args = (h, tok, ok, slots, valid, cfg, interpret, cast)
+    k_stats = _store_one(k_ref, k_pages, ks_in, ks_out, *args)
+    v_stats = _store_one(v_ref, v_pages, vs_in, vs_out, *args)
     vals = (k_stats[0], v_stats[0], k_stats[1], v_stats[1], k_stats[2], v_stats[2])
     col = jnp.arange(STAT_PAD, dtype=jnp.int32)
     row = jnp.zeros((STAT_PAD,), jnp.float32)
@@ -109,14 +126,20 @@ def _store_kernel(slots_ref, k_ref, v_ref, _k_pages_in, _v_pages_in, ks_in, vs_i
     plgpu.store(stats_ref.at[i, h, col], row)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "block_n", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "block_n", "num_warps",
+                                             "fp8_cast"))
 def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig, interpret: bool = False,
-             block_n: int = 32, num_warps: int = 4):
+             block_n: int = 32, num_warps: int = 4, fp8_cast: str = "auto"):
     """Same contract as ``reference.store_kv``; returns (layer, stats_row float32[6]).
 
-    Static: cfg, interpret, block_n, num_warps. Donate ``layer`` in the caller's jit for an
-    in-place update.
+    Static: cfg, interpret, block_n, num_warps, fp8_cast ("auto": the policy's choice for
+    this device, ``fp8.kernel_cast_name``; or "hardware" / "software" to force one, for
+    tests, benchmarks and static PTX statistics). Donate ``layer`` in the caller's jit for
+    an in-place update.
     """
+    if fp8_cast == "auto":
+        fp8_cast = fp8.kernel_cast_name(device_capability(interpret))
+    cast = fp8.kernel_cast(fp8_cast)
     n = k_new.shape[0]
     hkv, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
     if d & (d - 1) or d % cfg.scale_block:
@@ -135,7 +158,7 @@ def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig, interpret: b
         aliases.update({5: 2, 6: 3})
     out_shape.append(jax.ShapeDtypeStruct((grid_n, hkv, STAT_PAD), jnp.float32))
     kernel = functools.partial(_store_kernel, cfg=cfg, block_n=block_n, dynamic=dynamic,
-                               interpret=interpret)
+                               interpret=interpret, cast=cast)
     outs = pl.pallas_call(
         kernel, grid=(grid_n, hkv), out_shape=tuple(out_shape),
         input_output_aliases=aliases, interpret=interpret,

@@ -27,7 +27,7 @@ from jfp8kv.kvcache import fp8, scale_modes
 
 LOG2E = 1.4426950408889634
 _VARIANT_NAMES = {"pagepf": "page_prefetch", "asm": "asm", "vmask": "vmask",
-                  "rowscale": "rowscale"}
+                  "rowscale": "rowscale", "nomma": "nomma"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Variant:
     asm: bool = False  # fp8 -> f16 by inline PTX, 4 per instruction (GPU only)
     vmask: bool = False  # select on the upcast V tile (f16 transpose, not byte gathers)
     rowscale: bool = False  # per-token scales on the tile rows, not on logits/probabilities
+    nomma: bool = False  # decode: q.K and P.V as f32 multiply-reduce over next_pow2(G) rows
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
@@ -115,6 +116,16 @@ def dot_nn(a, b):
     prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
                                preferred_element_type=jnp.float32)
+
+
+def fma_nt(a, b):
+    """``dot_nt`` without a matrix unit: f32 products [M, N, K] summed over K (small M)."""
+    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=2)
+
+
+def fma_nn(a, b):
+    """``dot_nn`` without a matrix unit: f32 products [M, K, N] summed over K (small M)."""
+    return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)
 
 
 def fp8_to_f16_asm(x):
@@ -205,14 +216,15 @@ def normalize(acc, l_i):
     return acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
 
 
-def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt):
+def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool = False):
     """One online-softmax update with a K tile [BK, D] (per-token scales ``k_tok`` or None).
 
     visible: bool broadcastable to [M, BK]; ``load_v() -> (v [BK, D], v_tok or None)`` is
-    called after the probabilities exist (so V is dequantized late).
+    called after the probabilities exist (so V is dequantized late). ``nomma``: both
+    products by f32 multiply-reduce (``fma_nt`` / ``fma_nn``) instead of matrix-unit dots.
     """
     acc, m_i, l_i = state
-    s = dot_nt(q, k)  # [M, BK] f32
+    s = fma_nt(q, k) if nomma else dot_nt(q, k)  # [M, BK] f32
     if k_tok is not None:
         s = s * k_tok[None, :]
     s = jnp.where(visible, s * qk_scale, -jnp.inf)
@@ -224,7 +236,8 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt):
     v, v_tok = load_v()
     if v_tok is not None:
         p = p * v_tok[None, :]
-    acc = acc * alpha[:, None] + dot_nn(p.astype(cdt), v)
+    pv = fma_nn(p, v) if nomma else dot_nn(p.astype(cdt), v)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_new
 
 

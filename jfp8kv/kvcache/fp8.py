@@ -252,6 +252,57 @@ def encode_saturating(y, dtype):
     return jax.lax.bitcast_convert_type(fp8_bits(yc, name).astype(jnp.uint8), jnp.dtype(name))
 
 
+def hardware_saturating_cast(y, dtype):
+    """``saturating_cast`` for kernels on devices whose f32 -> fp8 conversion is exact RNE
+    (Triton on sm_90+: one ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` per pair). The clip is a
+    compare-and-select, which keeps NaN (Triton's min/max would turn it into +-fmax)."""
+    m = FMAX[jnp.dtype(dtype).name]  # a Python float: Pallas lowers it as a constant
+    y = y.astype(jnp.float32)
+    y = jnp.where(y > m, m, jnp.where(y < -m, -m, y))
+    return y.astype(dtype)
+
+
+def satfinite_cast(y, dtype):
+    """``saturating_cast`` as one ``cvt.rn.satfinite`` per pair, no clip: the instruction
+    saturates finite overflow and +-inf to +-fmax and keeps NaN (PTX ISA). sm_90+ GPU only:
+    elsewhere (XLA on CPU, Triton below sm_90) a bare cast turns overflow into NaN/inf."""
+    return y.astype(jnp.float32).astype(dtype)
+
+
+# The casts a kernel may use for f32 -> fp8 (``kernel_cast``); each equals
+# ``saturating_cast`` where it applies (bit for bit, NaN payloads aside).
+KERNEL_CASTS = {"software": encode_saturating, "hardware": hardware_saturating_cast,
+                "satfinite": satfinite_cast}
+# From this compute capability the hardware conversion is exact: sm_90 converts f32 -> fp8
+# with one RNE ``cvt.rn.satfinite``; Triton on sm_89 goes through f16 (double rounding).
+HARDWARE_CAST_MIN_CAPABILITY = (9, 0)
+# The cast used from that capability: "hardware" (NaN-keeping clip + cvt) until the gpu test
+# ``test_store_cast_exhaustive[...-satfinite-gpu]`` proves the clip-free one on the device.
+HARDWARE_CAST = "hardware"
+
+
+def kernel_cast_name(compute_capability) -> str:
+    """Which ``KERNEL_CASTS`` entry a kernel uses on a device: ``HARDWARE_CAST`` from sm_90
+    (proven bit-exact through the store kernel by ``tests/kernels/test_store.py``'s gpu
+    tests over every bf16 pattern and the f32 tie points), else "software"
+    (``compute_capability`` None: interpret mode / no GPU; or a "9.0" string or (9, 0))."""
+    if compute_capability is None:
+        return "software"
+    if isinstance(compute_capability, str):
+        compute_capability = tuple(int(p) for p in compute_capability.split(".")[:2])
+    exact = tuple(compute_capability) >= HARDWARE_CAST_MIN_CAPABILITY
+    return HARDWARE_CAST if exact else "software"
+
+
+def kernel_cast(name: str):
+    """The cast function of a ``KERNEL_CASTS`` name; a ValueError names the choices."""
+    try:
+        return KERNEL_CASTS[name]
+    except KeyError:
+        raise ValueError(f"unknown fp8 kernel cast {name!r}; choose one of "
+                         f"{['auto', *KERNEL_CASTS]}") from None
+
+
 def saturation_count(x, scale, dtype):
     """Number of finite elements whose scaled magnitude exceeds fmax (would be clipped)."""
     y = scaled(x, scale)

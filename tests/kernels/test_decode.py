@@ -76,10 +76,18 @@ def test_decode_rowscale_variant_interpret(variant):
     test_decode_matches_reference(CASES[5], "interpret", variant)
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (2, 5)], ids=[IDS[i] for i in (2, 5)])
+def test_decode_nomma_variant_interpret(case):
+    """q.K and P.V as f32 multiply-reduce over next_pow2(G) rows (GQA 4 and 3; a prepared
+    variant, not a default)."""
+    test_decode_matches_reference(case, "interpret", Variant(page_prefetch=True, nomma=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [
     Variant(), Variant(asm=True), Variant(vmask=True), Variant(page_prefetch=True, vmask=True),
-    Variant(asm=True, rowscale=True)], ids=lambda v: str(v) or "plain")
+    Variant(asm=True, rowscale=True), Variant(page_prefetch=True, asm=True, vmask=True),
+    Variant(page_prefetch=True, asm=True, nomma=True)], ids=lambda v: str(v) or "plain")
 @pytest.mark.parametrize("case", [CASES[i] for i in (3, 4, 11)],
                          ids=[IDS[i] for i in (3, 4, 11)])
 def test_decode_codegen_variants_gpu(case, variant):

@@ -20,7 +20,7 @@ from jfp8kv.kernels import pallas_store, reference
 from jfp8kv.kvcache import fp8
 from jfp8kv.kvcache.cache import KVCache
 
-from .cases import make_cfg, on_cpu, on_exec, sweep
+from .cases import has_gpu, make_cfg, on_cpu, on_exec, sweep
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 ML = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
@@ -118,3 +118,68 @@ def test_store_matches_reference_bit_exact(case, exec_mode):
         diff = (_bits(got) != _bits(want)) & ~wnan
         assert not diff.any(), f"{field}: {diff.sum()} elements differ, first at {np.argwhere(diff)[:3]}"
     np.testing.assert_array_equal(np.asarray(got_stats), np.asarray(want_stats))
+
+
+# ---- the fp32 -> fp8 cast through the store kernel, per cast path (fp8.KERNEL_CASTS) ----
+
+def _cast_inputs(name: str) -> np.ndarray:
+    """Every bf16 bit pattern, then the f32 tie points of ``name`` (midpoints of adjacent fp8
+    values and one f32 ulp either side, both signs), +-inf, NaN, beyond-fmax values."""
+    bf = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
+    codes = np.arange(256, dtype=np.uint8).view(ML[name]).astype(np.float32)
+    codes = np.unique(codes[np.isfinite(codes) & (codes >= 0)])
+    mids = ((codes[:-1].astype(np.float64) + codes[1:]) / 2).astype(np.float32)
+    m = fp8.FMAX[name]
+    over = np.float32([m * 1.03, m * 1.0625, m * 1.07, m * 1.5, 1e30, np.finfo(np.float32).max])
+    ties = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), codes,
+                           over, np.float32([1e-30, 1e-45, np.inf, np.nan])])
+    return np.concatenate([bf.astype(np.float32), ties, -ties])
+
+
+def _store_cast(values: np.ndarray, name: str, exec_mode: str, fp8_cast: str):
+    """Store ``values`` as K (and -values as V) rows through the kernel in tensor mode with
+    scale 1.0 (so the value cast is the input itself); return the stored K and V bytes."""
+    d = 128
+    n = -(-values.size // d)
+    x = np.zeros(n * d, np.float32)
+    x[:values.size] = values
+    s = 16
+    cfg = make_cfg(name, "tensor", heads_kv=1, head_dim=d, page_size=s, num_pages=2 + -(-n // s))
+    one = np.ones((1, d), np.float32)
+    layer = KVCache.init(cfg, one, one).layer(0)
+    k = jnp.asarray(x.reshape(n, 1, d))
+    slots = jnp.arange(s, s + n, dtype=jnp.int32)
+    got, _ = on_exec(exec_mode, pallas_store.store_kv, layer, k, -k, slots, cfg,
+                     fp8_cast=fp8_cast)
+    rows = lambda a: np.asarray(a).reshape(-1, d)[s:s + n].reshape(-1)[:values.size]  # noqa: E731
+    return _bits(rows(got.k)), _bits(rows(got.v))
+
+
+@pytest.mark.parametrize("fp8_cast,exec_mode", [
+    ("software", "interpret"), ("hardware", "interpret"),
+    *[pytest.param(c, "gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not has_gpu(), reason="needs an NVIDIA GPU")]) for c in ("software", "hardware",
+                                                                 "satfinite")]])
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_store_cast_exhaustive(name, fp8_cast, exec_mode):
+    """The store's fp32 -> fp8 cast equals ml_dtypes on clip(x) for every bf16 pattern and
+    every f32 tie point, through the actual kernel: on the GPU for each cast path (the
+    hardware ones are what the policy picks from sm_90), in interpret mode for the software
+    path and the portable hardware one (XLA's cast standing in for ``cvt``)."""
+    x = _cast_inputs(name)
+    m = fp8.FMAX[name]
+    for got, vals in zip(_store_cast(x, name, exec_mode, fp8_cast), (x, -x)):
+        want = np.clip(vals, -m, m).astype(ML[name]).view(np.uint8)
+        nan = np.isnan(vals)
+        assert np.isnan(got[nan].view(ML[name]).astype(np.float32)).all(), "NaN must stay NaN"
+        bad = got[~nan] != want[~nan]
+        assert not bad.any(), (f"{bad.sum()} mismatches, e.g. x={vals[~nan][bad][:6]} "
+                               f"got={got[~nan][bad][:6]} want={want[~nan][bad][:6]}")
+
+
+@pytest.mark.parametrize("cc,want", [(None, "software"), ("8.9", "software"),
+                                     ("9.0", fp8.HARDWARE_CAST), ((10, 0), fp8.HARDWARE_CAST)])
+def test_kernel_cast_policy(cc, want):
+    assert fp8.kernel_cast_name(cc) == want
+    with pytest.raises(ValueError, match="software"):
+        fp8.kernel_cast("fast")
