@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: the fp8 cast and decode-variant GPU tests, then the kernel comparisons
+# (store casts and decode variants side by side with bf16) into $OUT/kernels-h200.json.
+# Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
+set -u
+OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
+STAGES=${STAGES:-"tests store decode"}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+stage() { local name=$1 limit=$2; shift 2; case " $STAGES " in *" $name "*) ;; *) return;; esac
+  echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 30; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
+cp bench/results/kernels-h200.json "$OUT/kernels-h200.json"
+stage tests ${TESTS_LIMIT:-100} python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/kernels/test_store.py tests/kernels/test_decode.py -k "cast or bit_exact or variants"
+stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store --budget-s $(( ${STORE_LIMIT:-150} - 40 )) \
+  --out "$OUT/kernels-h200.json"
+stage decode ${DECODE_LIMIT:-150} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-150} - 40 )) \
+  --out "$OUT/kernels-h200.json"
+ls -la "$OUT"
