@@ -276,9 +276,9 @@ KERNEL_CASTS = {"software": encode_saturating, "hardware": hardware_saturating_c
 # From this compute capability the hardware conversion is exact: sm_90 converts f32 -> fp8
 # with one RNE ``cvt.rn.satfinite``; Triton on sm_89 goes through f16 (double rounding).
 HARDWARE_CAST_MIN_CAPABILITY = (9, 0)
-# The cast used from that capability: "hardware" (NaN-keeping clip + cvt) until the gpu test
-# ``test_store_cast_exhaustive[...-satfinite-gpu]`` proves the clip-free one on the device.
-HARDWARE_CAST = "hardware"
+# The cast used from that capability: "satfinite" (the cvt alone), proven bit-exact on an
+# H200 by ``test_store_cast_exhaustive[...-satfinite-gpu]`` (bench/results/gpu-tests-h200.json).
+HARDWARE_CAST = "satfinite"
 
 
 def kernel_cast_name(compute_capability) -> str:
