@@ -87,15 +87,18 @@ def run(llm: LLM):
 @pytest.mark.parametrize("cache", CACHES, ids=lambda c: c[1] or c[0])
 @pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
 def test_tp_sizes_agree_with_one_device(checkpoints, ckpt, cache):
-    """TP 1, 2, 4: identical greedy tokens, NLL within 1e-5, the same K/V statistics (each
-    element counted once, also when KV heads are replicated)."""
+    """TP 1, 2, 4: identical greedy tokens, NLL within 1e-5 (absolute plus relative: the
+    all-reduce sums in another order, and an ulp of difference can round one stored bf16/fp8
+    element the other way, which moves later NLLs by a few 1e-5), the same K/V statistics
+    (each element counted once, also when KV heads are replicated)."""
     results = {tp: run(make_llm(checkpoints[ckpt], tp, *cache)) for tp in (1, 2, 4)}
     toks1, nll1, stats1 = results[1]
     assert np.all(np.isfinite(nll1))
     for tp in (2, 4):
         toks, nll, stats = results[tp]
         assert toks == toks1, f"TP={tp}"
-        np.testing.assert_allclose(nll, nll1, rtol=0, atol=1e-5, err_msg=f"TP={tp}")
+        print(f"{ckpt} {cache} TP={tp}: max |dNLL| {np.abs(nll - nll1).max():.2e}")
+        np.testing.assert_allclose(nll, nll1, rtol=1e-5, atol=1e-5, err_msg=f"TP={tp}")
         for layer, layer1 in zip(stats["layers"], stats1["layers"]):
             for field in ("k_saturated", "v_saturated", "k_nan", "v_nan"):
                 assert layer[field] == layer1[field], (tp, field)
