@@ -88,18 +88,21 @@ def run(llm: LLM):
 @pytest.mark.parametrize("cache", CACHES, ids=lambda c: c[1] or c[0])
 @pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
 def test_tp_sizes_agree_with_one_device(checkpoints, ckpt, cache):
-    """TP 1, 2, 4: identical greedy tokens, NLL within 1e-5 (absolute plus relative: the
+    """TP 1, 2, 4: identical greedy tokens, NLL within 1e-5 (absolute plus relative; the
     all-reduce sums in another order, and an ulp of difference can round one stored bf16/fp8
-    element the other way, which moves later NLLs by a few 1e-5), the same K/V statistics
+    element the other way, which moves later NLLs: see ``tol``), the same K/V statistics
     (each element counted once, also when KV heads are replicated)."""
     results = {tp: run(make_llm(checkpoints[ckpt], tp, *cache)) for tp in (1, 2, 4)}
+    # Static fp8 scales: one flipped element moves by a whole fp8 step (1/16 to 1/8),
+    # measured up to 2.6e-4 in NLL on kv4; every other cache stayed within 1e-5 (+ 1e-5 rel).
+    tol = 1e-3 if cache[1] in ("tensor", "channel") else 1e-5
     toks1, nll1, stats1 = results[1]
     assert np.all(np.isfinite(nll1))
     for tp in (2, 4):
         toks, nll, stats = results[tp]
         assert toks == toks1, f"TP={tp}"
         print(f"{ckpt} {cache} TP={tp}: max |dNLL| {np.abs(nll - nll1).max():.2e}")
-        np.testing.assert_allclose(nll, nll1, rtol=1e-5, atol=1e-5, err_msg=f"TP={tp}")
+        np.testing.assert_allclose(nll, nll1, rtol=tol, atol=tol, err_msg=f"TP={tp}")
         for layer, layer1 in zip(stats["layers"], stats1["layers"]):
             for field in ("k_saturated", "v_saturated", "k_nan", "v_nan"):
                 assert layer[field] == layer1[field], (tp, field)
