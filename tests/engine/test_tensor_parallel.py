@@ -101,7 +101,6 @@ def test_tp_sizes_agree_with_one_device(checkpoints, ckpt, cache):
     for tp in (2, 4):
         toks, nll, stats = results[tp]
         assert toks == toks1, f"TP={tp}"
-        print(f"{ckpt} {cache} TP={tp}: max |dNLL| {np.abs(nll - nll1).max():.2e}")
         np.testing.assert_allclose(nll, nll1, rtol=tol, atol=tol, err_msg=f"TP={tp}")
         for layer, layer1 in zip(stats["layers"], stats1["layers"]):
             for field in ("k_saturated", "v_saturated", "k_nan", "v_nan"):
