@@ -309,6 +309,10 @@ class EngineConfig:
     compile_cache: bool = _knob(
         True, "keep compiled executables in JAX's persistent cache ($JFP8KV_CACHE/jax-cache, "
               "default ~/.cache/jfp8kv/jax-cache), so later starts skip compilation")
+    tensor_parallel_size: int = _knob(
+        1, "devices one model runs over (a 1-D mesh of the first N devices): attention "
+           "heads, KV heads and the page pool sharded; must divide the number of attention "
+           "heads; kv_cache_memory is then per device")
     enable_prefix_caching: bool = _knob(
         True, "reuse the cached KV pages of a prompt's prefix computed by an earlier request "
               "(same tokens, same cache settings) instead of recomputing it")
@@ -323,7 +327,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two in [8, 128], got {ps}")
         for name in ("max_model_len", "kv_cache_memory", "max_num_seqs",
                      "max_num_batched_tokens", "max_queue_len", "decode_steps",
-                     "min_prefill_chunk"):
+                     "min_prefill_chunk", "tensor_parallel_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -5,8 +5,10 @@
 1. ``resolve_storage``: cache storage dtype and scale mode (cheap checks, before any weights)
 2. ``choose_backend``: attention backend for the device, fp8 hardware support
 3. ``device_defaults``: the device's shape policy for the knobs left ``None``
-4. load the model (or take an already ``LoadedModel``)
-5. ``plan_capacity``: max_model_len, memory budget and page count -> ``CacheConfig``
+4. load the model (or take an already ``LoadedModel``), weights straight onto their shards
+   of the ``tensor_parallel_size`` mesh (``models/sharding.py``)
+5. ``plan_capacity``: max_model_len, memory budget and page count -> ``CacheConfig`` (per
+   device under tensor parallelism)
 6. ``resolve_static_scales``: static fp8 scales (a float, a JSON, the checkpoint, calibration)
 7. ``assemble_engine``: cache, runner, scheduler and ``LLMEngine``
 
@@ -33,6 +35,7 @@ from jfp8kv.kvcache import calibrate, fp8
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.kvcache import scale_modes
 from jfp8kv.kvcache.cache import KVCache, bytes_per_token, plan_num_pages
+from jfp8kv.models import sharding
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class BuiltEngine:
     cache_config: CacheConfig
     bytes_per_token: int
     kv_scales_source: str | None
+    tp: sharding.TensorParallel | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +159,14 @@ def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int
 
 
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
-                  device) -> CapacityPlan:
-    """Pages that fit the memory budget; raises when one max_model_len sequence does not."""
+                  device, tp: sharding.TensorParallel | None = None) -> CapacityPlan:
+    """Pages that fit the memory budget; raises when one max_model_len sequence does not.
+    Under tensor parallelism the budget and ``bytes_per_token`` are per device (one
+    device's KV heads); the ``CacheConfig`` describes the global pool (all heads)."""
     scale_modes.get(mode, storage).validate(model_cfg.head_dim)
     max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
-    shape = dict(num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
+    shape = dict(num_layers=model_cfg.num_layers,
+                 num_kv_heads=tp.kv_heads_per_device if tp else model_cfg.num_kv_heads,
                  head_dim=model_cfg.head_dim)
     bpt = bytes_per_token(*shape.values(), storage, mode)
     memory = engine.kv_cache_memory or default_cache_memory(device, bpt, max_model_len,
@@ -172,20 +179,23 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
             f"kv_cache_memory={memory} bytes holds {usable * engine.page_size} tokens "
             f"({bpt} bytes/token), fewer than one sequence of max_model_len={max_model_len}; "
             f"give at least {need} bytes or lower max_model_len")
+    if tp is not None:
+        shape["num_kv_heads"] = tp.cache_kv_heads
     ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode)
     return CapacityPlan(ccfg, max_model_len, memory, bpt)
 
 
-def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales):
+def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales, tp=None):
     """(k_scale, v_scale, source) for static scale modes, (None, None, None) otherwise.
     ``kv_scales``: a float for every layer, a scales JSON path, or None (the checkpoint's
-    k_scale/v_scale, else calibration on the built-in text)."""
+    k_scale/v_scale, else calibration on the built-in text, run on ``tp``'s mesh). Scales
+    are [layers, model KV heads, head_dim]; ``ccfg``'s own head count is not read."""
     if not scale_modes.of(ccfg).is_static:
         if kv_scales is not None and ccfg.is_fp8:
             log.warning("kv_scales is ignored: kv_scale_mode=%s computes scales at store "
                         "time", ccfg.scale_mode)
         return None, None, None
-    shape = (ccfg.num_layers, ccfg.num_kv_heads, ccfg.head_dim)
+    shape = (ccfg.num_layers, loaded.config.num_kv_heads, ccfg.head_dim)
     if isinstance(kv_scales, (int, float)):
         if kv_scales == 1.0:
             fp8.warn_unit_scale()
@@ -204,15 +214,22 @@ def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales):
         log.warning("fp8 KV with static scales and no kv_scales: calibrating at start-up on "
                     "the built-in text (pass a scales JSON from `python -m jfp8kv.calibrate` "
                     "for scales measured on your own data)")
-        amax = calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size)
+        amax = calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size,
+                                 tp=tp)
     return (*amax.scales(ccfg.storage_dtype, ccfg.scale_mode), amax.source)
 
 
 def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backend: str,
-                    on_gpu: bool, k_scale, v_scale) -> LLMEngine:
-    """Cache, runner, scheduler and engine for a resolved configuration."""
+                    on_gpu: bool, k_scale, v_scale,
+                    tp: sharding.TensorParallel | None = None) -> LLMEngine:
+    """Cache, runner, scheduler and engine for a resolved configuration. Static scales are
+    [layers, model KV heads, head_dim]; under ``tp`` the pool is allocated on its shards."""
     ccfg = plan.cache_config
-    cache = KVCache.init(ccfg, k_scale, v_scale)
+    if tp is None:
+        cache = KVCache.init(ccfg, k_scale, v_scale)
+    else:
+        cache = tp.init_cache(ccfg, *(None if s is None else tp.expand_kv_heads(s)
+                                      for s in (k_scale, v_scale)))
     max_pages = math.ceil(plan.max_model_len / ccfg.page_size)
     widths = None  # the Pallas decode kernel splits each row's own length: one width
     if backend == "reference":
@@ -221,7 +238,7 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
-                         prefill_one_row=not on_gpu)
+                         prefill_one_row=not on_gpu, tp=tp)
     # Pages are reused only under the settings that produced their numbers.
     namespace = (loaded.name, ccfg.storage_dtype, ccfg.scale_mode,
                  None if k_scale is None else hash(np.asarray(k_scale).tobytes()),
@@ -246,36 +263,68 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     device = device or jax.devices()[0]
     backend = choose_backend(engine.attention_backend, device, storage, load.dtype)
     engine = device_defaults(engine, device)
+    sharding.check_device_count(engine.tensor_parallel_size)
     if loaded is None:
         from jfp8kv.models.loader import load_model
 
-        loaded = load_model(load.model, load.dtype)
-    plan = plan_capacity(loaded.config, engine, storage, mode, device)
+        loaded = load_model(load.model, load.dtype, engine.tensor_parallel_size)
+    loaded, tp = place_model(loaded, engine.tensor_parallel_size)
+    plan = plan_capacity(loaded.config, engine, storage, mode, device, tp)
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
-    k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales)
+    k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales,
+                                                     tp)
     built = BuiltEngine(assemble_engine(loaded, plan, engine, backend,
-                                        device.platform == "gpu", k_scale, v_scale),
+                                        device.platform == "gpu", k_scale, v_scale, tp),
                         loaded, load.dtype, backend, engine, plan.cache_config,
-                        plan.bytes_per_token, source)
+                        plan.bytes_per_token, source, tp)
     log.info(cache_summary(cache_info(built)))
     return built
+
+
+def place_model(loaded, size: int):
+    """(loaded, layout): the layout of ``size`` devices (None for one) and ``loaded`` with its
+    params on it. Params the loader placed stay where they are; an already loaded model
+    (``LLM(loaded=...)``) is moved onto the mesh."""
+    tp = sharding.plan(loaded.config, size)
+    if tp is None:
+        return loaded, None
+    return dataclasses.replace(loaded, params=tp.place_params(loaded.params)), tp
 
 
 def cache_info(built: BuiltEngine) -> dict:
     """The KV cache's resolved settings and sizes (``LLM.cache_info``)."""
     c = built.cache_config
+    tp_size = built.tp.size if built.tp else 1
     return dict(kv_cache_dtype=fp8.user_dtype_name(c.storage_dtype),
                 storage_dtype=c.storage_dtype, kv_scale_mode=c.scale_mode,
                 page_size=c.page_size, num_pages=c.num_pages - 1,
                 max_tokens=c.max_tokens, bytes_per_token=built.bytes_per_token,
                 kv_cache_memory=built.engine_config.kv_cache_memory,
-                pool_bytes=built.engine.runner.cache.nbytes(),
+                pool_bytes=built.engine.runner.cache.nbytes() // tp_size,
                 compute_dtype=built.dtype, attention_backend=built.backend,
                 max_model_len=built.engine_config.max_model_len,
                 enable_prefix_caching=built.engine_config.enable_prefix_caching,
                 prefix_cache=dataclasses.asdict(
-                    built.engine.scheduler.prefix_cache_stats()))
+                    built.engine.scheduler.prefix_cache_stats()),
+                **tensor_parallel_info(built))
+
+
+def tensor_parallel_info(built: BuiltEngine) -> dict:
+    """Mesh size and the per-device KV layout. ``bytes_per_token``, ``kv_cache_memory`` and
+    ``pool_bytes`` are per device; ``kv_replication_bytes_per_token`` is what replicated KV
+    heads add over all devices together (0 when the mesh size divides the KV heads)."""
+    c, tp = built.cache_config, built.tp
+    model_heads = built.loaded.config.num_kv_heads
+    replicated = 0
+    if tp is not None:
+        unsharded = bytes_per_token(c.num_layers, model_heads, c.head_dim, c.storage_dtype,
+                                    c.scale_mode)
+        replicated = tp.size * built.bytes_per_token - unsharded
+    return dict(tensor_parallel_size=tp.size if tp else 1,
+                kv_heads_per_device=tp.kv_heads_per_device if tp else model_heads,
+                kv_head_replication=tp.kv_repeat if tp else 1,
+                kv_replication_bytes_per_token=replicated)
 
 
 def cache_summary(info: dict) -> str:

@@ -13,23 +13,27 @@ from jfp8kv.kvcache.calibrate import KVAmax, fingerprint, fold_amax
 
 
 def measure_amax(model_cfg, params, token_chunks, *, page_size: int = 16,
-                 backend: str = "reference", chunk: int = 512) -> KVAmax:
+                 backend: str = "reference", chunk: int = 512, tp=None) -> KVAmax:
     """Run each token list through a float32 paged cache (chunks of ``chunk`` tokens, one
-    sequence at a time, reusing the same pages); return the K/V amax over all of them."""
+    sequence at a time, reusing the same pages); return the K/V amax over all of them.
+    ``tp``: the ``models.sharding`` layout ``params`` are placed on (None: one device)."""
     longest = max(len(t) for t in token_chunks)
     pages_per_seq = -(-longest // page_size)
-    ccfg = CacheConfig(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                       pages_per_seq + 1, page_size, "float32")
-    runner = ModelRunner(model_cfg, params, KVCache.init(ccfg), backend, pages_per_seq)
+    heads = tp.cache_kv_heads if tp else model_cfg.num_kv_heads
+    ccfg = CacheConfig(model_cfg.num_layers, heads, model_cfg.head_dim, pages_per_seq + 1,
+                       page_size, "float32")
+    cache = tp.init_cache(ccfg) if tp else KVCache.init(ccfg)
+    runner = ModelRunner(model_cfg, params, cache, backend, pages_per_seq, tp=tp)
     pages = list(range(1, pages_per_seq + 1))
-    shape = (model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
+    shape = (model_cfg.num_layers, heads, model_cfg.head_dim)
     k_amax, v_amax = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
     for ids in token_chunks:
         for s in range(0, len(ids), chunk):
             part = ids[s:s + chunk]
             runner.nll(part, part, s, pages)
         fold_amax(runner.cache, len(ids), k_amax, v_amax)
-    return KVAmax(k_amax, v_amax, fingerprint(model_cfg))
+    r = tp.kv_repeat if tp else 1  # replicated KV heads hold equal copies: keep one each
+    return KVAmax(k_amax[:, ::r], v_amax[:, ::r], fingerprint(model_cfg))
 
 
 def calibrate_on_text(loaded, texts: list[str], **kw) -> KVAmax:

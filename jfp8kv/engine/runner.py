@@ -21,6 +21,10 @@ On CPU, XLA converts bf16/f16 matmul weights to float32 on every call (it has no
 low-precision dot), which costs more than the matmuls themselves; the runner therefore holds
 float32 copies of the matmul weights there (``cpu_float32_weights``). The activations keep
 the compute dtype, and the products are exact in float32 either way.
+
+Tensor parallelism: ``tp`` (a ``models.sharding.TensorParallel``, static; None on one device)
+runs attention per device over its KV heads and pins the output cache to the pool's sharding;
+params and cache arrive already placed on the mesh, host arrays are replicated by jit.
 """
 
 from __future__ import annotations
@@ -86,30 +90,38 @@ class SamplingArrays:
         return (self.temperature, self.top_k, self.top_p, self.seeds, self.counters, self.extras)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy"),
+def _attend(tp):
+    return None if tp is None else tp.attend
+
+
+def _placed(cache, tp):
+    return cache if tp is None else tp.constrain_cache(cache)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "tp"),
                    donate_argnames=("cache",))
 def _prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
              temperature, top_k, top_p, seeds, counters, extras=None, *, cfg, backend,
-             all_greedy):
-    """Static: cfg, backend, all_greedy (and extras' structure). Donated: cache. Returns
+             all_greedy, tp=None):
+    """Static: cfg, backend, all_greedy, tp (and extras' structure). Donated: cache. Returns
     (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs."""
     hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                        seq_lens, cfg=cfg, backend=backend)
+                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
     last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     logits = transformer.logits(params, last)
     state = init_state(extras, logits.shape[-1])
     toks, _, lp = sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras,
                               all_greedy=all_greedy)
-    return (toks if lp is None else (toks, lp)), cache
+    return (toks if lp is None else (toks, lp)), _placed(cache, tp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "num_steps"),
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "num_steps", "tp"),
                    donate_argnames=("cache",))
 def _decode(params, cache, tokens, positions, page_tables, limits, temperature, top_k, top_p,
-            seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps):
+            seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps, tp=None):
     """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
     inactive rows write to the sink page and attend nothing. Static: cfg, backend,
-    all_greedy, num_steps (and extras' structure: the penalty token counts ride in the scan
+    all_greedy, num_steps, tp (and extras' structure: the penalty token counts ride in the scan
     carry only when given). Donated: cache. Returns (int32[B, num_steps], cache), or
     ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs."""
     ps = cache.config.page_size
@@ -124,7 +136,7 @@ def _decode(params, cache, tokens, positions, page_tables, limits, temperature, 
         seq_len = jnp.where(active, pos + 1, 0)
         hidden, cache = transformer.forward(params, cache, tok[:, None], pos[:, None],
                                             slot[:, None], page_tables, seq_len, cfg=cfg,
-                                            backend=backend)
+                                            backend=backend, attend=_attend(tp))
         logits = transformer.logits(params, hidden[:, 0])
         nxt, state, lp = sample_step(logits, state, temperature, top_k, top_p, seeds,
                                      counters + i, extras, all_greedy=all_greedy)
@@ -132,19 +144,19 @@ def _decode(params, cache, tokens, positions, page_tables, limits, temperature, 
 
     state = init_state(extras, cfg.vocab_size)
     (cache, _, _), out = jax.lax.scan(body, (cache, tokens, state), jnp.arange(num_steps))
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), cache
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), _placed(cache, tp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("cache",))
 def _nll(params, cache, tokens, positions, slots, page_tables, seq_lens, targets, *, cfg,
-         backend):
-    """Per-position NLL of ``targets`` [B, T]. Static: cfg, backend. Donated: cache."""
+         backend, tp=None):
+    """Per-position NLL of ``targets`` [B, T]. Static: cfg, backend, tp. Donated: cache."""
     hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                        seq_lens, cfg=cfg, backend=backend)
+                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
     logits = transformer.logits(params, hidden)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return nll, logits, cache
+    return nll, logits, _placed(cache, tp)
 
 
 class ModelRunner:
@@ -153,13 +165,14 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, cache: KVCache, backend: str,
                  max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
                  min_chunk: int = 16, page_widths: tuple[int, ...] | None = None,
-                 prefill_one_row: bool = False):
+                 prefill_one_row: bool = False, tp=None):
         """``decode_buckets``: allowed decode batch sizes (None: powers of two). Decode is
         memory-bound, so padding a batch up to a coarse bucket costs little and saves
         compiles. ``min_chunk``: the smallest prefill chunk bucket. ``page_widths``: decode
         page-table widths (None: max_pages_per_seq only). ``prefill_one_row``: dispatch each
         prefill chunk alone (batch 1), so prefill compiles once per chunk bucket. On a CPU
-        device the matmul weights are held in float32 (see the module docstring)."""
+        device the matmul weights are held in float32 (see the module docstring). ``tp``: the
+        ``models.sharding.TensorParallel`` that params and cache are placed on, or None."""
         self.cfg = model_cfg
         on_cpu = all(d.platform == "cpu" for d in jax.tree_util.tree_leaves(params)[0].devices())
         self.params = cpu_float32_weights(params) if on_cpu else params
@@ -172,6 +185,7 @@ class ModelRunner:
         widths = sorted({min(w, max_pages_per_seq) for w in page_widths or ()})
         self.page_widths = tuple(w for w in widths if w < max_pages_per_seq) + (max_pages_per_seq,)
         self.prefill_one_row = prefill_one_row
+        self.tp = tp
 
     def decode_bucket(self, n: int) -> int:
         if self.decode_buckets is None:
@@ -209,12 +223,12 @@ class ModelRunner:
                     toks, self.cache = _decode(
                         self.params, self.cache, z, z, pt, z,
                         *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
-                        all_greedy=greedy, num_steps=num_steps)
+                        all_greedy=greedy, num_steps=num_steps, tp=self.tp)
                 else:
                     toks, self.cache = _prefill(
                         self.params, self.cache, zz, zz, zz, pt, z, z,
                         *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
-                        all_greedy=greedy)
+                        all_greedy=greedy, tp=self.tp)
             jax.block_until_ready(toks)
 
     def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
@@ -257,7 +271,8 @@ class ModelRunner:
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
         toks, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
                                     seq_lens, last_idx, *_pad_sampling(sampling, b).args(),
-                                    cfg=self.cfg, backend=self.backend, all_greedy=all_greedy)
+                                    cfg=self.cfg, backend=self.backend, all_greedy=all_greedy,
+                                    tp=self.tp)
         return toks
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
@@ -276,7 +291,7 @@ class ModelRunner:
         tokens = tokens if input_tokens is None else input_tokens
         toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *_pad_sampling(sampling, b).args(), cfg=self.cfg,
-                                   backend=self.backend, all_greedy=all_greedy,
+                                   backend=self.backend, all_greedy=all_greedy, tp=self.tp,
                                    num_steps=num_steps)
         return toks
 
@@ -288,7 +303,8 @@ class ModelRunner:
         tgt = np.zeros((1, t), np.int32)
         tgt[0, :len(targets)] = targets
         nll, logits, self.cache = _nll(self.params, self.cache, tokens, positions, slots, pt,
-                                       seq_lens, tgt, cfg=self.cfg, backend=self.backend)
+                                       seq_lens, tgt, cfg=self.cfg, backend=self.backend,
+                                       tp=self.tp)
         return nll[0], logits[0]
 
 

@@ -114,8 +114,10 @@ def config_from_gguf(reader, name: str) -> ModelConfig:
         name=name)
 
 
-def load_gguf(path: Path, dtype: str, name: str | None = None) -> LoadedModel:
-    """Load a GGUF file (see ``loader.load_model``); weights dequantized to ``dtype``."""
+def load_gguf(path: Path, dtype: str, name: str | None = None,
+              tensor_parallel_size: int = 1) -> LoadedModel:
+    """Load a GGUF file (see ``loader.load_model``); weights dequantized to ``dtype`` on the
+    host one tensor at a time, then sent straight to their shards (``build_params``)."""
     import gguf
 
     path = Path(path)
@@ -149,7 +151,8 @@ def load_gguf(path: Path, dtype: str, name: str | None = None) -> LoadedModel:
         return w
 
     hf_loader.check_no_unused(by_hf_name, cfg, source=str(path))
-    params = hf_loader.build_params(cfg, fetch, dtype, source=str(path))
+    params = hf_loader.build_params(cfg, fetch, dtype, source=str(path),
+                                    tensor_parallel_size=tensor_parallel_size)
     tokenizer = load_gguf_tokenizer(path, reader)
     cfg = hf_loader.with_stop_ids(cfg, tokenizer)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, kv_scales=None, name=name)

@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
 from jfp8kv.config import ModelConfig
+from jfp8kv.models import sharding
 from jfp8kv.models.loader import LoadedModel
 
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -87,14 +87,17 @@ def _moe_specs(cfg: ModelConfig, n: int) -> list[TensorSpec]:
 
 
 def build_params(cfg: ModelConfig, fetch: Callable[[str], np.ndarray | None], dtype: str,
-                 source: str) -> dict[str, Any]:
+                 source: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """Assemble the params pytree from HF-named host arrays.
 
     ``fetch(name)`` returns the tensor as a numpy array in HF layout, or None when the
     checkpoint lacks it. Raises ValueError naming the tensor on a missing tensor, a shape
-    mismatch or an unsupported storage dtype.
+    mismatch or an unsupported storage dtype. Each tensor goes from the host straight to
+    its device(s): with ``tensor_parallel_size`` > 1, each device receives only its shard
+    (``models/sharding.py``), never a full copy on one device.
     """
     out_dtype = NP_DTYPES[dtype]
+    put = sharding.weight_placer(cfg, tensor_parallel_size)
     params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
     for spec in tqdm(tensor_specs(cfg), desc=f"loading {Path(source).name}", unit="tensor",
                      leave=False):
@@ -111,12 +114,12 @@ def build_params(cfg: ModelConfig, fetch: Callable[[str], np.ndarray | None], dt
         host = np.ascontiguousarray(arr.T if spec.transpose else arr, dtype=out_dtype)
         target = params if spec.layer is None else params["layers"][spec.layer]
         if spec.expert is None:
-            target[spec.key] = jnp.asarray(host)
+            target[spec.key] = put(spec.key, host)
         else:  # rows of an [E, ...] host stack, moved to the device once complete below
             stack = target.setdefault(spec.key, np.empty((cfg.num_experts, *host.shape), out_dtype))
             stack[spec.expert] = host
     for lp in params["layers"]:
-        lp.update({k: jnp.asarray(v) for k, v in lp.items() if isinstance(v, np.ndarray)})
+        lp.update({k: put(k, v) for k, v in lp.items() if isinstance(v, np.ndarray)})
     return params
 
 
@@ -205,7 +208,7 @@ def _load_tokenizer(path: Path) -> Any:
                                 f"tokenizer.json or tokenizer_config.json): {e}") from e
 
 
-def load_hf_dir(path: Path, dtype: str) -> LoadedModel:
+def load_hf_dir(path: Path, dtype: str, tensor_parallel_size: int = 1) -> LoadedModel:
     """Load a Hugging Face checkpoint directory (see ``loader.load_model``)."""
     from safetensors import safe_open
 
@@ -225,7 +228,8 @@ def load_hf_dir(path: Path, dtype: str) -> LoadedModel:
             f = files.get(tensor)
             return None if f is None else handles[f].get_tensor(tensor)
 
-        params = build_params(cfg, fetch, dtype, source=str(path))
+        params = build_params(cfg, fetch, dtype, source=str(path),
+                              tensor_parallel_size=tensor_parallel_size)
         kv_scales = read_kv_scales(files, fetch, cfg.num_layers, source=str(path))
         check_no_unused(files, cfg, source=str(path))
     tokenizer = _load_tokenizer(path)

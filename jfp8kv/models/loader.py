@@ -40,29 +40,34 @@ class LoadedModel:
     name: str
 
 
-def load_model(model: str | None = None, dtype: str = "bfloat16") -> LoadedModel:
-    """Resolve ``model`` (see module docstring) and load it with weights in ``dtype``."""
+def load_model(model: str | None = None, dtype: str = "bfloat16",
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """Resolve ``model`` (see module docstring) and load it with weights in ``dtype``, each
+    tensor placed straight onto its shards of a ``tensor_parallel_size`` mesh
+    (``models/sharding.py``; ValueError naming the valid sizes when it does not fit)."""
+    tp = dict(tensor_parallel_size=tensor_parallel_size)
     check_compute_dtype(dtype)
     # Lazy imports: the sub-loaders import this module for LoadedModel.
     from jfp8kv.models import gguf_loader, hf_loader, hub
 
     if model is None or model.lower() == DEFAULT_MODEL_NAME:
-        return gguf_loader.load_gguf(hub.default_gguf_path(), dtype, name=DEFAULT_MODEL_NAME)
+        return gguf_loader.load_gguf(hub.default_gguf_path(), dtype, name=DEFAULT_MODEL_NAME,
+                                     **tp)
     if model.lower().startswith("random:"):
         from jfp8kv.models.presets import load_random
 
-        return load_random(model.split(":", 1)[1], dtype)
+        return load_random(model.split(":", 1)[1], dtype, **tp)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return gguf_loader.load_gguf(path, dtype)
+        return gguf_loader.load_gguf(path, dtype, **tp)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{path} is a directory without config.json; a Hugging Face checkpoint "
                 "directory needs config.json and *.safetensors")
-        return hf_loader.load_hf_dir(path, dtype)
+        return hf_loader.load_hf_dir(path, dtype, **tp)
     raise FileNotFoundError(
         f"cannot resolve model {model!r}: pass a Hugging Face checkpoint directory (with "
         f"config.json and *.safetensors), a path to a .gguf file, or the name "

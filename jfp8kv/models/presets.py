@@ -64,7 +64,10 @@ class IdTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def load_random(preset: str, dtype: str, seed: int = 0):
+def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: int = 1):
+    """A ``LoadedModel`` of ``preset`` with random weights, generated in place on their
+    shards when ``tensor_parallel_size`` > 1."""
+    from jfp8kv.models import sharding
     from jfp8kv.models.loader import LoadedModel
     from jfp8kv.models.transformer import init_random_params
 
@@ -73,6 +76,8 @@ def load_random(preset: str, dtype: str, seed: int = 0):
         raise ValueError(f"unknown random preset {preset!r}; choose one of "
                          f"{['random:' + k for k in PRESETS]}")
     cfg = ModelConfig(**PRESETS[key], name=f"random:{key}")
-    params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype=dtype)
+    tp = sharding.plan(cfg, tensor_parallel_size)
+    params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype=dtype,
+                                sharding_of=None if tp is None else tp.sharding)
     tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)

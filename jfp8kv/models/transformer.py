@@ -18,6 +18,7 @@ The model knows nothing about how K/V are stored: it hands post-RoPE K/V to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,17 +93,31 @@ def _dense_mlp(h, lp):
     return _linear(mid.astype(h.dtype), lp["w_down"])
 
 
+def store_and_attend(q, k_new, v_new, layer, slots, page_tables, seq_lens, positions,
+                     ccfg, sm_scale: float, backend: str):
+    """One layer's cache step: store the chunk's post-RoPE K/V rows [N, Hkv, hd] at ``slots``,
+    then attend q [B, T, H, hd] over the paged context. Returns (out [B, T, H, hd], updated
+    layer, stats row)."""
+    layer, st = kernels.store_kv(layer, k_new, v_new, slots, ccfg, backend)
+    out = kernels.paged_attention(q, layer, page_tables, seq_lens, positions, ccfg, sm_scale,
+                                  backend)
+    return out, layer, st
+
+
 def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
             positions: Int[Array, "b t"], slots: Int[Array, "b t"],
             page_tables: Int[Array, "b max_pages"], seq_lens: Int[Array, "b"], *,
-            cfg: ModelConfig, backend: str = "reference",
+            cfg: ModelConfig, backend: str = "reference", attend: Callable | None = None,
             ) -> tuple[Float[Array, "b t hidden"], KVCache]:
     """Run the model over a (possibly padded) chunk of new tokens.
 
     tokens, positions, slots: int32[B, T] (padding lanes: slot in page 0);
     page_tables: int32[B, max_pages]; seq_lens: int32[B] cached length after this chunk.
     Returns (hidden [B, T, D] after the final norm, updated cache). Static: cfg, backend.
+    ``attend``: ``store_and_attend`` (the default) or a caller's wrapper of it with the same
+    signature (tensor parallelism runs it per device: ``models/sharding.py``).
     """
+    attend = attend or store_and_attend
     b, t = tokens.shape
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
@@ -120,11 +135,10 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        layer, st = kernels.store_kv(
-            cache.layer(i), k.reshape(b * t, cfg.num_kv_heads, cfg.head_dim),
-            v.reshape(b * t, cfg.num_kv_heads, cfg.head_dim), flat_slots, cache.config, backend)
-        attn = kernels.paged_attention(q, layer, page_tables, seq_lens, positions, cache.config,
-                                       sm_scale, backend)
+        attn, layer, st = attend(
+            q, k.reshape(b * t, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(b * t, cfg.num_kv_heads, cfg.head_dim), cache.layer(i), flat_slots,
+            page_tables, seq_lens, positions, cache.config, sm_scale, backend)
         x = x + _linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         x = x + (moe.qwen3_moe_mlp(h, lp, cfg) if "router" in lp else _dense_mlp(h, lp))
@@ -150,8 +164,14 @@ def logits(params, hidden):
     return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=acc)
 
 
-def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02):
-    """Random weights with a real architecture's shapes (for speed benchmarks)."""
+def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float = 0.02,
+                       sharding_of: Callable | None = None):
+    """Random weights with a real architecture's shapes (for speed benchmarks).
+
+    ``sharding_of(name, ndim)``: a ``jax.sharding.Sharding`` per leaf name; each leaf is
+    then generated in place by a jitted generator (the same random bits: JAX's partitionable
+    threefry; the jitted transform may round a last bit differently). None: eager, on the
+    default device."""
     d, hd, i_sz = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes = dict(attn_norm=(d,), wq=(d, cfg.num_heads * hd), wk=(d, cfg.num_kv_heads * hd),
                   wv=(d, cfg.num_kv_heads * hd), wo=(cfg.num_heads * hd, d), mlp_norm=(d,),
@@ -162,14 +182,26 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float =
     if cfg.qk_norm:
         shapes.update(q_norm=(hd,), k_norm=(hd,))
     keys = iter(jax.random.split(key, cfg.num_layers * len(shapes) + 2))
+    generators = {}
+
+    def generate(key, shape, ones: bool):
+        if ones:
+            return jnp.ones(shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
 
     def make(name, shape):
-        if name.endswith("norm"):
-            return jnp.ones(shape, dtype)
-        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
+        ones = name.endswith("norm")
+        k = None if ones else next(keys)
+        if sharding_of is None:
+            return generate(k, shape, ones)
+        where = sharding_of(name, len(shape))
+        if (shape, ones, where) not in generators:
+            generators[shape, ones, where] = jax.jit(
+                lambda k, shape=shape, ones=ones: generate(k, shape, ones), out_shardings=where)
+        return generators[shape, ones, where](k)
 
     layers = [{n: make(n, s) for n, s in shapes.items()} for _ in range(cfg.num_layers)]
-    params = {"embed": make("embed", (cfg.vocab_size, d)), "final_norm": jnp.ones((d,), dtype),
+    params = {"embed": make("embed", (cfg.vocab_size, d)), "final_norm": make("final_norm", (d,)),
               "layers": layers}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = make("lm_head", (d, cfg.vocab_size))

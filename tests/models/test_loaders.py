@@ -252,7 +252,7 @@ def test_default_model_resolves_to_the_packaged_gguf(monkeypatch, tmp_path):
     fake = tmp_path / hub.GGUF_FILENAME
     monkeypatch.setattr(hub, "default_gguf_path", lambda fetch=True: fake)
     monkeypatch.setattr(gguf_loader, "load_gguf",
-                        lambda path, dtype, name=None: calls.append((path, dtype, name)))
+                        lambda path, dtype, name=None, **kw: calls.append((path, dtype, name)))
     load_model(None)
     load_model("SmolLM2-135M-Instruct", "float32")
     assert calls == [(fake, "bfloat16", "smollm2-135m-instruct"),
