@@ -14,7 +14,8 @@ Workloads: a comma list of ``IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]`` (input tokens, 
 ``--max-concurrency``, ``--num-prompts``). ``IN`` written ``LxG+Q`` is a shared-prefix
 workload (``bench/serving/client.py --shared-prefix-groups G --shared-prefix-len L
 --random-input-len Q``): G groups of requests sharing an L-token prefix, each with its own
-Q-token question (input length L + Q); its warm-up uses other prefixes. Each (workload, KV dtype) is two invocations of
+Q-token question (input length L + Q); its warm-up uses other prefixes (more warm-up
+requests than groups, so that prefills after a cache hit compile there too). Each (workload, KV dtype) is two invocations of
 ``bench/serving/client.py``: a warm-up of WARM_N requests sent at once with IN input and WARM_OUT
 output tokens (defaults: CONC and min(OUT, 128); 0 skips it), which compiles the shape buckets
 the timed run will use, then the timed run (``--warmup-requests 0``). The server runs with
@@ -38,7 +39,7 @@ lines: a non-zero count means the timed run paid a compile stall) and
 The shared-prefix run of issue 18 (bf16 vs fp8, caching on and off, at one fixed pool)::
 
     python -m bench.serving.matrix --shapes random:qwen3-8b --kv bfloat16,fp8_e4m3 \\
-        --prefix-caching on,off --workloads 4096x32+256:256:64:512:64:16,4096x4+256:16:1:32:0 \\
+        --prefix-caching on,off --workloads 4096x32+256:256:64:512:64:16,4096x4+256:16:1:32:8:16 \\
         --kv-cache-memory 16000000000 --max-num-batched-tokens 8192 --run-timeout 300 \\
         --out /tmp/serving-prefix.json
 
