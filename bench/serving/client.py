@@ -30,6 +30,18 @@ r = 1 (the default here; SGLang's default is 0) gives exactly L. Each request's 
 (``prompt_len_mismatches``) and warned about. With ``--ignore-eos`` every request should
 produce exactly its ``max_tokens``; shortfalls are counted in ``output_len_mismatches``.
 
+Shared-prefix workload (``--shared-prefix-groups G --shared-prefix-len L``): G random
+L-token "system prompts"; request i belongs to group i % G (the order shuffled with
+``--seed``) and sends its group's prefix followed by its own random question of
+``--random-input-len`` tokens (``--random-range-ratio`` applies to the question), so G x
+(num_prompts / G) requests share G prefixes. Warm-up requests get prompts of the same
+length but no shared prefix, so they compile the same shapes without filling the prefix
+cache. Each request's ``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field: prompt
+tokens served from the server's prefix cache) is recorded: ``total_cached_tokens``,
+``prefix_cache_hit_rate`` (cached / input tokens) and TTFT split into requests with a cache
+hit (``*_ttft_hit_ms``) and without (``*_ttft_cold_ms``); these are None when the server
+reports no cached tokens.
+
 Token ids are drawn from ``--token-id-range LO HI`` (default 1000..30000, inside every common
 vocabulary), or, with ``--tokenizer PATH``, from that tokenizer's non-special ids.
 
@@ -38,10 +50,14 @@ arrivals (exponential gaps, ``--seed``). ``--max-concurrency`` caps requests in 
 ``--warmup-requests`` are sent and awaited first, outside the timed window.
 ``--output-file`` appends one JSON line: the metrics, the arguments and the command line.
 
-Example::
+Examples::
 
     python -m bench.serving --port 8000 --num-prompts 200 --random-input-len 1024 \\
         --random-output-len 128 --max-concurrency 32 --ignore-eos --output-file out.jsonl
+    # 32 groups x 16 requests sharing a 4096-token prefix, 256-token questions, 256 out
+    python -m bench.serving --port 8000 --shared-prefix-groups 32 --shared-prefix-len 4096 \\
+        --num-prompts 512 --random-input-len 256 --random-output-len 256 \\
+        --max-concurrency 64 --ignore-eos --output-file out.jsonl
 """
 
 from __future__ import annotations
@@ -79,6 +95,7 @@ class RequestResult:
     output_len: int = 0
     chunks: int = 0  # non-empty text chunks received
     server_prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     error: str = ""
 
 
@@ -163,8 +180,11 @@ async def send_request(transport: Transport, url: str, model: str, ids: list[int
                     return res
                 now = time.perf_counter()
                 if chunk.get("usage"):
-                    res.output_len = chunk["usage"].get("completion_tokens", 0)
-                    res.server_prompt_tokens = chunk["usage"].get("prompt_tokens")
+                    usage = chunk["usage"]
+                    res.output_len = usage.get("completion_tokens", 0)
+                    res.server_prompt_tokens = usage.get("prompt_tokens")
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens")
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
                     if n_chunks == 0:
@@ -205,17 +225,31 @@ def token_pool(args) -> np.ndarray:
 
 
 def make_requests(args, rng) -> list[tuple[list[int], int]]:
+    """The warm-up requests, then the timed ones: (prompt ids, max_tokens) pairs."""
     pool = token_pool(args)
     n = args.num_prompts + args.warmup_requests
     in_lens = sample_lengths(rng, n, args.random_input_len, args.random_range_ratio)
     out_lens = sample_lengths(rng, n, args.random_output_len, args.random_range_ratio)
-    return [(rng.choice(pool, int(i)).tolist(), int(o)) for i, o in zip(in_lens, out_lens)]
+    if not args.shared_prefix_groups:
+        return [(rng.choice(pool, int(i)).tolist(), int(o)) for i, o in zip(in_lens, out_lens)]
+    plen = args.shared_prefix_len
+    prefixes = [rng.choice(pool, plen).tolist() for _ in range(args.shared_prefix_groups)]
+    groups = np.arange(args.num_prompts) % args.shared_prefix_groups
+    rng.shuffle(groups)
+    heads = [rng.choice(pool, plen).tolist() for _ in range(args.warmup_requests)]
+    heads += [prefixes[g] for g in groups]
+    return [(h + rng.choice(pool, int(i)).tolist(), int(o))
+            for h, i, o in zip(heads, in_lens, out_lens)]
 
 
-def _stats(name: str, values_s: list[float]) -> dict:
+def _stats(name: str, values_s: list[float], empty=0.0) -> dict:
+    """Mean, median, std and percentiles in ms; ``empty`` for each when there are no values."""
     v = np.asarray(values_s, np.float64) * 1000.0
     if v.size == 0:
-        v = np.zeros(1)
+        if empty is None:
+            return {f"{s}_{name}_ms": None for s in ("mean", "median", "std", "p90", "p95",
+                                                     "p99")}
+        v = np.full(1, empty)
     return {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
             f"std_{name}_ms": float(v.std()), f"p90_{name}_ms": float(np.percentile(v, 90)),
             f"p95_{name}_ms": float(np.percentile(v, 95)), f"p99_{name}_ms": float(np.percentile(v, 99))}
@@ -244,6 +278,20 @@ def compute_metrics(results: list[RequestResult], duration: float, ignore_eos: b
     m.update(_stats("itl", [x for r in ok for x in r.itl]))
     m.update(_stats("tpot", tpots))
     m.update(_stats("e2e_latency", [r.latency for r in ok]))
+    m.update(_cache_metrics(ok, total_in))
+    return m
+
+
+def _cache_metrics(ok: list[RequestResult], total_in: int) -> dict:
+    """Prompt tokens served from the server's prefix cache, and TTFT of requests with and
+    without a cache hit (None where the server reports no cached tokens)."""
+    known = [r for r in ok if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in known) if known else None
+    m = {"total_cached_tokens": cached,
+         "prefix_cache_hit_rate": cached / total_in if known and total_in else None,
+         "num_cache_hit_requests": sum(r.cached_tokens > 0 for r in known) if known else None}
+    m.update(_stats("ttft_hit", [r.ttft for r in known if r.cached_tokens > 0], None))
+    m.update(_stats("ttft_cold", [r.ttft for r in known if r.cached_tokens == 0], None))
     return m
 
 
@@ -303,13 +351,17 @@ async def run(args) -> dict:
     if errors:
         print(f"WARNING: {len(errors)} requests failed, e.g. {errors[0]}", file=sys.stderr)
     return {"backend": f"openai-completions ({transport.name})", "base_url": base, "model": model,
-            "dataset_name": "random", "num_prompts": args.num_prompts,
+            "dataset_name": "shared-prefix" if args.shared_prefix_groups else "random",
+            "shared_prefix_groups": args.shared_prefix_groups,
+            "shared_prefix_len": args.shared_prefix_len if args.shared_prefix_groups else 0,
+            "num_prompts": args.num_prompts,
             "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
             "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
             "warmup_requests": args.warmup_requests, **metrics,
             "input_lens": [r.prompt_len for r in results],
             "output_lens": [r.output_len for r in results],
+            "cached_tokens": [r.cached_tokens for r in results],
             "ttfts": [r.ttft for r in results], "errors": errors[:20]}
 
 
@@ -326,6 +378,10 @@ def print_report(m: dict) -> None:
             ("Total token throughput (tok/s)", m["total_throughput"]),
             ("Concurrency", m["concurrency"]),
             ("Mean tokens per streamed chunk", m["mean_tokens_per_chunk"])]
+    if m["total_cached_tokens"] is not None:
+        rows += [("Prefix-cached input tokens", m["total_cached_tokens"]),
+                 ("Prefix cache hit rate (tokens)", m["prefix_cache_hit_rate"]),
+                 ("Requests with a cache hit", m["num_cache_hit_requests"])]
     print("{:=^60}".format(" Serving Benchmark Result "))
     for k, v in rows:
         print(f"{k + ':':<42} {v:.2f}" if isinstance(v, float) else f"{k + ':':<42} {v}")
@@ -337,6 +393,11 @@ def print_report(m: dict) -> None:
         for stat in ("mean", "median", "p99"):
             label = f"{'P99' if stat == 'p99' else stat.capitalize()} {short} (ms):"
             print(f"{label:<42} {m[f'{stat}_{key}_ms']:.2f}")
+    if m["num_cache_hit_requests"]:
+        for kind in ("hit", "cold"):
+            v = m[f"median_ttft_{kind}_ms"]
+            label = f"Median TTFT, {'cache hit' if kind == 'hit' else 'no hit'} (ms):"
+            print(f"{label:<42} {'-' if v is None else f'{v:.2f}'}")
     print("=" * 60)
 
 
@@ -351,6 +412,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--shared-prefix-groups", type=int, default=0,
+                   help="G > 0: requests share G random prefixes (round-robin, shuffled); "
+                        "--random-input-len is then each request's own question length")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens of each shared prefix (with --shared-prefix-groups)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s with Poisson arrivals; inf sends all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -368,6 +434,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--num-prompts and --random-*-len must be >= 1")
+    if args.shared_prefix_groups < 0 or (args.shared_prefix_groups > 0) != (
+            args.shared_prefix_len > 0):
+        p.error("--shared-prefix-groups and --shared-prefix-len go together, both >= 1")
     if args.request_rate <= 0:
         p.error("--request-rate must be > 0 (inf for all at once)")
     return args

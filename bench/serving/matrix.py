@@ -11,7 +11,11 @@ The decode-floor records (``bench/decode_floor.py``'s output) and the outside pe
         --kv-cache-memory 46000000000 --deadline-s 380 --out /tmp/serving.json
 
 Workloads: a comma list of ``IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]`` (input tokens, output tokens,
-``--max-concurrency``, ``--num-prompts``). Each (workload, KV dtype) is two invocations of
+``--max-concurrency``, ``--num-prompts``). ``IN`` written ``LxG+Q`` is a shared-prefix
+workload (``bench/serving/client.py --shared-prefix-groups G --shared-prefix-len L
+--random-input-len Q``): G groups of requests sharing an L-token prefix, each with its own
+Q-token question (input length L + Q); its warm-up uses other prefixes (more warm-up
+requests than groups, so that prefills after a cache hit compile there too). Each (workload, KV dtype) is two invocations of
 ``bench/serving/client.py``: a warm-up of WARM_N requests sent at once with IN input and WARM_OUT
 output tokens (defaults: CONC and min(OUT, 128); 0 skips it), which compiles the shape buckets
 the timed run will use, then the timed run (``--warmup-requests 0``). The server runs with
@@ -22,11 +26,22 @@ Every run record carries the ``bench/serving/client.py`` metrics (SGLang ``bench
 ``median_ttft_ms``, ``median_itl_ms``, ``median_tpot_ms``, ``output_throughput``, ...) and:
 ``model_shape``, ``kv_cache_dtype``, ``kv_scale_mode``, ``input_len``, ``output_len``,
 ``max_concurrency``, ``num_prompts``, ``max_num_batched_tokens``, ``kv_cache_memory``,
-``server_startup_s``; ``warmup`` (requests, output_len, duration_s, compiles); and what the
+``server_startup_s``, ``enable_prefix_caching`` (None: the server's default, on),
+``shared_prefix_groups``, ``shared_prefix_len`` (0: no shared prefix); ``warmup`` (requests, output_len, duration_s, compiles); and what the
 server did during the timed window, from its log and ``/metrics``: ``compiles_in_run`` and
 ``compile_s_in_run`` (XLA compilations of the engine's steps, counted from ``JAX_LOG_COMPILES``
 lines: a non-zero count means the timed run paid a compile stall) and
-``preemptions_in_run``.
+``preemptions_in_run``, and the server's prefix-cache counters over the timed run,
+``prefix_cache_queries_in_run``, ``prefix_cache_hits_in_run``, ``prefix_cache_evictions_in_run``.
+
+``--prefix-caching on,off`` serves each KV dtype twice, with ``--enable-prefix-caching`` and
+``--no-enable-prefix-caching`` (default: one server per dtype with the server's default).
+The shared-prefix run of issue 18 (bf16 vs fp8, caching on and off, at one fixed pool)::
+
+    python -m bench.serving.matrix --shapes random:qwen3-8b --kv bfloat16,fp8_e4m3 \\
+        --prefix-caching on,off --workloads 4096x32+256:256:64:512:64:16,4096x4+256:16:1:32:8:16 \\
+        --kv-cache-memory 16000000000 --max-num-batched-tokens 8192 --run-timeout 300 \\
+        --out /tmp/serving-prefix.json
 
 ITL is counted per streamed chunk, as SGLang's ``bench_serving`` does for OpenAI-compatible
 endpoints; on the GPU the engine decodes 8 steps per host round trip and streams each as one
@@ -75,14 +90,36 @@ class Deadline(Exception):
 def parse_workloads(text: str) -> list[dict]:
     out = []
     for item in text.split(","):
-        f = [int(x) for x in item.strip().split(":")]
-        if len(f) not in (4, 5, 6):
-            raise ValueError(f"workload {item!r}: want IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]")
+        head, _, rest = item.strip().partition(":")
+        groups = plen = 0
+        m = re.fullmatch(r"(\d+)x(\d+)\+(\d+)", head)
+        try:
+            if m:  # LxG+Q: G groups sharing an L-token prefix, Q-token questions
+                plen, groups, question = (int(x) for x in m.groups())
+                head = str(plen + question)
+            f = [int(x) for x in [head, *rest.split(":")]]
+        except ValueError:
+            f = []
+        if len(f) not in (4, 5, 6) or (m and not (plen > 0 and groups > 0 and question > 0)):
+            raise ValueError(f"workload {item!r}: want IN:OUT:CONC:N[:WARM_N[:WARM_OUT]], "
+                             f"IN an integer or LxG+Q (shared prefix)")
         inp, outl, conc, n = f[:4]
         warm_n = f[4] if len(f) > 4 else conc
         warm_out = f[5] if len(f) > 5 else min(outl, WARM_OUT_CAP)
         out.append(dict(input_len=inp, output_len=outl, max_concurrency=conc, num_prompts=n,
-                        warm_n=warm_n, warm_out=warm_out))
+                        warm_n=warm_n, warm_out=warm_out, shared_prefix_groups=groups,
+                        shared_prefix_len=plen))
+    return out
+
+
+def parse_caching(text: str | None) -> list[bool | None]:
+    """``--prefix-caching``: None (the server's default) or a list of on/off."""
+    if not text:
+        return [None]
+    values = {"on": True, "off": False}
+    out = [values.get(v.strip()) for v in text.split(",")]
+    if None in out:
+        raise ValueError(f"--prefix-caching {text!r}: want a comma list of on, off")
     return out
 
 
@@ -123,8 +160,10 @@ def metric(text: str, name: str) -> float | None:
 
 
 class Server:
-    def __init__(self, shape: str, kv: str, port: int, args, max_len: int, max_seqs: int):
+    def __init__(self, shape: str, kv: str, port: int, args, max_len: int, max_seqs: int,
+                 caching: bool | None = None):
         self.shape, self.kv, self.port, self.args = shape, kv, port, args
+        self.caching = caching
         self.mode = None
         cmd = [sys.executable, "-m", "jfp8kv.serve", "--model", shape, "--dtype", args.dtype,
                "--kv-cache-dtype", kv, "--max-model-len", str(max_len), "--max-num-seqs",
@@ -135,11 +174,14 @@ class Server:
         if kv.startswith("fp8"):
             self.mode = args.kv_scale_mode or internals.default_fp8_scale_mode()
             cmd += ["--kv-scale-mode", self.mode]
+        if caching is not None:
+            cmd.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
         env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
         if args.mem_fraction:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
         name = os.path.basename(shape.split(":")[-1])
-        self.log_path = os.path.join(args.log_dir, f"server-{name}-{kv}.log")
+        tag = "" if caching is None else ("-cache" if caching else "-nocache")
+        self.log_path = os.path.join(args.log_dir, f"server-{name}-{kv}{tag}.log")
         self.log = open(self.log_path, "w")
         self.cmd = cmd
         self.t0 = time.monotonic()
@@ -219,9 +261,14 @@ def bench(server: Server, w: dict, warm: bool, timeout: float, args) -> dict:
            "--warmup-requests", "0", "--disable-tqdm", "--output-file", path,
            "--seed", str(args.seed + (1000 if warm else 0)),
            "--token-id-range", *map(str, args.token_id_range)]
+    if w["shared_prefix_groups"]:  # input_len = prefix + question
+        cmd[cmd.index("--random-input-len") + 1] = str(w["input_len"] - w["shared_prefix_len"])
+        cmd += ["--shared-prefix-groups", str(w["shared_prefix_groups"]),
+                "--shared-prefix-len", str(w["shared_prefix_len"])]
     logf = os.path.join(args.log_dir, "bench-client.log")
     with open(logf, "a") as lf:
-        lf.write(f"\n### {server.kv} {'warm-up' if warm else 'timed'} {w}\n")
+        lf.write(f"\n### {server.kv} caching={server.caching} "
+                 f"{'warm-up' if warm else 'timed'} {w}\n")
         lf.flush()
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout, stdout=lf,
                        stderr=subprocess.STDOUT)
@@ -255,7 +302,10 @@ def run_one(server: Server, w: dict, args, t_end: float) -> dict:
     rec = bench(server, w, False, min(args.run_timeout, left()), args)
     n, s, which = server.compiles_since(off)
     after = server.metrics()
-    pre = [metric(t, "jfp8kv_preemptions") for t in (before, after)]
+    def delta(name):
+        v = [metric(t, name) for t in (before, after)]
+        return (v[1] - v[0]) if None not in v else None
+
     rec.update(model_shape=server.shape, kv_cache_dtype=server.kv, kv_scale_mode=server.mode,
                input_len=w["input_len"], output_len=w["output_len"],
                max_concurrency=w["max_concurrency"], num_prompts=w["num_prompts"],
@@ -263,8 +313,23 @@ def run_one(server: Server, w: dict, args, t_end: float) -> dict:
                kv_cache_memory=args.kv_cache_memory, server_startup_s=server.startup_s,
                server_command=" ".join(["python", *server.cmd[1:]]), warmup=warm_info,
                compiles_in_run=n, compile_s_in_run=s, compiled_in_run=which,
-               preemptions_in_run=(pre[1] - pre[0]) if None not in pre else None)
+               preemptions_in_run=delta("jfp8kv_preemptions"),
+               enable_prefix_caching=server.caching,
+               shared_prefix_groups=w["shared_prefix_groups"],
+               shared_prefix_len=w["shared_prefix_len"],
+               prefix_cache_queries_in_run=delta("jfp8kv_prefix_cache_queries"),
+               prefix_cache_hits_in_run=delta("jfp8kv_prefix_cache_hits"),
+               prefix_cache_evictions_in_run=delta("jfp8kv_prefix_cache_evictions"))
     return rec
+
+
+def _hits(rec: dict) -> str:
+    """The run's prefix-cache line: hit rate, and median TTFT of hits vs cold requests."""
+    if not rec.get("total_cached_tokens"):
+        return ""
+    hit, cold = rec.get("median_ttft_hit_ms"), rec.get("median_ttft_cold_ms")
+    ttft = f" (TTFT hit {hit:.0f} / cold {cold:.0f} ms)" if hit and cold else ""
+    return f"prefix hits {rec['prefix_cache_hit_rate']:.0%}{ttft}, "
 
 
 def main(argv=None) -> int:
@@ -275,6 +340,9 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="8192:1024:32:32:32,8192:128:1:4:1,8192:128:8:8:4,"
                    "32768:128:1:4:0,512:128:1:4:1,2048:1024:64:64,512:128:64:64,"
                    "8192:128:32:32:0", help="comma list of IN:OUT:CONC:N[:WARM_N[:WARM_OUT]]")
+    p.add_argument("--prefix-caching", default=None,
+                   help="on,off: serve each KV dtype with and without prefix caching "
+                        "(default: the server's default, on)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-scale-mode", default=None, help="fp8 mode (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -300,7 +368,7 @@ def main(argv=None) -> int:
     t_end = t_start + (args.deadline_s or 1e9)
     os.makedirs(args.log_dir, exist_ok=True)
     workloads = parse_workloads(args.workloads)
-    kvs = args.kv.split(",")
+    kvs = [(kv, c) for kv in args.kv.split(",") for c in parse_caching(args.prefix_caching)]
     machine, versions = machine_record()
     doc = {"machine": machine, "versions": versions,
            "command": " ".join(["python", *sys.argv]),
@@ -339,7 +407,8 @@ def main(argv=None) -> int:
     def start(shape, kv_list, port):
         max_len = max(w["input_len"] + max(w["output_len"], w["warm_out"]) for w in workloads) + 64
         max_seqs = max(max(w["max_concurrency"], w["warm_n"]) for w in workloads)
-        new = [Server(shape, kv, port + i, args, max_len, max_seqs) for i, kv in enumerate(kv_list)]
+        new = [Server(shape, kv, port + i, args, max_len, max_seqs, caching)
+               for i, (kv, caching) in enumerate(kv_list)]
         up = []
         for s in new:
             servers.append(s)
@@ -348,6 +417,7 @@ def main(argv=None) -> int:
                 print(f"[{shape} {s.kv}] server up in {s.startup_s:.0f} s", flush=True)
                 doc["servers"].append({"model_shape": shape, "kv_cache_dtype": s.kv,
                                        "kv_scale_mode": s.mode, "startup_s": s.startup_s,
+                                       "enable_prefix_caching": s.caching,
                                        "command": " ".join(["python", *s.cmd[1:]])})
                 up.append(s)
             except Exception as e:  # noqa: BLE001
@@ -357,8 +427,11 @@ def main(argv=None) -> int:
         return up
 
     def one(server, w):
-        tag = (f"[{server.shape} {server.kv}] in={w['input_len']} out={w['output_len']} "
-               f"conc={w['max_concurrency']} n={w['num_prompts']}")
+        cache = "" if server.caching is None else f" caching={'on' if server.caching else 'off'}"
+        shared = (f" shared={w['shared_prefix_len']}x{w['shared_prefix_groups']}"
+                  if w["shared_prefix_groups"] else "")
+        tag = (f"[{server.shape} {server.kv}{cache}] in={w['input_len']}{shared} "
+               f"out={w['output_len']} conc={w['max_concurrency']} n={w['num_prompts']}")
         try:
             rec = run_one(server, w, args, t_end)
         except Deadline as e:
@@ -374,6 +447,7 @@ def main(argv=None) -> int:
         wu = rec["warmup"]
         print(f"{tag}: TTFT {rec['median_ttft_ms']:.0f} ms, ITL {rec['median_itl_ms']:.1f} ms, "
               f"TPOT {rec['median_tpot_ms']:.2f} ms, {rec['output_throughput']:.0f} tok/s, "
+              f"{_hits(rec)}"
               f"{rec['duration']:.1f} s; warm-up {wu.get('duration_s', 0):.0f} s with "
               f"{wu.get('compiles', 0)} compiles ({wu.get('compile_s', 0):.0f} s); "
               f"compiles in run {rec['compiles_in_run']}, preemptions "

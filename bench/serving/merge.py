@@ -21,7 +21,8 @@ import os
 import sys
 
 RUN_KEY = ("model_shape", "kv_cache_dtype", "kv_scale_mode", "input_len", "output_len",
-           "max_concurrency", "num_prompts", "max_num_batched_tokens", "date")
+           "max_concurrency", "num_prompts", "max_num_batched_tokens", "enable_prefix_caching",
+           "shared_prefix_groups", "shared_prefix_len", "date")
 FLOOR_KEY = ("model_shape", "kv_cache_dtype", "kv_scale_mode", "batch", "context", "step_ms")
 PEER_KEY = ("impl", "model_shape", "batch", "input_len", "output_len", "date",
             "output_throughput")

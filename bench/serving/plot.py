@@ -12,6 +12,8 @@ static-scale fp8 modes). Rows 1-2 use ``--model`` (default: the shape with the m
 ITL is per streamed chunk (one sample per SSE chunk, as SGLang's ``bench_serving`` counts it
 for OpenAI endpoints); the engine streams 8 tokens per chunk on the GPU, so ITL ~ 8 x TPOT.
 TPOT is per token. When a configuration was measured more than once, the latest run is used.
+Shared-prefix runs (``shared_prefix_groups`` > 0, issue 18) and runs without prefix caching
+are left out: every line here is random prompts on the server's default settings.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def latest_runs(runs: list[dict]) -> list[dict]:
     """One run per configuration: the latest by date (ties: the later in the file)."""
     best = {}
     for i, r in enumerate(runs):
-        if not r.get("completed"):
+        if (not r.get("completed") or r.get("shared_prefix_groups")
+                or r.get("enable_prefix_caching") is False):
             continue
         k = tuple(r.get(c) for c in CONFIG)
         if k not in best or (r.get("date") or "", i) >= (best[k][0].get("date") or "", best[k][1]):

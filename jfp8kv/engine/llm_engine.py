@@ -308,7 +308,8 @@ class LLMEngine:
         plp = self._prompt_logprobs.get(rid)
         out = RequestOutput(rid, list(seq.prompt_token_ids), list(seq.output_ids), seq.text,
                             seq.finish_reason, seq.prompt, seq.num_preemptions,
-                            None if lp is None else list(lp), plp)
+                            None if lp is None else list(lp), plp,
+                            seq.num_cached_prompt_tokens)
         if seq.finish_reason is not None:
             self._forget(seq)
         return out

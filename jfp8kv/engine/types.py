@@ -114,7 +114,8 @@ class RequestOutput:
     ``finish_reason`` is "stop" (EOS, stop token or stop string), "length" (max_tokens or
     max_model_len) or "abort"; ``None`` while running. ``logprobs`` (one entry per generated
     token) and ``prompt_logprobs`` (None for the first prompt token) are filled only when the
-    SamplingParams asked for them.
+    SamplingParams asked for them. ``num_cached_tokens``: prompt tokens whose K/V came from
+    the prefix cache at the request's first admission (OpenAI's ``cached_tokens``).
     """
 
     request_id: str
@@ -126,6 +127,7 @@ class RequestOutput:
     num_preemptions: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -107,10 +107,13 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
     k = gather_dequantized(layer.k, layer.k_scale, page_tables, cfg)  # [B, Hkv, L, D]
     v = gather_dequantized(layer.v, layer.v_scale, page_tables, cfg)
     acc = jnp.promote_types(q.dtype, jnp.float32)  # float64 only in the float64 check mode
-    k, v = k.astype(acc), v.astype(acc)
+    kpos = jnp.arange(k.shape[2])
+    # Rows past seq_len read as 0, as the kernels' masked loads: a reused page's stale tail
+    # (NaN included) must not reach the output through 0 * NaN in P.V.
+    stored = (kpos[None, :] < seq_lens[:, None])[:, None, :, None]  # [B, 1, L, 1]
+    k, v = (jnp.where(stored, x.astype(acc), 0) for x in (k, v))
     qg = q.astype(acc).reshape(b, t, hkv, g, d)
     logits = jnp.einsum("btkgd,bkld->bkgtl", qg, k) * sm_scale
-    kpos = jnp.arange(k.shape[2])
     mask = (kpos[None, None, :] < seq_lens[:, None, None]) & (
         kpos[None, None, :] <= q_positions[:, :, None])  # [B, T, L]
     mask = mask[:, None, None]

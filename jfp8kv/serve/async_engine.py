@@ -53,6 +53,7 @@ class Update:
     (an incomplete UTF-8 sequence that the next token may complete) is held back.
     ``finish_reason`` is None while running, else "stop", "length", "abort" or "error".
     ``logprobs`` / ``prompt_logprobs``: the engine output's (cumulative), when asked for.
+    ``num_cached_tokens``: prompt tokens served from the prefix cache (``cached_tokens``).
     """
 
     text: str
@@ -62,6 +63,7 @@ class Update:
     error: str | None = None
     logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ class _ReqState:  # owned by the engine thread
     stop: tuple[str, ...] = ()
     num_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     last_token_time: float | None = None
 
 
@@ -268,7 +271,8 @@ class AsyncEngine:
         state = self._states.pop(rid, None)
         if state is not None:
             self.metrics.requests.labels(finish_reason=reason).inc()
-            update = Update("", state.num_tokens, state.num_prompt_tokens, reason, error)
+            update = Update("", state.num_tokens, state.num_prompt_tokens, reason, error,
+                            num_cached_tokens=state.num_cached_tokens)
             self._post(state.queue.put_nowait, update)
 
     def _step(self) -> None:
@@ -303,11 +307,13 @@ class AsyncEngine:
         """Metrics for one output and the Update it becomes."""
         m = self.metrics
         n_new = len(out.token_ids) - state.num_tokens
+        state.num_cached_tokens = getattr(out, "num_cached_tokens", 0)
         if n_new > 0:
             if state.last_token_time is None:
                 m.ttft.observe(now - state.arrival)
                 state.num_prompt_tokens = len(out.prompt_token_ids)
                 m.prompt_tokens.inc(state.num_prompt_tokens)
+                m.prompt_tokens_cached.inc(state.num_cached_tokens)
                 n_itl, dt = 0, 0.0  # tokens that came with the first one have no gap
             else:
                 n_itl, dt = n_new, (now - state.last_token_time) / n_new
@@ -325,7 +331,8 @@ class AsyncEngine:
         return Update(safe_text(out.text, finished, state.stop), state.num_tokens,
                       state.num_prompt_tokens, out.finish_reason,
                       logprobs=None if lp is None else tuple(lp),
-                      prompt_logprobs=None if plp is None else tuple(plp))
+                      prompt_logprobs=None if plp is None else tuple(plp),
+                      num_cached_tokens=state.num_cached_tokens)
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._states):
@@ -334,9 +341,23 @@ class AsyncEngine:
     def _refresh_engine_metrics(self) -> None:
         self._metrics_time = time.monotonic()
         try:
-            self.metrics.engine_snapshot = dict(self.engine.metrics())
+            self.metrics.engine_snapshot = {**self.engine.metrics(),
+                                            **_prefix_cache_metrics(self.engine)}
         except Exception:
             logger.exception("engine.metrics() failed")
+
+
+def _prefix_cache_metrics(engine: Any) -> dict:
+    """The scheduler's prefix-cache counters as engine-snapshot keys (``ServerMetrics``);
+    none for an engine without a scheduler (the tests' stand-in). Engine thread only."""
+    stats = getattr(getattr(engine, "scheduler", None), "prefix_cache_stats", None)
+    if stats is None:
+        return {}
+    s = stats()
+    return {"prefix_cache_queries_total": s.queried_tokens,
+            "prefix_cache_hits_total": s.hit_tokens,
+            "prefix_cache_pages": s.cached_pages,
+            "prefix_cache_evictions_total": s.evictions}
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

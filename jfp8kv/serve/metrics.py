@@ -7,6 +7,13 @@ Two sources feed it:
   engine thread after every step and every batch of commands; a custom collector turns it
   into gauges (pages, queue) and counters (preemptions, fp8 saturation, NaN) at scrape time,
   so /metrics never calls into the engine from the event loop.
+
+Prefix caching (as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``): ``queries`` counts
+the prompt tokens looked up at admissions (readmissions after preemption included), ``hits``
+those whose K/V was reused; the hit rate since start is hits / queries, also exported as a
+gauge. ``prefix_cache_pages`` are the pages registered now (in use or evictable),
+``prefix_cache_evictions`` the cached pages handed out again. ``prompt_tokens_cached`` is
+per request (its first admission, the API's ``cached_tokens``), next to ``prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,14 @@ _ENGINE_METRICS = {
     "kv_saturated_total": ("jfp8kv_kv_cache_saturated",
                            "K/V values clipped to the fp8 range on store", "counter"),
     "kv_nan_total": ("jfp8kv_kv_cache_nan", "NaN K/V values seen on store", "counter"),
+    "prefix_cache_queries_total": ("jfp8kv_prefix_cache_queries",
+                                   "Prompt tokens looked up in the prefix cache", "counter"),
+    "prefix_cache_hits_total": ("jfp8kv_prefix_cache_hits",
+                                "Prompt tokens whose K/V came from the prefix cache", "counter"),
+    "prefix_cache_pages": ("jfp8kv_prefix_cache_pages",
+                           "KV cache pages registered in the prefix cache", "gauge"),
+    "prefix_cache_evictions_total": ("jfp8kv_prefix_cache_evictions",
+                                     "Cached pages evicted to be reused", "counter"),
 }
 
 
@@ -43,6 +58,10 @@ class _EngineCollector:
         for key, (name, doc, kind) in _ENGINE_METRICS.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=float(snapshot.get(key, 0)))
+        queries = snapshot.get("prefix_cache_queries_total", 0)
+        yield GaugeMetricFamily(
+            "jfp8kv_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens) since start",
+            value=snapshot.get("prefix_cache_hits_total", 0) / queries if queries else 0.0)
 
 
 class ServerMetrics:
@@ -53,8 +72,11 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.generated_tokens = Counter("jfp8kv_generated_tokens", "Tokens generated",
                                         registry=r)
-        self.prompt_tokens = Counter("jfp8kv_prompt_tokens", "Prompt tokens prefilled",
+        self.prompt_tokens = Counter("jfp8kv_prompt_tokens", "Prompt tokens of requests",
                                      registry=r)
+        self.prompt_tokens_cached = Counter(
+            "jfp8kv_prompt_tokens_cached", "Prompt tokens of requests served from the prefix "
+            "cache", registry=r)
         self.ttft = Histogram("jfp8kv_time_to_first_token_seconds",
                               "Arrival to first generated token", buckets=_TTFT_BUCKETS,
                               registry=r)

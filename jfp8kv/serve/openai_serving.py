@@ -4,7 +4,8 @@ and answer with one body or a stream of chunks.
 A request with ``n`` choices (or ``best_of`` candidates) becomes that many engine requests
 (ids ``<id>-<i>``; with a ``seed``, choice i samples with ``seed + i``); their updates are
 merged into one response, choices indexed 0..n-1, usage summed over them (the prompt counted
-once). Every engine request is aborted if the client goes away or the handler fails: each
+once: its ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` are those of engine
+request 0, the first admitted; the others may find more of the prompt cached). Every engine request is aborted if the client goes away or the handler fails: each
 ``RequestStream`` is closed in a ``finally``.
 """
 
@@ -203,7 +204,7 @@ class OpenAIServing:
             ranked = sorted(ranked, key=lambda i: -sum(e.logprob for e in finals[i].logprobs))
         choices = [self._choice(job, i, finals[k]) for i, k in enumerate(list(ranked)[:job.n])]
         return job.fmt.response(rid, choices, finals[0].num_prompt_tokens,
-                                sum(f.num_tokens for f in finals))
+                                sum(f.num_tokens for f in finals), finals[0].num_cached_tokens)
 
     async def _submit_all(self, rid: str, job: Job) -> list[RequestStream]:
         streams: list[RequestStream] = []
@@ -273,7 +274,8 @@ class OpenAIServing:
             if job.include_usage and not failed and all(u is not None for u in last):
                 yield _sse(usage_chunk(rid, self.model, created, job.fmt.chunk_object,
                                        last[0].num_prompt_tokens,
-                                       sum(u.num_tokens for u in last)))
+                                       sum(u.num_tokens for u in last),
+                                       last[0].num_cached_tokens))
             yield "data: [DONE]\n\n"
         finally:
             for s in streams:

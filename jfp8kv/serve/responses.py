@@ -25,19 +25,22 @@ class Choice:
     logprobs: Sequence[TokenLogprob] | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: of the prompt tokens, those served from the
+    prefix cache (``prompt_tokens_details.cached_tokens``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The final chunk of ``stream_options.include_usage``: empty choices, usage filled."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class _Format:
@@ -52,10 +55,10 @@ class _Format:
         self.num_top = num_top
 
     def response(self, rid: str, choices: list[Choice], prompt_tokens: int,
-                 completion_tokens: int) -> dict:
+                 completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"id": rid, "object": self.object, "created": int(time.time()),
                 "model": self.model, "choices": [self._choice(c) for c in choices],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, rid: str, created: int, choice: Choice, with_usage_field: bool,
               first: bool = False, text_offset: int = 0) -> dict:
