@@ -131,3 +131,52 @@ def test_bad_head_dim_is_a_clear_error(d):
 
 
 PINNED_SIGNS_16 = "----+++--+----++"
+
+
+# ------------------------------------------------- the independent twin in bench.fakequant
+@pytest.mark.parametrize("dtype", (np.float32, np.float64))
+@pytest.mark.parametrize("d", (64, 128, 96))
+def test_fakequant_rotation_is_bitwise_the_engines(d, dtype):
+    """bench.fakequant re-implements the rotation from its text; both must give the same bits
+    (the float64 check mode compares the engine with the fake quantization exactly)."""
+    from bench import fakequant as fq
+
+    np.testing.assert_array_equal(fq.rotation_signs(d), rot.signs(d))
+    x = rows(np.random.default_rng(d + 1), (2, 3, 17, d), dtype)
+    got = fq.hadamard_rotate(x)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.view(np.uint8), rot.rotate_np(x).view(np.uint8))
+
+
+def test_fakequant_hook_rotates_k_and_queries_consistently():
+    """In a transformers model, rotating K and the queries (no quantization) leaves the logits
+    unchanged, and the quantizer sees K in the rotated basis."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench import fakequant as fq
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    fq.install(model)
+    ids = torch.randint(0, 97, (1, 40))
+    seen = {}
+
+    class Spy(fq.AmaxRecorder):
+        def __call__(self, layer, k, v):
+            seen.setdefault((self.rotate_k, layer), k.copy())
+            return super().__call__(layer, k, v)
+
+    outs = {}
+    for rotate_k in (False, True):
+        fq.set_quantizer(model, Spy(rotate_k))
+        with torch.no_grad():
+            outs[rotate_k] = model(ids).logits.numpy()
+    fq.set_quantizer(model, None)
+    np.testing.assert_allclose(outs[True], outs[False], rtol=0, atol=2e-5)
+    for layer in range(2):
+        plain, rotated = seen[(False, layer)], seen[(True, layer)]
+        np.testing.assert_allclose(rotated, fq.hadamard_rotate(plain), rtol=0, atol=1e-5)
