@@ -15,6 +15,15 @@ from its text (docs/architecture.md, "Numerics contract"):
 
 NaN/inf inputs are not handled specially (real text has none).
 
+K rotation (``KVQuantizer(..., rotate_k=True)``, issue 14): before K is quantized, every
+post-RoPE K row x [D] becomes x @ R with R = diag(s) blockdiag(H_b) / sqrt(b): s the +-1
+signs taken from the top bits of successive SplitMix64 outputs seeded with ``ROTATION_SEED``,
+H_b the Sylvester Hadamard matrix of the largest power of two b dividing D (b >= 16), applied
+as a fast Walsh-Hadamard transform (passes h = 1, 2, 4, ..., b/2, each mapping the pair
+(x[i], x[i+h]) with i & h == 0 to (x[i] + x[i+h], x[i] - x[i+h])) and one multiply by
+1/sqrt(b) rounded to the compute dtype (float32, or float64 for a float64 model). The
+queries are rotated the same way, so q.k is unchanged; V is not rotated.
+
 ``install(model)`` registers an attention function with transformers that fake-quantizes
 the post-RoPE ``key``/``value`` [B, Hkv, T, D] of every layer before calling the stock sdpa
 attention; ``set_quantizer(model, q)`` picks what it does (``None``: no quantization).
@@ -37,6 +46,7 @@ FORMATS = {  # user-facing name -> (ml_dtypes type, largest finite value)
     "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
 }
 BLOCK = 32
+ROTATION_SEED = 0x6A667038
 SCALE_FLOOR = 1e-12
 F16_TINY = 2.0**-24  # smallest positive float16 (subnormal)
 F16_MAX = 65504.0
@@ -102,17 +112,55 @@ def fake_quant_rows(x: np.ndarray, fmt: str, mode: str, static_scale=None) -> np
     raise ValueError(f"unknown scale mode {mode!r}")
 
 
-class KVQuantizer:
-    """What the attention hook does to each layer's K and V.
+# -- K rotation ------------------------------------------------------------------------------
+def rotation_signs(d: int, seed: int = ROTATION_SEED) -> np.ndarray:
+    """+-1 [d]: sign i is + when the top bit of the i-th SplitMix64 output is set."""
+    m = (1 << 64) - 1
+    out, state = [], seed & m
+    for _ in range(d):
+        state = (state + 0x9E3779B97F4A7C15) & m
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        out.append(1.0 if (z ^ (z >> 31)) >> 63 else -1.0)
+    return np.array(out)
 
-    static_k/static_v: [layers, H, D] float32 scales for tensor/channel modes.
+
+def hadamard_rotate(x: np.ndarray, seed: int = ROTATION_SEED) -> np.ndarray:
+    """x [..., D] -> x @ R (see the module docstring), in float32 (float64 stays float64)."""
+    x = np.asarray(x)
+    dt = np.promote_types(x.dtype, F32)
+    d = x.shape[-1]
+    b = d & -d
+    if b < 16:
+        raise ValueError(f"head_dim {d}: the rotation needs a multiple of 16")
+    y = x.astype(dt) * rotation_signs(d, seed).astype(dt)
+    idx = np.arange(d)
+    h = 1
+    while h < b:
+        lo = idx[(idx & h) == 0]
+        a, c = y[..., lo], y[..., lo + h]
+        y = y.copy()
+        y[..., lo], y[..., lo + h] = a + c, a - c
+        h *= 2
+    return y * dt.type(1.0 / np.sqrt(float(b)))
+
+
+class KVQuantizer:
+    """What the attention hook does to each layer's K and V (and the queries).
+
+    static_k/static_v: [layers, H, D] float32 scales for tensor/channel modes (static K
+    scales must be measured in the basis K is stored in: rotated when ``rotate_k``).
+    rotate_k: rotate K (and the queries) by ``hadamard_rotate`` before quantizing.
     """
 
-    def __init__(self, fmt: str, mode: str, static_k=None, static_v=None):
+    def __init__(self, fmt: str, mode: str, static_k=None, static_v=None,
+                 rotate_k: bool = False):
         if mode in ("tensor", "channel") and (static_k is None or static_v is None):
             raise ValueError(f"mode {mode!r} needs static scales")
         self.fmt, self.mode = fmt, mode
         self.static_k, self.static_v = static_k, static_v
+        self.rotate_k = rotate_k
 
     def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
         sk = None if self.static_k is None else self.static_k[layer]
@@ -121,16 +169,40 @@ class KVQuantizer:
                 fake_quant_rows(v, self.fmt, self.mode, sv))
 
 
+class AmaxRecorder:
+    """A hook quantizer that quantizes nothing and records max |K| and |V| per layer, KV head
+    and channel (K in the rotated basis when ``rotate_k``): calibration for static scales."""
+
+    def __init__(self, rotate_k: bool = False):
+        self.rotate_k, self.k, self.v = rotate_k, {}, {}
+
+    def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
+        for store, x in ((self.k, k), (self.v, v)):
+            a = np.abs(np.asarray(x, F32)).max(axis=(0, 2))  # [B, H, T, D] -> [H, D]
+            store[layer] = np.maximum(store.get(layer, a), a)
+        return k, v
+
+    def amax(self) -> dict:
+        """{"k_amax": [layers, H, D], "v_amax": ...} as in a jfp8kv scales JSON."""
+        return {f"{n}_amax": np.stack([d[i] for i in sorted(d)])
+                for n, d in (("k", self.k), ("v", self.v))}
+
+
 def static_scales(fmt: str, mode: str, num_layers: int, heads: int, head_dim: int,
-                  constant: float | None = None, scales_json: str | None = None):
+                  constant: float | None = None, scales_json: str | None = None,
+                  amax: dict | None = None):
     """[layers, H, D] K and V scales: a constant, or amax / fmax from a jfp8kv scales JSON
-    (k_amax / v_amax per layer, head, channel; "tensor" takes the layer's maximum)."""
+    or an ``AmaxRecorder.amax()`` dict (k_amax / v_amax per layer, head, channel; "tensor"
+    takes the layer's maximum)."""
     shape = (num_layers, heads, head_dim)
     if constant is not None:
         s = np.full(shape, constant, F32)
         return s, s
-    with open(scales_json) as f:
-        doc = json.load(f)
+    if amax is not None:
+        doc = amax
+    else:
+        with open(scales_json) as f:
+            doc = json.load(f)
     fmax = F32(FORMATS[fmt][1])
 
     def conv(amax):
@@ -147,16 +219,26 @@ ATTN_NAME = "jfp8kv_fakequant"
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    """key/value: [B, Hkv, T, D] post-RoPE torch tensors; fake-quantized, then stock sdpa."""
+    """key/value: [B, Hkv, T, D] post-RoPE torch tensors; fake-quantized (K and the query
+    rotated first when the quantizer says so), then stock sdpa."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q = getattr(module, "jfp8kv_kv_quantizer", None)
+    kdt, vdt = key.dtype, value.dtype
+    if q is not None and getattr(q, "rotate_k", False):
+        def rot(t):  # float32/float64 keep their dtype; others compute in float32
+            a = t.detach().cpu()
+            a = a if a.dtype in (torch.float32, torch.float64) else a.float()
+            return torch.from_numpy(hadamard_rotate(a.numpy()))
+        # K is quantized from the rotation's float32 result (never re-rounded to bf16 first);
+        # the query goes back to its dtype for attention.
+        query, key = rot(query).to(query.dtype), rot(key)
     if q is not None:
         k, v = q(module.layer_idx, key.detach().float().cpu().numpy(),
                  value.detach().float().cpu().numpy())
-        key = torch.from_numpy(k).to(key.dtype)
-        value = torch.from_numpy(v).to(value.dtype)
+        key = torch.from_numpy(k).to(kdt)
+        value = torch.from_numpy(v).to(vdt)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
