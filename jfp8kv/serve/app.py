@@ -79,7 +79,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
               vocab_size: int | None = None) -> FastAPI:
     """``chat_prompt`` renders messages with the chat template; ``vocab_size`` bounds the
     token ids accepted in a prompt."""
-    serving = OpenAIServing(async_engine, served_model_name=served_model_name,
+    serving = OpenAIServing(async_engine, model=served_model_name,
                             tokenizer=tokenizer, chat_prompt=chat_prompt,
                             max_model_len=max_model_len, vocab_size=vocab_size)
 

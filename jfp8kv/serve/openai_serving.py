@@ -74,19 +74,18 @@ class _ChoiceState:  # what one streamed choice has sent so far
     echoed: bool = False
 
 
+@dataclasses.dataclass
 class OpenAIServing:
-    """Holds the engine bridge, tokenizer and names that every route needs."""
+    """Holds the engine bridge, tokenizer and names that every route needs (``model``: the
+    name clients use)."""
 
-    def __init__(self, async_engine: AsyncEngine, *, served_model_name: str, tokenizer: Any,
-                 chat_prompt: Callable[[list[dict]], str], max_model_len: int,
-                 vocab_size: int | None = None):
-        self.engine = async_engine
-        self.model = served_model_name
-        self.tokenizer = tokenizer
-        self.chat_prompt = chat_prompt
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self._token_text: dict[int, str] = {}
+    engine: AsyncEngine
+    model: str
+    tokenizer: Any
+    chat_prompt: Callable[[list[dict]], str]
+    max_model_len: int
+    vocab_size: int | None = None
+    _token_text: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
 
     def token_text(self, token_id: int) -> str:
         if token_id not in self._token_text:
