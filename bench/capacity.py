@@ -9,7 +9,6 @@ Uses the engine's own accounting (``bytes_per_token`` and ``plan_num_pages``, th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 

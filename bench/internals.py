@@ -10,15 +10,14 @@ to follow. What each needs and why:
   realistic data;
 * ``default_fp8_scale_mode``: the scale mode ``kv_cache_dtype="fp8"`` gets when none is
   named (records and server command lines name it explicitly);
-* ``weight_bytes``: the parameters' bytes on the device;
-* ``min_prefill_chunk``: pad every prefill to at least one bucket for a while, so a sweep of
-  prompt lengths shares one compiled program (``bench.quality``). When ``EngineConfig``
-  has a minimum-chunk field, build the ``LLM`` with it instead.
+* ``weight_bytes``: the parameters' bytes on the device.
+
+(Nothing here changes an engine's settings at run time: knobs such as the minimum prefill
+chunk are ``EngineConfig`` fields, given when the ``LLM`` is built.)
 """
 
 from __future__ import annotations
 
-import contextlib
 
 
 def default_fp8_scale_mode() -> str:
@@ -71,17 +70,3 @@ def weight_bytes(llm) -> int:
 
     leaves = jax.tree_util.tree_leaves(llm.engine.runner.params)
     return int(sum(x.size * x.dtype.itemsize for x in leaves))
-
-
-@contextlib.contextmanager
-def min_prefill_chunk(llm, tokens: int):
-    """Within the block, prefill chunks are padded to at least bucket(tokens)."""
-    from jfp8kv.engine.runner import bucket
-
-    runner = llm.engine.runner
-    before = runner.min_chunk
-    runner.min_chunk = max(before, bucket(tokens))
-    try:
-        yield
-    finally:
-        runner.min_chunk = before

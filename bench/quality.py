@@ -63,8 +63,8 @@ import jax.numpy as jnp
 import jfp8kv
 from bench import internals
 from bench.common import RESULTS, machine_info
+from jfp8kv.engine.runner import bucket
 from jfp8kv.engine import calibrate as engine_calibrate
-from jfp8kv.kvcache import calibrate
 from jfp8kv.kvcache.cache import bytes_per_token
 
 MODES = ("tensor", "channel", "token", "block")
@@ -206,39 +206,38 @@ def first_number_is(text: str, key: int) -> bool:
     return m is not None and m.group() == str(key)
 
 
-def run_passkey(llm, pk: Passkey, lengths, depths, keys: int, seed: int,
-                one_shape: bool = True):
-    """One generate call per length (all depths and keys). ``one_shape``: pad every length's
-    prefill to the longest length's bucket, so all lengths share one compiled prefill program
-    (the padded lanes cost little next to a compile). -> (cell records, per-length list of
-    per-prompt correctness, per-length seconds, per-length examples of missed keys)."""
+def run_passkey(llm, pk: Passkey, lengths, depths, keys: int, seed: int):
+    """One generate call per length (all depths and keys). With ``--passkey-shapes one`` the
+    LLM is built with ``min_prefill_chunk`` = the longest length's bucket, so all lengths share
+    one compiled prefill program (the padded lanes cost little next to a compile; teacher-forced
+    scoring does not use that knob). -> (cell records, per-length list of per-prompt
+    correctness, per-length seconds, per-length examples of missed keys)."""
     cells, correct, seconds, misses = [], {}, {}, {}
     params = jfp8kv.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    with internals.min_prefill_chunk(llm, max(lengths) if one_shape else 1):
-        for length in lengths:
-            t = time.time()
-            prompts, meta = [], []
-            for d in depths:
-                for k in passkey_keys(length, d, keys, seed):
-                    prompts.append(pk.prompt(k, length, d))
-                    meta.append((d, k))
-            outs = llm.generate(prompts, params)
-            ok = [passkey_correct(o.text, k) for o, (_, k) in zip(outs, meta)]
-            strict = [first_number_is(o.text, k) for o, (_, k) in zip(outs, meta)]
-            correct[length] = ok
-            for d in depths:
-                idx = [i for i, (dd, _) in enumerate(meta) if dd == d]
-                cells.append({"length": length, "depth": d,
-                              "accuracy": float(np.mean([ok[i] for i in idx])),
-                              "n": len(idx),
-                              "accuracy_first_number": float(np.mean([strict[i] for i in idx])),
-                              "prompt_tokens": max(len(prompts[i]) for i in idx)})
-            seconds[length] = round(time.time() - t, 2)
-            misses[length] = [{"depth": d, "key": k, "answer": o.text}
-                              for o, (d, k), g in zip(outs, meta, ok) if not g][:4]
-            j = len(outs) // 2
-            print(f"    passkey {length}: {np.mean(ok):.3f} ({seconds[length]}s; e.g. "
-                  f"{outs[j].text!r} for key {meta[j][1]})", flush=True)
+    for length in lengths:
+        t = time.time()
+        prompts, meta = [], []
+        for d in depths:
+            for k in passkey_keys(length, d, keys, seed):
+                prompts.append(pk.prompt(k, length, d))
+                meta.append((d, k))
+        outs = llm.generate(prompts, params)
+        ok = [passkey_correct(o.text, k) for o, (_, k) in zip(outs, meta)]
+        strict = [first_number_is(o.text, k) for o, (_, k) in zip(outs, meta)]
+        correct[length] = ok
+        for d in depths:
+            idx = [i for i, (dd, _) in enumerate(meta) if dd == d]
+            cells.append({"length": length, "depth": d,
+                          "accuracy": float(np.mean([ok[i] for i in idx])),
+                          "n": len(idx),
+                          "accuracy_first_number": float(np.mean([strict[i] for i in idx])),
+                          "prompt_tokens": max(len(prompts[i]) for i in idx)})
+        seconds[length] = round(time.time() - t, 2)
+        misses[length] = [{"depth": d, "key": k, "answer": o.text}
+                          for o, (d, k), g in zip(outs, meta, ok) if not g][:4]
+        j = len(outs) // 2
+        print(f"    passkey {length}: {np.mean(ok):.3f} ({seconds[length]}s; e.g. "
+              f"{outs[j].text!r} for key {meta[j][1]})", flush=True)
     return cells, correct, seconds, misses
 
 
@@ -410,6 +409,8 @@ def main(argv=None):
     pk = Passkey(tok)
     page = 16
     pk_lengths = [min(n, max_len - NEW_TOKENS) for n in lengths]
+    # --passkey-shapes one: every passkey prefill padded to the longest length's bucket.
+    one_chunk = bucket(max(pk_lengths)) if args.passkey_shapes == "one" else None
     bpt = bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype, None)
     max_seqs = args.max_num_seqs or len(depths) * keys
     batched = args.max_num_batched_tokens or max_seqs * max_len
@@ -479,7 +480,8 @@ def main(argv=None):
                              kv_scales=kv_scales_arg(c["scales"], calib_path),
                              max_model_len=max_len, kv_cache_memory=cache_memory, page_size=page,
                              max_num_seqs=max_seqs, max_num_batched_tokens=batched,
-                             attention_backend=args.attention_backend, loaded=loaded)
+                             attention_backend=args.attention_backend, loaded=loaded,
+                             min_prefill_chunk=one_chunk)
             info = llm.cache_info()
             rec = {**c, "default": default, "kv_cache_dtype_resolved": info["kv_cache_dtype"],
                    "bytes_per_token": info["bytes_per_token"],
@@ -506,8 +508,8 @@ def main(argv=None):
             cells, correct, pk_s = [], {}, {}
             if not args.no_passkey:
                 t_pk = time.time()
-                cells, correct, pk_s, misses = run_passkey(
-                    llm, pk, pk_lengths, depths, keys, args.seed, args.passkey_shapes == "one")
+                cells, correct, pk_s, misses = run_passkey(llm, pk, pk_lengths, depths, keys,
+                                                           args.seed)
                 rec["passkey_s"] = round(time.time() - t_pk, 1)
                 rec["passkey_s_per_length"] = {str(n): pk_s[m] for n, m in
                                                zip(lengths, pk_lengths)}
