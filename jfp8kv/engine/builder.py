@@ -155,8 +155,9 @@ def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int
 
 
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
-                  device) -> CapacityPlan:
-    """Pages that fit the memory budget; raises when one max_model_len sequence does not."""
+                  device, bitcast_pool: bool = False) -> CapacityPlan:
+    """Pages that fit the memory budget; raises when one max_model_len sequence does not.
+    ``bitcast_pool``: integer page arrays (``CacheConfig.bitcast_pool``; same bytes)."""
     scale_modes.get(mode, storage).validate(model_cfg.head_dim)
     max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
     shape = dict(num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
@@ -172,7 +173,8 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
             f"kv_cache_memory={memory} bytes holds {usable * engine.page_size} tokens "
             f"({bpt} bytes/token), fewer than one sequence of max_model_len={max_model_len}; "
             f"give at least {need} bytes or lower max_model_len")
-    ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode)
+    ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode,
+                       bitcast_pool=bitcast_pool)
     return CapacityPlan(ccfg, max_model_len, memory, bpt)
 
 
@@ -250,7 +252,9 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
         from jfp8kv.models.loader import load_model
 
         loaded = load_model(load.model, load.dtype)
-    plan = plan_capacity(loaded.config, engine, storage, mode, device)
+    # XLA on CPU rewrites a whole bf16/fp8 pool per scatter, an integer one in place.
+    plan = plan_capacity(loaded.config, engine, storage, mode, device,
+                         bitcast_pool=device.platform == "cpu" and backend == "reference")
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
     k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales)
