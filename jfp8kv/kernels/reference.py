@@ -64,9 +64,15 @@ def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots,
     kq, ks, k_sat = _quantize_rows(k_in, layer.k_scale, cfg)
     vq, vs, v_sat = _quantize_rows(v_in, layer.v_scale, cfg)
 
+    # One row is written twice (same slot, same value): XLA rewrites a one-row scatter into a
+    # dynamic-update-slice that copies the whole pool on CPU; a scatter updates in place.
+    reps = 2 if slots.shape[0] == 1 else 1
+    idx = jnp.tile(slots, reps)
+
     def scatter(pages, rows):  # pages [H, P, S, ...], rows [N, H, ...]
         flat = pages.reshape(h, p * s, *pages.shape[3:])
-        flat = flat.at[:, slots].set(jnp.moveaxis(rows, 0, 1).astype(pages.dtype))
+        upd = jnp.moveaxis(jnp.tile(rows, (reps,) + (1,) * (rows.ndim - 1)), 0, 1)
+        flat = flat.at[:, idx].set(upd.astype(pages.dtype))
         return flat.reshape(pages.shape)
 
     k_pages, v_pages = scatter(layer.k, as_pool(kq, cfg)), scatter(layer.v, as_pool(vq, cfg))
