@@ -45,11 +45,13 @@ def fill_cache_random(llm, key) -> None:
     exists twice on the device and no timing runs on zeros."""
     import jax
 
+    from jfp8kv.kvcache.cache import as_pool
+
     cache = llm.engine.runner.cache
 
     @jax.jit
-    def rnd(x, k):
-        return (jax.random.normal(k, x.shape, "float32") * 2).astype(x.dtype)
+    def rnd(x, k):  # values of the storage dtype, in the pool's representation
+        return as_pool(jax.random.normal(k, x.shape, "float32") * 2, cache.config)
 
     @jax.jit
     def rnd_scale(x, k):

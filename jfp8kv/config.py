@@ -188,6 +188,10 @@ class CacheConfig:
     ``storage_dtype`` is the dtype of the page arrays (``float8_e4m3fn``, ``float8_e5m2``,
     ``bfloat16``, ``float16`` or ``float32``); it is a different thing from the model's
     compute dtype. ``scale_mode`` is meaningful only for fp8 storage (``None`` otherwise).
+    ``bitcast_pool``: hold 8/16-bit pages as same-width unsigned integers (the bits of the
+    storage dtype; ``jfp8kv.kvcache.cache.pool_dtype``). The builder sets it for the
+    reference backend on CPU, where XLA updates integer pools in place but rewrites a whole
+    bf16/fp8 pool per scatter; the Pallas kernels take float pools only.
     """
 
     num_layers: int
@@ -198,6 +202,7 @@ class CacheConfig:
     storage_dtype: str
     scale_mode: str | None = None
     scale_block: int = 32
+    bitcast_pool: bool = False
 
     @property
     def is_fp8(self) -> bool:

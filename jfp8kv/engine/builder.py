@@ -159,10 +159,12 @@ def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int
 
 
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
-                  device, tp: sharding.TensorParallel | None = None) -> CapacityPlan:
+                  device, tp: sharding.TensorParallel | None = None,
+                  bitcast_pool: bool = False) -> CapacityPlan:
     """Pages that fit the memory budget; raises when one max_model_len sequence does not.
     Under tensor parallelism the budget and ``bytes_per_token`` are per device (one
-    device's KV heads); the ``CacheConfig`` describes the global pool (all heads)."""
+    device's KV heads); the ``CacheConfig`` describes the global pool (all heads).
+    ``bitcast_pool``: integer page arrays (``CacheConfig.bitcast_pool``; same bytes)."""
     scale_modes.get(mode, storage).validate(model_cfg.head_dim)
     max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
     shape = dict(num_layers=model_cfg.num_layers,
@@ -181,7 +183,8 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
             f"give at least {need} bytes or lower max_model_len")
     if tp is not None:
         shape["num_kv_heads"] = tp.cache_kv_heads
-    ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode)
+    ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode,
+                       bitcast_pool=bitcast_pool)
     return CapacityPlan(ccfg, max_model_len, memory, bpt)
 
 
@@ -238,7 +241,8 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
-                         prefill_one_row=not on_gpu, tp=tp)
+                         prefill_one_row=not on_gpu, chunk_factor=2 if on_gpu else 4,
+                         max_chunk=engine_cfg.max_num_batched_tokens, tp=tp)
     # Pages are reused only under the settings that produced their numbers.
     namespace = (loaded.name, ccfg.storage_dtype, ccfg.scale_mode,
                  None if k_scale is None else hash(np.asarray(k_scale).tobytes()),
@@ -269,7 +273,9 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
 
         loaded = load_model(load.model, load.dtype, engine.tensor_parallel_size)
     loaded, tp = place_model(loaded, engine.tensor_parallel_size)
-    plan = plan_capacity(loaded.config, engine, storage, mode, device, tp)
+    # XLA on CPU rewrites a whole bf16/fp8 pool per scatter, an integer one in place.
+    plan = plan_capacity(loaded.config, engine, storage, mode, device, tp,
+                         bitcast_pool=device.platform == "cpu" and backend == "reference")
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
     k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales,

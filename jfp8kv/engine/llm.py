@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import threading
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -12,8 +16,11 @@ from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
 # that import them from here.
 from jfp8kv.engine.builder import (DEFAULT_FP8_SCALE_MODE, build_engine, cache_info,
                                    check_fp8_support, resolve_backend)
+from jfp8kv.engine.overlap import warm_helpers
 from jfp8kv.engine.types import RequestOutput, SamplingParams
 from jfp8kv.kvcache.cache import STAT_FIELDS
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -60,12 +67,46 @@ class LLM:
         self._built = built
         self._ids = itertools.count()
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile the decode and prefill buckets now (the server does this at start-up)."""
+    def _shapes(self):
         sched = self.engine.scheduler
-        runner = self.engine.runner
-        shapes = runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens)
-        runner.warmup(shapes, sched.decode_steps, progress)
+        return self.engine.runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def warmup(self, progress: bool = True, first_only: bool = False) -> None:
+        """Compile the decode and prefill buckets now, and the overlap scheduler's helpers
+        (the server does this at start-up). ``first_only``: only the shapes a first short
+        request uses (``ModelRunner.first_shapes``); ``compile_rest`` does the others."""
+        sched, runner = self.engine.scheduler, self.engine.runner
+        shapes = self._shapes()
+        runner.warmup(runner.first_shapes(shapes) if first_only else shapes,
+                      sched.decode_steps, progress)
+        if self.engine.overlap_scheduling:
+            batches = sorted({runner.decode_bucket(n) for n in range(1, sched.max_num_seqs + 1)})
+            warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches, sched.decode_steps,
+                         sched.max_num_seqs)
+
+    def compile_rest(self, stop: threading.Event | None = None) -> threading.Thread:
+        """Start a daemon thread that compiles the shapes ``warmup(first_only=True)`` left
+        out into the persistent compilation cache (nothing runs; the engine may serve
+        meanwhile), so their first use loads instead of compiling. Logs when done."""
+        runner, steps = self.engine.runner, self.engine.scheduler.decode_steps
+        shapes = self._shapes()
+        first = runner.first_shapes(shapes)
+        rest = [x for x in shapes if x not in first]
+        spec = runner.cache_spec()
+
+        def work():
+            try:  # Linux: this thread alone yields the CPU to the engine's threads
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):
+                pass
+            t0 = time.perf_counter()
+            n = runner.compile_only(rest, steps, spec, stop)
+            log.info("compiled %d of %d more shapes in the background in %.0f s", n,
+                     len(rest), time.perf_counter() - t0)
+
+        thread = threading.Thread(target=work, name="jfp8kv-compile", daemon=True)
+        thread.start()
+        return thread
 
     # -- generation -------------------------------------------------------------------
     def _submit(self, prompts, sampling_params) -> list[str]:

@@ -76,8 +76,32 @@ class InFlight:
             last[:nd] = [r.steps - 1 for r in self.plan.decode]
             box = decode_mailbox(tokens_of(self.decode_out), last, size=size)
         if self.prefill_out is not None and any(self.completes):
-            box = prefill_mailbox(box, tokens_of(self.prefill_out), np.int32(nd))
+            box = prefill_mailbox(box, _pow2_rows(tokens_of(self.prefill_out)), np.int32(nd))
         self.mailbox = box
+
+
+def _pow2_rows(tokens):
+    """Host tokens (one-row prefill) padded to a power-of-two length: one compile of
+    ``prefill_mailbox`` per power of two, as for device (bucketed) outputs."""
+    if not isinstance(tokens, np.ndarray):
+        return tokens
+    n = len(tokens)
+    return np.pad(tokens, (0, (1 << max(0, (n - 1).bit_length())) - n))
+
+
+def warm_helpers(size: int, decode_batches, num_steps: int, max_prefill_rows: int) -> None:
+    """Compile (and run on zeros) every helper above for these decode batch buckets and
+    prefill outputs of up to ``max_prefill_rows`` rows, so none compiles while serving."""
+    box = jnp.zeros(size, jnp.int32)
+    for b in decode_batches:
+        z = np.zeros(b, np.int32)
+        box = decode_mailbox(np.zeros((b, num_steps), np.int32), z, size=size)
+        feed(box, z, z)
+    n = 1
+    while n <= max(1, max_prefill_rows):
+        box = prefill_mailbox(box, np.zeros(n, np.int32), np.int32(0))
+        n *= 2
+    jax.block_until_ready(box)
 
 
 def host_outputs(out):

@@ -165,13 +165,17 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params, cache: KVCache, backend: str,
                  max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
                  min_chunk: int = 16, page_widths: tuple[int, ...] | None = None,
-                 prefill_one_row: bool = False, tp=None):
+                 prefill_one_row: bool = False, chunk_factor: int = 2,
+                 max_chunk: int | None = None, tp=None):
         """``decode_buckets``: allowed decode batch sizes (None: powers of two). Decode is
         memory-bound, so padding a batch up to a coarse bucket costs little and saves
         compiles. ``min_chunk``: the smallest prefill chunk bucket. ``page_widths``: decode
         page-table widths (None: max_pages_per_seq only). ``prefill_one_row``: dispatch each
-        prefill chunk alone (batch 1), so prefill compiles once per chunk bucket. On a CPU
-        device the matmul weights are held in float32 (see the module docstring). ``tp``: the
+        prefill chunk alone (batch 1), so prefill compiles once per chunk bucket.
+        ``chunk_factor``: chunk buckets grow by this factor from ``min_chunk``, capped at
+        the bucket of ``max_chunk``. On a CPU device the matmul weights are held in float32
+        (see the module docstring), and one executable per shape serves greedy and sampled
+        batches alike (the branch is taken on the device: ``sampler.sample``). ``tp``: the
         ``models.sharding.TensorParallel`` that params and cache are placed on, or None."""
         self.cfg = model_cfg
         on_cpu = all(d.platform == "cpu" for d in jax.tree_util.tree_leaves(params)[0].devices())
@@ -185,12 +189,26 @@ class ModelRunner:
         widths = sorted({min(w, max_pages_per_seq) for w in page_widths or ()})
         self.page_widths = tuple(w for w in widths if w < max_pages_per_seq) + (max_pages_per_seq,)
         self.prefill_one_row = prefill_one_row
+        self.chunk_factor = chunk_factor
+        self.max_chunk = max_chunk
+        self.greedy_modes = (None,) if on_cpu else (True, False)  # all_greedy values
         self.tp = tp
 
     def decode_bucket(self, n: int) -> int:
         if self.decode_buckets is None:
             return bucket(n)
         return next((b for b in self.decode_buckets if b >= n), bucket(n))
+
+    def chunk_bucket(self, n: int) -> int:
+        """The prefill chunk length bucket for ``n`` tokens."""
+        t = bucket(1, self.min_chunk)
+        while t < n:
+            t *= self.chunk_factor
+        cap = bucket(self.max_chunk, self.min_chunk) if self.max_chunk else None
+        return min(t, cap) if cap and n <= cap else max(t, bucket(n, self.min_chunk))
+
+    def _mode(self, all_greedy: bool):
+        return all_greedy if None not in self.greedy_modes else None
 
     def page_width(self, num_pages: int) -> int:
         """The decode page-table width for rows owning at most ``num_pages`` pages."""
@@ -202,34 +220,63 @@ class ModelRunner:
         chunks of every length bucket (batch 1; batched prefill only with one-row prefill
         off, where wider prefill batches compile on first use)."""
         dec = sorted({self.decode_bucket(n) for n in range(1, max_num_seqs + 1)})
-        lens, t = [], bucket(1, self.min_chunk)
-        while t <= bucket(max_num_batched_tokens, self.min_chunk):
-            lens.append(t)
-            t *= 2
+        lens = sorted({self.chunk_bucket(n) for n in range(1, max_num_batched_tokens + 1)})
         return ([("decode", b, 1, w) for b in dec for w in self.page_widths]
                 + [("prefill", 1, t, self.max_pages_per_seq) for t in lens])
 
+    def first_shapes(self, shapes, max_prefill_tokens: int = 64):
+        """The part of ``shapes`` a first short request uses: decode at the smallest batch
+        bucket and page width, prefill chunks of at most ``max_prefill_tokens``."""
+        dec = [x for x in shapes if x[0] == "decode"]
+        b0, w0 = min(x[1] for x in dec), min(x[3] for x in dec)
+        return [x for x in shapes if (x[0] == "decode" and x[1] == b0 and x[3] == w0)
+                or (x[0] == "prefill" and x[2] <= max(max_prefill_tokens, self.min_chunk))]
+
+    def _warm_call(self, kind, b, t, w, num_steps, greedy, cache):
+        """(jitted function, args, static kwargs) of one warm-up dispatch on zeros."""
+        z = np.zeros(b, np.int32)
+        pt = np.zeros((b, w), np.int32)
+        zz = np.zeros((b, t), np.int32)
+        sampling = SamplingArrays.empty(b).args()
+        if kind == "decode":
+            return _decode, (self.params, cache, z, z, pt, z, *sampling), dict(
+                cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=num_steps,
+                tp=self.tp)
+        return _prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling), dict(
+            cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp)
+
     def warmup(self, shapes, num_steps: int, progress: bool = True) -> None:
-        """Compile (and run once, writing only to the sink page) each shape, greedy and
-        sampled alike."""
+        """Compile (and run once, writing only to the sink page) each shape, in every
+        sampler mode (``greedy_modes``)."""
         from tqdm import tqdm
 
-        for kind, b, t, w in tqdm(shapes, desc="compiling buckets", disable=not progress):
-            z = np.zeros(b, np.int32)
-            pt = np.zeros((b, w), np.int32)
-            zz = np.zeros((b, t), np.int32)
-            for greedy in (True, False):
-                if kind == "decode":
-                    toks, self.cache = _decode(
-                        self.params, self.cache, z, z, pt, z,
-                        *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
-                        all_greedy=greedy, num_steps=num_steps, tp=self.tp)
-                else:
-                    toks, self.cache = _prefill(
-                        self.params, self.cache, zz, zz, zz, pt, z, z,
-                        *SamplingArrays.empty(b).args(), cfg=self.cfg, backend=self.backend,
-                        all_greedy=greedy, tp=self.tp)
+        for shape in tqdm(shapes, desc="compiling buckets", disable=not progress):
+            for greedy in self.greedy_modes:
+                fn, args, kw = self._warm_call(*shape, num_steps, greedy, self.cache)
+                toks, self.cache = fn(*args, **kw)
             jax.block_until_ready(toks)
+
+    def cache_spec(self):
+        """The cache as shapes and dtypes (for ``compile_only``; take it before the engine
+        runs: a donated cache may be gone by the time another thread looks)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), self.cache)
+
+    def compile_only(self, shapes, num_steps: int, abstract, stop=None) -> int:
+        """Compile each shape without running it or touching the cache (safe beside a
+        running engine): what it gains is the persistent compilation cache's entry, which
+        the first real dispatch of the shape loads instead of compiling. ``abstract``:
+        ``cache_spec()``; ``stop``: a threading.Event that ends the loop early. Returns the
+        number of shapes compiled."""
+        done = 0
+        for shape in shapes:
+            for greedy in self.greedy_modes:
+                if stop is not None and stop.is_set():
+                    return done
+                fn, args, kw = self._warm_call(*shape, num_steps, greedy, abstract)
+                fn.lower(*args, **kw).compile()
+            done += 1
+        return done
 
     def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
         # Prefill keeps the fixed width (one compile per (batch, chunk) bucket, not one per
@@ -267,12 +314,12 @@ class ModelRunner:
                     for i, c in enumerate(chunks)]
             return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *outs)
         b = bucket(len(chunks))
-        t = bucket(max(len(c[0]) for c in chunks), self.min_chunk)
+        t = self.chunk_bucket(max(len(c[0]) for c in chunks))
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
         toks, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
                                     seq_lens, last_idx, *_pad_sampling(sampling, b).args(),
-                                    cfg=self.cfg, backend=self.backend, all_greedy=all_greedy,
-                                    tp=self.tp)
+                                    cfg=self.cfg, backend=self.backend,
+                                    all_greedy=self._mode(all_greedy), tp=self.tp)
         return toks
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
@@ -291,7 +338,8 @@ class ModelRunner:
         tokens = tokens if input_tokens is None else input_tokens
         toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *_pad_sampling(sampling, b).args(), cfg=self.cfg,
-                                   backend=self.backend, all_greedy=all_greedy, tp=self.tp,
+                                   backend=self.backend, all_greedy=self._mode(all_greedy),
+                                   tp=self.tp,
                                    num_steps=num_steps)
         return toks
 

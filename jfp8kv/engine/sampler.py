@@ -18,12 +18,22 @@ import numpy as np
 from jfp8kv.engine.types import MAX_LOGPROBS
 
 
-def sample(logits, temperature, top_k, top_p, seeds, counters, *, all_greedy: bool):
+def sample(logits, temperature, top_k, top_p, seeds, counters, *, all_greedy: bool | None):
     """logits float32[B, V]; temperature/top_p float32[B]; top_k int32[B] (<=0: off);
-    seeds uint32[B]; counters int32[B]. Static: all_greedy. Returns int32[B]."""
+    seeds uint32[B]; counters int32[B]. Static: all_greedy (None: decided on the device per
+    call, one executable for both -- CPU, where compiles cost more than a branch). Returns
+    int32[B]."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if all_greedy:
         return greedy
+    args = (logits, temperature, top_k, top_p, seeds, counters, greedy)
+    if all_greedy is None:
+        return jax.lax.cond(jnp.any(temperature > 0), _sampled, lambda *a: a[-1], *args)
+    return _sampled(*args)
+
+
+def _sampled(logits, temperature, top_k, top_p, seeds, counters, greedy):
+    """Temperature/top-k/top-p rows sampled, temperature-0 rows ``greedy``."""
     v = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / t[:, None]
@@ -154,7 +164,7 @@ def init_state(extras: SamplingExtras | None, vocab: int):
 
 
 def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras, *,
-                all_greedy: bool):
+                all_greedy: bool | None):
     """``sample`` with the optional features. ``counters`` is also the number of tokens
     generated so far (min_tokens). Returns (tokens, new state, log-probs or None)."""
     raw = logits

@@ -17,10 +17,17 @@ from jfp8kv.kvcache.cache import LayerKV
 BACKENDS = ("reference", "pallas", "pallas_interpret")
 
 
+def _check_pool(cfg: CacheConfig, backend: str) -> None:
+    if cfg.bitcast_pool and backend != "reference":
+        raise ValueError(f"backend {backend!r} needs float page arrays: build the cache with "
+                         "bitcast_pool=False (integer pools are for the reference backend)")
+
+
 def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: CacheConfig,
              backend: str = "reference") -> tuple[LayerKV, StatsRow]:
     if backend == "reference":
         return reference.store_kv(layer, k_new, v_new, slots, cfg)
+    _check_pool(cfg, backend)
     from jfp8kv.kernels import pallas_store
 
     return pallas_store.store_kv(layer, k_new, v_new, slots, cfg,
@@ -34,6 +41,7 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
     if backend == "reference":
         return reference.paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
                                          sm_scale)
+    _check_pool(cfg, backend)
     interpret = backend == "pallas_interpret"
     if q.shape[1] == 1:
         from jfp8kv.kernels import pallas_decode

@@ -6,7 +6,8 @@ Contracts (shared with ``jfp8kv.kernels.pallas_*``)
     k_new, v_new: [N, num_kv_heads, head_dim] in the compute dtype (post-RoPE).
     slots: int32[N], flat slot = page * page_size + offset. Padding lanes point into page 0
     (slot < page_size) and are excluded from the statistics.
-    Quantizes as ``jfp8kv.kvcache.fp8`` says (dynamic scales computed here) and scatters.
+    Quantizes as ``jfp8kv.kvcache.fp8`` says (dynamic scales computed here) and scatters
+    (into an integer pool as the values' bits when ``cfg.bitcast_pool``: reference only).
     stats_row: float32[6] in ``STAT_FIELDS`` order; counts are for this call, amax too.
 
 ``paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg, sm_scale) -> out``
@@ -25,7 +26,7 @@ from jaxtyping import Array, Float, Float32, Int
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kvcache import scale_modes
-from jfp8kv.kvcache.cache import LayerKV
+from jfp8kv.kvcache.cache import LayerKV, as_pool, as_storage
 
 # The contract's arrays (checked at run time under pytest: tests/conftest.py).
 NewRows = Float[Array, "n kv_heads head_dim"]
@@ -63,12 +64,18 @@ def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots,
     kq, ks, k_sat = _quantize_rows(k_in, layer.k_scale, cfg)
     vq, vs, v_sat = _quantize_rows(v_in, layer.v_scale, cfg)
 
+    # One row is written twice (same slot, same value): XLA rewrites a one-row scatter into a
+    # dynamic-update-slice that copies the whole pool on CPU; a scatter updates in place.
+    reps = 2 if slots.shape[0] == 1 else 1
+    idx = jnp.tile(slots, reps)
+
     def scatter(pages, rows):  # pages [H, P, S, ...], rows [N, H, ...]
         flat = pages.reshape(h, p * s, *pages.shape[3:])
-        flat = flat.at[:, slots].set(jnp.moveaxis(rows, 0, 1).astype(pages.dtype))
+        upd = jnp.moveaxis(jnp.tile(rows, (reps,) + (1,) * (rows.ndim - 1)), 0, 1)
+        flat = flat.at[:, idx].set(upd.astype(pages.dtype))
         return flat.reshape(pages.shape)
 
-    k_pages, v_pages = scatter(layer.k, kq), scatter(layer.v, vq)
+    k_pages, v_pages = scatter(layer.k, as_pool(kq, cfg)), scatter(layer.v, as_pool(vq, cfg))
     k_scale, v_scale = layer.k_scale, layer.v_scale
     if ks is not None:
         k_scale, v_scale = scatter(k_scale, ks), scatter(v_scale, vs)
@@ -86,8 +93,10 @@ def gather_dequantized(pages, scale, page_tables, cfg: CacheConfig):
     """[H, P, S, D] pages -> [B, H, max_pages * S, D] values as attention sees them.
 
     fp8 pages dequantize in float32 (the numerics contract); other pages come back as float32,
-    or float64 when stored so (the float64 reference-check mode)."""
-    g = pages[:, page_tables]  # [H, B, MP, S, D]
+    or float64 when stored so (the float64 reference-check mode). An integer pool
+    (``cfg.bitcast_pool``) is read through its storage dtype: only the gathered pages are
+    bitcast."""
+    g = as_storage(pages[:, page_tables], cfg)  # [H, B, MP, S, D]
     mode = scale_modes.of(cfg)
     if mode.name is None:  # float32, or float64 in the float64 check mode
         x = g.astype(jnp.promote_types(g.dtype, jnp.float32))

@@ -11,6 +11,11 @@ Layout (per layer ``l``)::
     stats                   [num_layers, 6] float32:
                             k_saturated, v_saturated, k_nan, v_nan, k_amax, v_amax
 
+With ``CacheConfig.bitcast_pool`` (the reference backend on CPU) the page arrays hold the
+same bits as same-width unsigned integers (``pool_dtype``: uint8 for fp8, uint16 for
+bf16/f16; 32/64-bit storage stays as it is): read them through ``as_storage`` and write
+through ``as_pool``. Nothing else changes: the stored values are the storage dtype's.
+
 Head-major pages keep one (head, page) block contiguous, which is what the decode kernel
 reads. "tensor" scales are stored broadcast to [heads, head_dim] so tensor and channel modes
 share one code path (the K scale is folded into the query, the V scale into the output).
@@ -28,6 +33,7 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Float32, Shaped
 
 from jfp8kv.config import CacheConfig
@@ -56,6 +62,39 @@ def _check_cache(k: list[Pages], v: list[Pages], k_scale: list[Scales],
 def _arrays(*xs) -> bool:
     """JAX also rebuilds pytrees with other leaves (shapes, sentinels): check arrays only."""
     return all(isinstance(x, jax.Array) for x in xs)
+
+
+def pool_dtype(cfg: CacheConfig) -> jnp.dtype:
+    """dtype of the page arrays: the storage dtype, or with ``cfg.bitcast_pool`` the unsigned
+    integer of the same width for 8/16-bit storage (XLA on CPU scatters into those in place)."""
+    dt = jnp.dtype(cfg.storage_dtype)
+    if cfg.bitcast_pool and dt.itemsize < 4:
+        return jnp.dtype(f"uint{8 * dt.itemsize}")
+    return dt
+
+
+def as_storage(pages, cfg: CacheConfig):
+    """Page values (a pool array, or pages gathered from one) viewed as the storage dtype:
+    a bitcast of an integer pool, the array itself otherwise. Host (numpy) arrays stay on
+    the host."""
+    dt = jnp.dtype(cfg.storage_dtype)
+    if pages.dtype == dt:
+        return pages
+    if isinstance(pages, np.ndarray):
+        return pages.view(dt)
+    return jax.lax.bitcast_convert_type(pages, dt)
+
+
+def as_pool(values, cfg: CacheConfig):
+    """Values (any float dtype) -> the pool's representation: cast to the storage dtype, then
+    bitcast to ``pool_dtype`` when the pool is integer."""
+    dt, pd = jnp.dtype(cfg.storage_dtype), pool_dtype(cfg)
+    values = values.astype(dt)
+    if pd == dt:
+        return values
+    if isinstance(values, np.ndarray):
+        return values.view(pd)
+    return jax.lax.bitcast_convert_type(values, pd)
 
 
 def scale_shape(cfg: CacheConfig) -> tuple[int, ...]:
@@ -112,7 +151,7 @@ class KVCache:
     def init(cls, cfg: CacheConfig, static_k_scale=None, static_v_scale=None) -> "KVCache":
         """Allocate the pool. Static modes need ``static_{k,v}_scale``: [layers, heads, head_dim]."""
         shape = (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)
-        dt = jnp.dtype(cfg.storage_dtype)
+        dt = pool_dtype(cfg)
         mode = scale_modes.of(cfg)
         return cls(
             k=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],

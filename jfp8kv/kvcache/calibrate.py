@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from jfp8kv.kvcache import scale_modes
+from jfp8kv.kvcache.cache import as_storage
 
 log = logging.getLogger(__name__)
 
@@ -102,5 +103,6 @@ def fold_amax(cache, num_tokens: int, k_amax: np.ndarray, v_amax: np.ndarray) ->
     cfg = cache.config
     for layer in range(cfg.num_layers):
         for pool, acc in ((cache.k[layer], k_amax), (cache.v[layer], v_amax)):
-            x = np.asarray(pool[:, 1:]).reshape(cfg.num_kv_heads, -1, cfg.head_dim)
+            x = np.asarray(as_storage(pool[:, 1:], cfg)).reshape(cfg.num_kv_heads, -1,
+                                                                  cfg.head_dim)
             np.maximum(acc[layer], np.abs(x[:, :num_tokens]).max(axis=1), out=acc[layer])

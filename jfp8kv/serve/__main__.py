@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 
+import jax
 import uvicorn
 
 from jfp8kv.cli import add_engine_args, build_llm, setup_logging
@@ -34,9 +35,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to wait for in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="info")
     p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
-                   help="compile every batch/chunk/page-width bucket before /health says "
-                        "ready, behind a progress bar (auto = on; the persistent compilation "
-                        "cache makes later starts fast)")
+                   help="on: compile every batch/chunk/page-width bucket before /health says "
+                        "ready, behind a progress bar; auto: the same on a GPU, while on CPU "
+                        "only the shapes a first short request uses compile before /health "
+                        "and the others in the background (the persistent compilation cache "
+                        "makes later starts fast)")
     return p.parse_args(argv)
 
 
@@ -91,7 +94,10 @@ def main(argv=None) -> None:
     llm = build_llm(args, PROG)  # logs the one KV-cache summary line
     check_chat_template(llm.chat_prompt)
     if args.warmup in ("on", "auto"):
-        llm.warmup()
+        first_only = args.warmup == "auto" and jax.default_backend() == "cpu"
+        llm.warmup(first_only=first_only)
+        if first_only:
+            llm.compile_rest()
     engine = llm.engine
     logger.info("model %s", engine.model_name)
     async_engine = AsyncEngine(engine)

@@ -94,3 +94,18 @@ def test_no_extras_is_plain_sample():
     toks, state, lp = sampler.sample_step(logits, None, *args, None, all_greedy=False)
     assert state is None and lp is None
     np.testing.assert_array_equal(toks, sampler.sample(logits, *args, all_greedy=False))
+
+
+def test_device_side_greedy_switch_equals_the_static_paths():
+    """all_greedy=None (CPU: one executable) samples as all_greedy=False when a row has a
+    temperature, and returns the argmax when none has."""
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(0, 3, (4, V)).astype(np.float32))
+    rest = (jnp.array([0, 5, 0, 2], jnp.int32), jnp.full(4, 0.9),
+            jnp.asarray(rng.integers(0, 2**31, 4), jnp.uint32), jnp.arange(4, dtype=jnp.int32))
+    run = jax.jit(sampler.sample, static_argnames="all_greedy")
+    for temps in (jnp.array([0.0, 0.8, 0.0, 1.3]), jnp.zeros(4)):
+        want = run(logits, temps, *rest, all_greedy=False)
+        np.testing.assert_array_equal(run(logits, temps, *rest, all_greedy=None), want)
+    np.testing.assert_array_equal(run(logits, jnp.zeros(4), *rest, all_greedy=None),
+                                  np.asarray(logits).argmax(-1))

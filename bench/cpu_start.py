@@ -1,0 +1,101 @@
+"""The README's server flow on this machine: start, /health, first chat answer, decode rate.
+
+    python -m bench.cpu_start [--kv-cache-dtype fp8_e4m3] [--max-model-len 4096]
+        [--tokens 64] [--out bench/results/cpu-start.json]
+
+Starts ``python -m jfp8kv.serve --kv-cache-dtype ... --max-model-len ...`` twice against a
+fresh JAX compilation-cache directory: "cold" (empty: everything compiles) and "warm" (the
+entries the cold run wrote). Each run records seconds from launch to /health, the latency
+of the first chat request after /health (greedy, ``--tokens`` tokens, ignore_eos), the rate
+of a second identical request, and /proc/loadavg (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.cpu_decode import cpu_model, loadavg
+
+
+def wait_health(url: str, proc, limit_s: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("no /health")
+
+
+def chat(url: str, tokens: int) -> tuple[float, int]:
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = dict(model=model, messages=[{"role": "user", "content": "Tell me about lighthouses."}],
+                max_tokens=tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=900)
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+
+
+def run_once(args, cache_dir: str, label: str) -> dict:
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "jfp8kv.serve", "--kv-cache-dtype", args.kv_cache_dtype,
+           "--max-model-len", str(args.max_model_len), "--port", str(args.port)]
+    url = f"http://127.0.0.1:{args.port}"
+    la0 = loadavg()
+    t_start = time.perf_counter()
+    log = open(Path(tempfile.gettempdir()) / f"cpu-start-{label}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        health_s = wait_health(url, proc, args.limit_s)
+        la_health = loadavg()
+        first_s, n1 = chat(url, args.tokens)
+        second_s, n2 = chat(url, args.tokens)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return dict(run=label, command=" ".join(cmd[1:]), health_s=health_s,
+                first_chat_s=first_s, first_chat_tokens=n1, second_chat_s=second_s,
+                second_chat_tokens=n2, second_chat_tok_per_s=n2 / second_s,
+                total_s=time.perf_counter() - t_start, loadavg_start=la0,
+                loadavg_at_health=la_health, loadavg_end=loadavg())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.cpu_start", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv-cache-dtype", default="fp8_e4m3")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--limit-s", type=float, default=1200)
+    p.add_argument("--out", default="bench/results/cpu-start.json")
+    args = p.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="jfp8kv-jax-cache-") as cache_dir:
+        for label in ("cold", "warm"):
+            runs.append(run_once(args, cache_dir, label))
+            print(json.dumps(runs[-1]), flush=True)
+    doc = dict(command=" ".join(["python", "-m", "bench.cpu_start",
+                                 *(argv if argv is not None else sys.argv[1:])]),
+               machine=dict(cpu=cpu_model(), cores=os.cpu_count()), runs=runs)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
