@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
+import threading
 import time
 
 import jax
@@ -93,11 +96,12 @@ def main(argv=None) -> None:
     setup_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = build_llm(args, PROG)  # logs the one KV-cache summary line
     check_chat_template(llm.chat_prompt)
+    stop_compiling, compiler = threading.Event(), None
     if args.warmup in ("on", "auto"):
         first_only = args.warmup == "auto" and jax.default_backend() == "cpu"
         llm.warmup(first_only=first_only)
         if first_only:
-            llm.compile_rest()
+            compiler = llm.compile_rest(stop_compiling)
     engine = llm.engine
     logger.info("model %s", engine.model_name)
     async_engine = AsyncEngine(engine)
@@ -109,6 +113,17 @@ def main(argv=None) -> None:
                             timeout_keep_alive=5)
     server = DrainingServer(config, async_engine, args.drain_timeout)
     server.run()
+    stop_compiling.set()
+    if compiler is not None and compiler.is_alive():
+        compiler.join(timeout=2.0)
+    if compiler is not None and compiler.is_alive():
+        # Mid-compile in XLA: the interpreter's shutdown would abort under it. Its work only
+        # fills the compilation cache, so leave it unfinished.
+        logger.info("stopping: the background compile is left unfinished")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
