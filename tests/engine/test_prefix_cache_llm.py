@@ -213,7 +213,9 @@ def smollm2_f64(smollm2_gguf_path):
         return load_model(str(smollm2_gguf_path), "float64")
 
 
-@pytest.mark.parametrize("kv,mode", [("bfloat16", None), *E4M3_MODES])
+# The real model in float64 costs minutes per configuration on CI's two cores: the default
+# fp8 mode and bf16 here; every mode is covered on the tiny models above.
+@pytest.mark.parametrize("kv,mode", [("bfloat16", None), ("fp8_e4m3", "token")])
 def test_smollm2_identical_with_and_without_prefix_caching(smollm2_f64, kv, mode):
     tok = smollm2_f64.tokenizer
     system = ("You are a careful assistant. Answer in one short sentence, plainly, without "
