@@ -1,11 +1,9 @@
 """The offline API end to end on tiny random checkpoints (CPU, reference backend)."""
 
-import contextlib
 import dataclasses
 import json
 import logging
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from jfp8kv.engine.calibrate import calibrate_on_text
 from jfp8kv.engine.llm import LLM
 from jfp8kv.kvcache import calibrate
 from jfp8kv.models.loader import load_model
+from tests.x64 import x64 as enable_x64
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 FP8_PAIRS = [(d, m) for d in ("fp8_e4m3", "fp8_e5m2") for m in ("tensor", "channel", "token", "block")]
@@ -83,27 +82,17 @@ def test_every_dtype_and_mode_end_to_end(qwen3, kv, mode):
     assert llm.kv_stats()["nan_total"] == 0
 
 
-@contextlib.contextmanager
-def _x64():
-    before = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", before)
-
-
 @pytest.fixture(scope="module")
 def qwen3_f64(tiny_hf_checkpoint):
     """The same checkpoint in the float64 check mode (loaded with x64 on)."""
-    with _x64():
+    with enable_x64():
         return load_model(str(tiny_hf_checkpoint("qwen3")), "float64")
 
 
 @pytest.fixture
 def x64():
     """64-bit JAX for one test only (other tests check that float64 is refused without it)."""
-    with _x64():
+    with enable_x64():
         yield
 
 

@@ -11,10 +11,8 @@ request that read a page it did not compute itself, or a freed or evicted page's
 contents, would turn NaN or diverge from the (unpoisoned) run without caching.
 """
 
-import contextlib
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,22 +22,13 @@ from jfp8kv.engine.llm import LLM
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.models.loader import load_model
+from tests.x64 import x64
 
 pytestmark = pytest.mark.timeout(900)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 E4M3_MODES = [("fp8_e4m3", m) for m in ("tensor", "channel", "token", "block")]
 KV = [("bfloat16", None), *E4M3_MODES, ("fp8_e5m2", "channel")]
-
-
-@contextlib.contextmanager
-def _x64():
-    before = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", before)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +38,7 @@ def tiny_f64(tiny_hf_checkpoint):
 
     def get(family):
         if family not in loaded:
-            with _x64():
+            with x64():
                 loaded[family] = load_model(str(tiny_hf_checkpoint(family)), "float64")
         return loaded[family]
 
@@ -103,7 +92,7 @@ def shared_prefix_prompts(rng, vocab, head_len=40):
 def test_greedy_and_nll_identical_with_and_without_prefix_caching(tiny_f64, family, kv, mode):
     loaded = tiny_f64(family)
     a, prompts = shared_prefix_prompts(np.random.default_rng(0), loaded.config.vocab_size)
-    with _x64():
+    with x64():
         llm = make(loaded, kv, mode, True)
         cached_run, hits = run_in_turn(llm, prompts)
         plain = make(loaded, kv, mode, False)
@@ -182,7 +171,7 @@ def test_poisoned_freed_and_evicted_pages_never_reach_a_request(tiny_f64, kv, mo
         for h, t in order:
             yield heads[h] + tails[t]
 
-    with _x64():
+    with x64():
         probe = make(loaded, kv, mode, True)
         page_bytes = probe.cache_info()["pool_bytes"] // probe.cache_info()["num_pages"]
         llm = make(loaded, kv, mode, True, kv_cache_memory=12 * page_bytes)
@@ -209,7 +198,7 @@ def test_poisoned_freed_and_evicted_pages_never_reach_a_request(tiny_f64, kv, mo
 
 @pytest.fixture(scope="module")
 def smollm2_f64(smollm2_gguf_path):
-    with _x64():
+    with x64():
         return load_model(str(smollm2_gguf_path), "float64")
 
 
@@ -232,7 +221,7 @@ def test_smollm2_identical_with_and_without_prefix_caching(smollm2_f64, kv, mode
         yield from chats
         yield chats[0]  # asked again
 
-    with _x64():
+    with x64():
         runs = {}
         for caching in (True, False):
             llm = make(smollm2_f64, kv, mode, caching, kv_cache_memory=8 << 20,

@@ -7,7 +7,6 @@ unequal batch) and through ``LLM`` (float32 cache; fp8 cache against the engine'
 float64 paths and near the unquantized NLL).
 """
 
-import contextlib
 import math
 
 import jax
@@ -21,6 +20,7 @@ from jfp8kv.engine.llm import LLM
 from jfp8kv.models import moe
 from jfp8kv.models.loader import load_model
 from tests.models.test_parity import LENGTHS, PagedModel, hf_logits
+from tests.x64 import x64
 
 VARIANTS = {  # name -> Qwen3MoeConfig overrides
     # layer 1 dense via mlp_only_layers, renormalized top-2 weights
@@ -201,21 +201,11 @@ def test_llm_float32_cache_matches_transformers(qwen3_moe_checkpoint):
         assert (gen.max(-1) - picked <= tol).all()
 
 
-@contextlib.contextmanager
-def _x64():
-    before = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", before)
-
-
 @pytest.mark.parametrize("mode", ["token", "block"])
 def test_fp8_cache_paths_agree_in_float64(qwen3_moe_checkpoint, mode):
     """fp8 e4m3 cache in the float64 check mode: chunked prefill equals one-shot to round-off
     and teacher-forced argmax reproduces decode (MoE routing included)."""
-    with _x64():
+    with x64():
         llm = _llm(load_model(str(qwen3_moe_checkpoint("mlp-only")), "float64"),
                    dtype="float64", kv_cache_dtype="fp8_e4m3", kv_scale_mode=mode)
         rng = np.random.default_rng()
