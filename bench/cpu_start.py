@@ -8,6 +8,11 @@ fresh JAX compilation-cache directory: "cold" (empty: everything compiles) and "
 entries the cold run wrote). Each run records seconds from launch to /health, the latency
 of the first chat request after /health (greedy, ``--tokens`` tokens, ignore_eos), the rate
 of a second identical request, and /proc/loadavg (the machine may be shared).
+
+``--fresh-venv`` first times the README's install as a new user runs it: a new virtual
+environment, ``pip install --no-cache-dir -e .`` (no extras, nothing from pip's cache), then
+serves from that environment with an empty model cache (``JFP8KV_CACHE`` in a temporary
+directory, so the cold run includes the default model's download).
 """
 
 from __future__ import annotations
@@ -50,9 +55,22 @@ def chat(url: str, tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
 
 
-def run_once(args, cache_dir: str, label: str) -> dict:
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "jfp8kv.serve", "--kv-cache-dtype", args.kv_cache_dtype,
+def fresh_install(root: str) -> tuple[str, float]:
+    """A new venv under ``root`` with ``pip install --no-cache-dir -e .``; (python, seconds)."""
+    t0 = time.perf_counter()
+    venv = Path(root) / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-cache-dir", "-e", str(repo)],
+                   check=True)
+    return str(venv / "bin" / "python"), time.perf_counter() - t0
+
+
+def run_once(args, cache_dir: str, label: str, python: str = sys.executable,
+             extra_env: dict | None = None) -> dict:
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1",
+               **(extra_env or {}))
+    cmd = [python, "-m", "jfp8kv.serve", "--kv-cache-dtype", args.kv_cache_dtype,
            "--max-model-len", str(args.max_model_len), "--port", str(args.port)]
     url = f"http://127.0.0.1:{args.port}"
     la0 = loadavg()
@@ -82,16 +100,29 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--limit-s", type=float, default=1200)
+    p.add_argument("--fresh-venv", action="store_true",
+                   help="time a no-extras install into a new venv and serve from it")
     p.add_argument("--out", default="bench/results/cpu-start.json")
     args = p.parse_args(argv)
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="jfp8kv-jax-cache-") as cache_dir:
+    runs, install = [], None
+    with tempfile.TemporaryDirectory(prefix="jfp8kv-cpu-start-") as root:
+        cache_dir, python, extra_env = os.path.join(root, "jax-cache"), sys.executable, {}
+        if args.fresh_venv:
+            la0 = loadavg()
+            python, install_s = fresh_install(root)
+            install = dict(command="pip install --no-cache-dir -e . (new venv, no extras)",
+                           seconds=install_s, loadavg_start=la0, loadavg_end=loadavg())
+            extra_env = dict(JFP8KV_CACHE=os.path.join(root, "jfp8kv-cache"))
+            print(json.dumps(install), flush=True)
         for label in ("cold", "warm"):
-            runs.append(run_once(args, cache_dir, label))
+            runs.append(run_once(args, cache_dir, label, python, extra_env))
             print(json.dumps(runs[-1]), flush=True)
     doc = dict(command=" ".join(["python", "-m", "bench.cpu_start",
                                  *(argv if argv is not None else sys.argv[1:])]),
-               machine=dict(cpu=cpu_model(), cores=os.cpu_count()), runs=runs)
+               machine=dict(cpu=cpu_model(), cores=os.cpu_count()), install=install, runs=runs)
+    if install:
+        doc["install_to_first_answer_s"] = (install["seconds"] + runs[0]["health_s"]
+                                            + runs[0]["first_chat_s"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
