@@ -9,7 +9,10 @@ The jaxtyping annotations at the real boundaries (the kernels' contract, the cac
 wraps the functions of these modules with beartype before any test imports them.
 """
 
+import atexit
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,9 +25,26 @@ install_import_hook(["jfp8kv.kernels", "jfp8kv.kvcache.cache", "jfp8kv.models.tr
 
 from tests.tiny_checkpoints import build_tiny_checkpoint, build_tiny_tokenizer
 
-_CACHE = os.environ.setdefault(
-    "JFP8KV_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "jfp8kv-test-jax-cache"))
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+
+
+def _test_jax_cache() -> str:
+    """The persistent compilation cache of this test run: a new directory per run (made by the
+    top pytest process, inherited by its children through the environment) unless
+    ``JFP8KV_TEST_JAX_CACHE`` names one, with one subdirectory per CPU device count. XLA leaves
+    ``--xla_force_host_platform_device_count`` out of the cache key, so an executable written by
+    a 4-device child (the tensor-parallel tests) must not be read by a 1-device process."""
+    root = os.environ.get("JFP8KV_TEST_JAX_CACHE")
+    if not root:
+        root = tempfile.mkdtemp(prefix="jfp8kv-test-jax-cache-")
+        os.environ["JFP8KV_TEST_JAX_CACHE"] = root
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    count = re.search(r"--xla_force_host_platform_device_count=(\d+)",
+                      os.environ.get("XLA_FLAGS", ""))
+    return os.path.join(root, f"devices-{count.group(1) if count else 1}")
+
+
+_CACHE = _test_jax_cache()
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
