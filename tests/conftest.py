@@ -1,8 +1,9 @@
 """Session-wide test settings and the tiny-checkpoint fixtures every test folder shares.
 
-XLA compiles on CPU are the slowest part of the suite; a persistent compilation cache
-shared by every test process of a run (and by the server subprocesses the serve tests
-start) lets identical shapes compile once.
+XLA compiles on CPU are the slowest part of the suite; a persistent compilation cache lets
+identical programs compile once per process kind (``_test_jax_cache``): a new engine in the
+same pytest process, or the next server the serve tests start, reads what an earlier one
+wrote.
 
 The jaxtyping annotations at the real boundaries (the kernels' contract, the cache pytree,
 ``transformer.forward``) are checked at run time under pytest only: the import hook below
@@ -11,7 +12,6 @@ wraps the functions of these modules with beartype before any test imports them.
 
 import atexit
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,25 +26,24 @@ install_import_hook(["jfp8kv.kernels", "jfp8kv.kvcache.cache", "jfp8kv.models.tr
 from tests.tiny_checkpoints import build_tiny_checkpoint, build_tiny_tokenizer
 
 
-
 def _test_jax_cache() -> str:
-    """The persistent compilation cache of this test run: a new directory per run (made by the
-    top pytest process, inherited by its children through the environment) unless
-    ``JFP8KV_TEST_JAX_CACHE`` names one, with one subdirectory per CPU device count. XLA leaves
-    ``--xla_force_host_platform_device_count`` out of the cache key, so an executable written by
-    a 4-device child (the tensor-parallel tests) must not be read by a 1-device process."""
+    """This process's persistent compilation cache, under a new directory per test run (made by
+    the top pytest process, inherited by its children through the environment) unless
+    ``JFP8KV_TEST_JAX_CACHE`` names one. Each pytest process gets its own subdirectory, and the
+    processes it starts (servers, bench subprocesses) share ``children/``: an executable is
+    only ever read back by a process like the one that compiled it. (XLA leaves the CPU device
+    count out of the cache key, and one CI run aborted deserializing an executable that another
+    process had written.)"""
     root = os.environ.get("JFP8KV_TEST_JAX_CACHE")
     if not root:
         root = tempfile.mkdtemp(prefix="jfp8kv-test-jax-cache-")
         os.environ["JFP8KV_TEST_JAX_CACHE"] = root
         atexit.register(shutil.rmtree, root, ignore_errors=True)
-    count = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                      os.environ.get("XLA_FLAGS", ""))
-    return os.path.join(root, f"devices-{count.group(1) if count else 1}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(root, "children")
+    return os.path.join(root, f"pytest-{os.getpid()}")
 
 
 _CACHE = _test_jax_cache()
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
