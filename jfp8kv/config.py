@@ -15,7 +15,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +29,23 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling ("rope_type": "yarn") as transformers computes it for DeepSeek:
+    inverse frequencies blended between interpolation and extrapolation over the
+    [beta_fast, beta_slow] correction range, cos/sin times ``attention_factor``, and the
+    softmax scale times ``mscale(factor, mscale_all_dim)**2`` (``jfp8kv.models.mla``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +68,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -63,9 +83,35 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Multi-head latent attention (deepseek_v2 / deepseek_v3); kv_lora_rank == 0: not MLA.
+    q_lora_rank: int | None = None  # None: one q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # pairwise (even, odd) rotation instead of rotate-half
+    # DeepSeek MoE: layers >= first_k_dense_replace are routed (transformers' rule).
+    first_k_dense_replace: int = 0
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer by MLA: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether ``layer`` uses the routed experts (transformers' Qwen3-MoE rule)."""
+        """Whether ``layer`` uses the routed experts (transformers' Qwen3-MoE rule; DeepSeek:
+        every layer from ``first_k_dense_replace`` on)."""
+        if self.family in MLA_FAMILIES:
+            return self.num_experts > 0 and layer >= self.first_k_dense_replace
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
@@ -81,7 +127,8 @@ class ModelConfig:
         if arch is None:
             model_type = cfg.get("model_type")
             by_type = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3_moe"}
+                       "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
+                       "deepseek_v3": "deepseek_v3"}
             if model_type not in by_type:
                 raise ValueError(
                     f"unsupported architecture {archs or model_type!r}; jfp8kv supports "
@@ -115,9 +162,12 @@ class ModelConfig:
                     high_freq_factor=float(rs["high_freq_factor"]),
                     original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                 )
+            elif rtype == "yarn" and family in MLA_FAMILIES:
+                rope_scaling = _yarn(rs)
             elif rtype not in (None, "default"):
                 raise ValueError(
-                    f"unsupported rope_scaling type {rtype!r}; supported: default, llama3"
+                    f"unsupported rope_scaling type {rtype!r}; supported: default, llama3 "
+                    "(and yarn for deepseek_v2/deepseek_v3)"
                 )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -128,7 +178,9 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            # MLA caches no KV heads: config.json's count means nothing there.
+            num_kv_heads=num_heads if family in MLA_FAMILIES else (
+                cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
@@ -141,7 +193,42 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
             **(_moe_fields(cfg) if family == "qwen3_moe" else {}),
+            **(_mla_fields(cfg, family) if family in MLA_FAMILIES else {}),
         )
+
+
+def _yarn(rs: dict[str, Any]) -> YarnScaling:
+    af = rs.get("attention_factor")
+    return YarnScaling(
+        factor=float(rs["factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+        mscale=float(rs.get("mscale") or 0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0),
+        attention_factor=None if af is None else float(af), truncate=bool(rs.get("truncate", True)))
+
+
+def _mla_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3 attention and MoE settings from config.json (``n_routed_experts`` is
+    the experts count; null n_group/topk_group mean 1)."""
+    experts = int(cfg.get("n_routed_experts", cfg.get("num_experts", 0)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
+    if experts > 0 and not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..n_routed_experts={experts}")
+    q_lora = cfg.get("q_lora_rank")
+    return dict(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+        # transformers' DeepSeek-V2 always rotates pairs; V3 does when rope_interleave.
+        rope_interleave=family == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
+        num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", family == "deepseek_v3")),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        topk_method=cfg.get("topk_method") or "greedy",
+        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1))
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +275,8 @@ class CacheConfig:
     ``storage_dtype`` is the dtype of the page arrays (``float8_e4m3fn``, ``float8_e5m2``,
     ``bfloat16``, ``float16`` or ``float32``); it is a different thing from the model's
     compute dtype. ``scale_mode`` is meaningful only for fp8 storage (``None`` otherwise).
+    ``layout="latent"`` (MLA models): one page array per layer, ``num_kv_heads`` 1 and
+    ``head_dim`` = kv_lora_rank + qk_rope_head_dim, no V array (``jfp8kv.kvcache.latent``).
     ``bitcast_pool``: hold 8/16-bit pages as same-width unsigned integers (the bits of the
     storage dtype; ``jfp8kv.kvcache.cache.pool_dtype``). The builder sets it for the
     reference backend on CPU, where XLA updates integer pools in place but rewrites a whole
@@ -203,6 +292,7 @@ class CacheConfig:
     scale_mode: str | None = None
     scale_block: int = 32
     bitcast_pool: bool = False
+    layout: str = "kv"  # "kv": K and V pages; "latent": one MLA row per token (kvcache/latent.py)
 
     @property
     def is_fp8(self) -> bool:

@@ -117,6 +117,11 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
     ``attend``: ``store_and_attend`` (the default) or a caller's wrapper of it with the same
     signature (tensor parallelism runs it per device: ``models/sharding.py``).
     """
+    if cfg.is_mla:  # DeepSeek-V2/V3: latent cache and absorbed attention
+        from jfp8kv.models import mla
+
+        return mla.forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
+                           cfg=cfg, backend=backend)
     attend = attend or store_and_attend
     b, t = tokens.shape
     dtype = params["embed"].dtype
