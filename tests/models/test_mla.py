@@ -194,8 +194,8 @@ def test_capacity_and_mode_validation(deepseek_checkpoint):
         llm = _llm(loaded, kv_cache_dtype=kv, kv_scale_mode=mode or None)
         info = llm.cache_info()
         assert info["bytes_per_token"] == bpt, key
-        assert info["pool_bytes"] == (info["num_pages"] + 1) * PAGE * bpt, key
-        assert info["num_pages"] * PAGE * bpt <= (1 << 20), key
+        assert info["pool_bytes"] == (info["num_pages"] + 1) * info["page_size"] * bpt, key
+        assert info["num_pages"] * info["page_size"] * bpt <= (1 << 20), key
     assert _llm(loaded, kv_cache_dtype="fp8_e4m3").cache_info()["kv_scale_mode"] == "block"
     for mode in ("tensor", "channel"):
         with pytest.raises(ValueError, match="not supported for the MLA latent cache.*block"):
