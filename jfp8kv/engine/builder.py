@@ -299,9 +299,6 @@ def place_model(loaded, size: int):
     """(loaded, layout): the layout of ``size`` devices (None for one) and ``loaded`` with its
     params on it. Params the loader placed stay where they are; an already loaded model
     (``LLM(loaded=...)``) is moved onto the mesh."""
-    if loaded.config.is_mla and size > 1:
-        raise ValueError(f"tensor_parallel_size={size}: {loaded.config.family} (latent "
-                         "attention) runs on one device only for now; use 1")
     tp = sharding.plan(loaded.config, size)
     if tp is None:
         return loaded, None

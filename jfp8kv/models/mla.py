@@ -186,8 +186,24 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Attention param shapes of one MLA layer (random-weight presets)."""
+def random_layer_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Param shapes of MLA layer ``layer`` (random-weight presets): attention, then the
+    dense MLP or the DeepSeek MoE (router, experts, shared experts, V3's router bias)."""
+    d = cfg.hidden_size
+    shapes = attention_shapes(cfg)
+    if not cfg.is_moe_layer(layer):
+        i_sz = cfg.intermediate_size
+        return {**shapes, "w_gate": (d, i_sz), "w_up": (d, i_sz), "w_down": (i_sz, d)}
+    si = cfg.n_shared_experts * cfg.moe_intermediate_size
+    shapes.update(moe.moe_layer_shapes(cfg), shared_gate=(d, si), shared_up=(d, si),
+                  shared_down=(si, d))
+    if cfg.family == "deepseek_v3":
+        shapes["router_bias"] = (cfg.num_experts,)
+    return shapes
+
+
+def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Attention param shapes of one MLA layer (and its two norms)."""
     d, hh = cfg.hidden_size, cfg.num_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     r = cfg.kv_lora_rank

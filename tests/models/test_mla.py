@@ -273,3 +273,23 @@ def test_fp8_paths_agree_in_float64(deepseek_checkpoint, mode):
                                        atol=1e-9)
             assert lg[len(p) - 1:].argmax(-1).tolist() == o.token_ids
         assert llm.kv_stats()["nan_total"] == 0
+
+
+def test_random_presets():
+    """random:deepseek-v2-tiny runs end to end through LLM (bf16 and the default fp8 latent
+    cache: block); random:deepseek-v2-lite has V2-Lite's shapes and cache cost."""
+    from jfp8kv.models.presets import PRESETS
+    from jfp8kv.config import ModelConfig
+
+    lite = ModelConfig(**PRESETS["deepseek-v2-lite"])
+    assert (lite.latent_dim, lite.num_layers, lite.is_moe_layer(0), lite.is_moe_layer(1)) == (
+        576, 27, False, True)
+    assert bytes_per_token(27, 1, 576, "bfloat16", None, layout="latent") == 31104
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(model="random:deepseek-v2-tiny", dtype="bfloat16", max_model_len=64,
+                  kv_cache_memory=1 << 20, kv_cache_dtype=kv)
+        outs[kv] = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10]], params)]
+        assert all(len(t) == 6 for t in outs[kv])
+    assert llm.cache_info()["kv_scale_mode"] == "block"
