@@ -9,12 +9,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jfp8kv.config_fields import (MLA_FAMILIES, YarnScaling, mla_fields, moe_fields,
+                                  yarn_scaling)
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -48,7 +53,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -63,9 +68,35 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Multi-head latent attention (deepseek_v2 / deepseek_v3); kv_lora_rank == 0: not MLA.
+    q_lora_rank: int | None = None  # None: one q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # pairwise (even, odd) rotation instead of rotate-half
+    # DeepSeek MoE: layers >= first_k_dense_replace are routed (transformers' rule).
+    first_k_dense_replace: int = 0
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer by MLA: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether ``layer`` uses the routed experts (transformers' Qwen3-MoE rule)."""
+        """Whether ``layer`` uses the routed experts (transformers' Qwen3-MoE rule; DeepSeek:
+        every layer from ``first_k_dense_replace`` on)."""
+        if self.family in MLA_FAMILIES:
+            return self.num_experts > 0 and layer >= self.first_k_dense_replace
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
@@ -81,7 +112,8 @@ class ModelConfig:
         if arch is None:
             model_type = cfg.get("model_type")
             by_type = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3_moe"}
+                       "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
+                       "deepseek_v3": "deepseek_v3"}
             if model_type not in by_type:
                 raise ValueError(
                     f"unsupported architecture {archs or model_type!r}; jfp8kv supports "
@@ -115,9 +147,12 @@ class ModelConfig:
                     high_freq_factor=float(rs["high_freq_factor"]),
                     original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                 )
+            elif rtype == "yarn" and family in MLA_FAMILIES:
+                rope_scaling = yarn_scaling(rs)
             elif rtype not in (None, "default"):
                 raise ValueError(
-                    f"unsupported rope_scaling type {rtype!r}; supported: default, llama3"
+                    f"unsupported rope_scaling type {rtype!r}; supported: default, llama3 "
+                    "(and yarn for deepseek_v2/deepseek_v3)"
                 )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -128,7 +163,9 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            # MLA caches no KV heads: config.json's count means nothing there.
+            num_kv_heads=num_heads if family in MLA_FAMILIES else (
+                cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
@@ -140,22 +177,9 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
-            **(_moe_fields(cfg) if family == "qwen3_moe" else {}),
+            **(moe_fields(cfg) if family == "qwen3_moe" else {}),
+            **(mla_fields(cfg, family) if family in MLA_FAMILIES else {}),
         )
-
-
-def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's expert settings from config.json (``num_local_experts`` is the alias
-    transformers writes for ``num_experts``); raises ValueError on an impossible top-k."""
-    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
-    top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
-    if experts > 0 and not 0 < top_k <= experts:
-        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
-    return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                decoder_sparse_step=max(1, int(cfg.get("decoder_sparse_step", 1) or 1)),
-                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8")
@@ -188,6 +212,8 @@ class CacheConfig:
     ``storage_dtype`` is the dtype of the page arrays (``float8_e4m3fn``, ``float8_e5m2``,
     ``bfloat16``, ``float16`` or ``float32``); it is a different thing from the model's
     compute dtype. ``scale_mode`` is meaningful only for fp8 storage (``None`` otherwise).
+    ``layout="latent"`` (MLA models): one page array per layer, ``num_kv_heads`` 1 and
+    ``head_dim`` = kv_lora_rank + qk_rope_head_dim, no V array (``jfp8kv.kvcache.latent``).
     ``bitcast_pool``: hold 8/16-bit pages as same-width unsigned integers (the bits of the
     storage dtype; ``jfp8kv.kvcache.cache.pool_dtype``). The builder sets it for the
     reference backend on CPU, where XLA updates integer pools in place but rewrites a whole
@@ -203,6 +229,7 @@ class CacheConfig:
     scale_mode: str | None = None
     scale_block: int = 32
     bitcast_pool: bool = False
+    layout: str = "kv"  # "kv": K and V pages; "latent": one MLA row per token (kvcache/latent.py)
 
     @property
     def is_fp8(self) -> bool:

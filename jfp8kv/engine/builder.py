@@ -33,7 +33,7 @@ from jfp8kv.engine.runner import ModelRunner, page_widths_from
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache import calibrate, fp8
 from jfp8kv.kvcache.allocator import PageAllocator
-from jfp8kv.kvcache import scale_modes
+from jfp8kv.kvcache import latent, scale_modes
 from jfp8kv.kvcache.cache import KVCache, bytes_per_token, plan_num_pages
 from jfp8kv.models import sharding
 
@@ -165,16 +165,21 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
     Under tensor parallelism the budget and ``bytes_per_token`` are per device (one
     device's KV heads); the ``CacheConfig`` describes the global pool (all heads).
     ``bitcast_pool``: integer page arrays (``CacheConfig.bitcast_pool``; same bytes)."""
-    scale_modes.get(mode, storage).validate(model_cfg.head_dim)
+    layout = "latent" if model_cfg.is_mla else "kv"
+    if model_cfg.is_mla:
+        latent.check_latent_mode(model_cfg, storage, mode)
+        shape = latent.cache_shape(model_cfg)
+    else:
+        scale_modes.get(mode, storage).validate(model_cfg.head_dim)
+        shape = dict(num_layers=model_cfg.num_layers,
+                     num_kv_heads=tp.kv_heads_per_device if tp else model_cfg.num_kv_heads,
+                     head_dim=model_cfg.head_dim)
     max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
-    shape = dict(num_layers=model_cfg.num_layers,
-                 num_kv_heads=tp.kv_heads_per_device if tp else model_cfg.num_kv_heads,
-                 head_dim=model_cfg.head_dim)
-    bpt = bytes_per_token(*shape.values(), storage, mode)
+    bpt = bytes_per_token(*shape.values(), storage, mode, layout=layout)
     memory = engine.kv_cache_memory or default_cache_memory(device, bpt, max_model_len,
                                                             engine.max_num_seqs)
     usable = plan_num_pages(memory, **shape, page_size=engine.page_size,
-                            storage_dtype=storage, scale_mode=mode)
+                            storage_dtype=storage, scale_mode=mode, layout=layout)
     if usable * engine.page_size < max_model_len:
         need = math.ceil(max_model_len / engine.page_size) * engine.page_size * bpt
         raise ValueError(
@@ -184,7 +189,7 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
     if tp is not None:
         shape["num_kv_heads"] = tp.cache_kv_heads
     ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode,
-                       bitcast_pool=bitcast_pool)
+                       bitcast_pool=bitcast_pool, layout=layout)
     return CapacityPlan(ccfg, max_model_len, memory, bpt)
 
 
@@ -273,6 +278,8 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
 
         loaded = load_model(load.model, load.dtype, engine.tensor_parallel_size)
     loaded, tp = place_model(loaded, engine.tensor_parallel_size)
+    if loaded.config.is_mla and fp8.is_fp8(storage) and cache.kv_scale_mode is None:
+        mode = latent.DEFAULT_LATENT_SCALE_MODE  # the issue's default for latents
     # XLA on CPU rewrites a whole bf16/fp8 pool per scatter, an integer one in place.
     plan = plan_capacity(loaded.config, engine, storage, mode, device, tp,
                          bitcast_pool=device.platform == "cpu" and backend == "reference")
@@ -303,7 +310,7 @@ def cache_info(built: BuiltEngine) -> dict:
     c = built.cache_config
     tp_size = built.tp.size if built.tp else 1
     return dict(kv_cache_dtype=fp8.user_dtype_name(c.storage_dtype),
-                storage_dtype=c.storage_dtype, kv_scale_mode=c.scale_mode,
+                storage_dtype=c.storage_dtype, kv_scale_mode=c.scale_mode, kv_layout=c.layout,
                 page_size=c.page_size, num_pages=c.num_pages - 1,
                 max_tokens=c.max_tokens, bytes_per_token=built.bytes_per_token,
                 kv_cache_memory=built.engine_config.kv_cache_memory,
@@ -321,7 +328,7 @@ def tensor_parallel_info(built: BuiltEngine) -> dict:
     ``pool_bytes`` are per device; ``kv_replication_bytes_per_token`` is what replicated KV
     heads add over all devices together (0 when the mesh size divides the KV heads)."""
     c, tp = built.cache_config, built.tp
-    model_heads = built.loaded.config.num_kv_heads
+    model_heads = 1 if c.layout == "latent" else built.loaded.config.num_kv_heads
     replicated = 0
     if tp is not None:
         unsharded = bytes_per_token(c.num_layers, model_heads, c.head_dim, c.storage_dtype,

@@ -20,6 +20,10 @@ Head-major pages keep one (head, page) block contiguous, which is what the decod
 reads. "tensor" scales are stored broadcast to [heads, head_dim] so tensor and channel modes
 share one code path (the K scale is folded into the query, the V scale into the output).
 
+MLA models (``CacheConfig.layout == "latent"``, ``jfp8kv.kvcache.latent``) keep one latent
+row per token per layer in ``k[l]`` [1, num_pages, page_size, kv_lora_rank + rope_dim] with
+its scales in ``k_scale[l]``; ``v`` and ``v_scale`` are empty lists, the v stats columns 0.
+
 Page 0 is reserved: padding lanes write there and no sequence ever owns it.
 
 ``bytes_per_token`` is the single source of truth for capacity: the planner
@@ -103,12 +107,14 @@ def scale_shape(cfg: CacheConfig) -> tuple[int, ...]:
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, storage_dtype: str,
-                    scale_mode: str | None, scale_block: int = 32) -> int:
-    """KV bytes per cached token: 2 x layers x kv_heads x (head_dim x itemsize + scale bytes)."""
+                    scale_mode: str | None, scale_block: int = 32, layout: str = "kv") -> int:
+    """KV bytes per cached token: 2 x layers x kv_heads x (head_dim x itemsize + scale bytes);
+    one array instead of two (K and V) for the MLA ``layout="latent"`` (one head of
+    head_dim = kv_lora_rank + qk_rope_head_dim)."""
     item = jnp.dtype(storage_dtype).itemsize
     mode = scale_modes.get(scale_mode, storage_dtype)
     per_head = head_dim * item + mode.scale_bytes_per_token_head(head_dim, scale_block)
-    return 2 * num_layers * num_kv_heads * per_head
+    return (1 if layout == "latent" else 2) * num_layers * num_kv_heads * per_head
 
 
 def static_overhead_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -120,10 +126,10 @@ def static_overhead_bytes(num_layers: int, num_kv_heads: int, head_dim: int,
 
 def plan_num_pages(cache_memory: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
                    page_size: int, storage_dtype: str, scale_mode: str | None,
-                   scale_block: int = 32) -> int:
+                   scale_block: int = 32, layout: str = "kv") -> int:
     """Usable pages (excluding the reserved sink page) that fit in ``cache_memory`` bytes."""
     per_page = page_size * bytes_per_token(num_layers, num_kv_heads, head_dim, storage_dtype,
-                                           scale_mode, scale_block)
+                                           scale_mode, scale_block, layout)
     budget = cache_memory - static_overhead_bytes(num_layers, num_kv_heads, head_dim,
                                                   storage_dtype, scale_mode)
     return max(0, budget // per_page)
@@ -143,8 +149,8 @@ class KVCache:
     config: CacheConfig = dataclasses.field(metadata=dict(static=True))
 
     def __post_init__(self):
-        if self.k and _arrays(self.k[0], self.v[0], self.k_scale[0], self.v_scale[0],
-                              self.stats):
+        if self.k and self.v and _arrays(self.k[0], self.v[0], self.k_scale[0],
+                                         self.v_scale[0], self.stats):
             _check_cache(self.k, self.v, self.k_scale, self.v_scale, self.stats)
 
     @classmethod
@@ -153,6 +159,10 @@ class KVCache:
         shape = (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)
         dt = pool_dtype(cfg)
         mode = scale_modes.of(cfg)
+        if cfg.layout == "latent":  # MLA: the rows live in k / k_scale, v lists are empty
+            return cls([jnp.zeros(shape, dt) for _ in range(cfg.num_layers)], [],
+                       mode.init_scales(cfg), [],
+                       jnp.zeros((cfg.num_layers, len(STAT_FIELDS)), jnp.float32), cfg)
         return cls(
             k=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],
             v=[jnp.zeros(shape, dt) for _ in range(cfg.num_layers)],

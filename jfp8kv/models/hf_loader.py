@@ -51,6 +51,9 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (v, d), None, "embed", False)]
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
+        if cfg.is_mla:
+            specs += _mla_specs(cfg, n)
+            continue
         specs += [
             TensorSpec(p + "input_layernorm.weight", (d,), n, "attn_norm", False),
             TensorSpec(p + "self_attn.q_proj.weight", (q_dim, d), n, "wq", True),
@@ -73,6 +76,43 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", (d,), None, "final_norm", False))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (v, d), None, "lm_head", True))
+    return specs
+
+
+def _mla_specs(cfg: ModelConfig, n: int) -> list[TensorSpec]:
+    """DeepSeek-V2/V3 layer ``n``: latent attention, then a dense MLP (layers before
+    ``first_k_dense_replace``) or the MoE with shared experts (and V3's router bias)."""
+    d, hh, r, p = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, f"model.layers.{n}."
+    qk = hh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    a = p + "self_attn."
+    specs = [TensorSpec(p + "input_layernorm.weight", (d,), n, "attn_norm", False),
+             TensorSpec(p + "post_attention_layernorm.weight", (d,), n, "mlp_norm", False),
+             TensorSpec(a + "kv_a_proj_with_mqa.weight", (r + cfg.qk_rope_head_dim, d), n,
+                        "wkv_a", True),
+             TensorSpec(a + "kv_a_layernorm.weight", (r,), n, "kv_a_norm", False),
+             TensorSpec(a + "kv_b_proj.weight", (hh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
+                        n, "wkv_b", True),
+             TensorSpec(a + "o_proj.weight", (d, hh * cfg.v_head_dim), n, "wo", True)]
+    if cfg.q_lora_rank is None:
+        specs.append(TensorSpec(a + "q_proj.weight", (qk, d), n, "wq", True))
+    else:
+        ql = cfg.q_lora_rank
+        specs += [TensorSpec(a + "q_a_proj.weight", (ql, d), n, "wq_a", True),
+                  TensorSpec(a + "q_a_layernorm.weight", (ql,), n, "q_a_norm", False),
+                  TensorSpec(a + "q_b_proj.weight", (qk, ql), n, "wq_b", True)]
+    i_sz, m = cfg.intermediate_size, p + "mlp."
+    if not cfg.is_moe_layer(n):
+        return specs + [TensorSpec(m + "gate_proj.weight", (i_sz, d), n, "w_gate", True),
+                        TensorSpec(m + "up_proj.weight", (i_sz, d), n, "w_up", True),
+                        TensorSpec(m + "down_proj.weight", (d, i_sz), n, "w_down", True)]
+    si = cfg.n_shared_experts * cfg.moe_intermediate_size
+    specs += _moe_specs(cfg, n) + [
+        TensorSpec(m + "shared_experts.gate_proj.weight", (si, d), n, "shared_gate", True),
+        TensorSpec(m + "shared_experts.up_proj.weight", (si, d), n, "shared_up", True),
+        TensorSpec(m + "shared_experts.down_proj.weight", (d, si), n, "shared_down", True)]
+    if cfg.family == "deepseek_v3":
+        specs.append(TensorSpec(m + "gate.e_score_correction_bias", (cfg.num_experts,), n,
+                                "router_bias", False))
     return specs
 
 

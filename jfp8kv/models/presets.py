@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import jax
 
-from jfp8kv.config import ModelConfig
+from jfp8kv.config import ModelConfig, YarnScaling
+
+_DEEPSEEK_V2_LITE = dict(
+    family="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    num_layers=27, num_heads=16, num_kv_heads=16, head_dim=64, rms_norm_eps=1e-6,
+    rope_theta=10000.0, max_position_embeddings=163840, eos_token_ids=(100001,),
+    rope_scaling=YarnScaling(factor=40.0, original_max_position_embeddings=4096,
+                             mscale=0.707, mscale_all_dim=0.707),
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, rope_interleave=True, num_experts=64, num_experts_per_tok=6,
+    moe_intermediate_size=1408, n_shared_experts=2, first_k_dense_replace=1)
 
 PRESETS = {
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096,
@@ -33,6 +43,15 @@ PRESETS = {
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6,
                        max_position_embeddings=40960, qk_norm=True, tie_word_embeddings=True,
                        eos_token_ids=(4095,)),
+    # DeepSeek-V2-Lite's shapes: MLA (no q LoRA, r 512 + 64 RoPE dims), 64 routed experts
+    # top-6 plus 2 shared, first layer dense, YaRN x40.
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
+    # Not a real model: the same layout at toy size, for CPU smoke tests.
+    "deepseek-v2-tiny": dict(
+        _DEEPSEEK_V2_LITE, vocab_size=4096, hidden_size=128, intermediate_size=256,
+        num_layers=2, num_heads=4, num_kv_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=32, v_head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, eos_token_ids=(4095,)),
 }
 
 

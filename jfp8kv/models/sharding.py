@@ -79,6 +79,9 @@ def plan(cfg: ModelConfig, size: int) -> "TensorParallel | None":
     check_device_count(size)
     if size == 1:
         return None
+    if cfg.is_mla:
+        raise ValueError(f"tensor_parallel_size={size}: {cfg.family} (latent attention) runs "
+                         "on one device only for now; use 1")
     if cfg.num_heads % size:
         raise ValueError(
             f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} "

@@ -117,6 +117,11 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
     ``attend``: ``store_and_attend`` (the default) or a caller's wrapper of it with the same
     signature (tensor parallelism runs it per device: ``models/sharding.py``).
     """
+    if cfg.is_mla:  # DeepSeek-V2/V3: latent cache and absorbed attention
+        from jfp8kv.models import mla
+
+        return mla.forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
+                           cfg=cfg, backend=backend)
     attend = attend or store_and_attend
     b, t = tokens.shape
     dtype = params["embed"].dtype
@@ -181,7 +186,13 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float =
                       bv=(cfg.num_kv_heads * hd,))
     if cfg.qk_norm:
         shapes.update(q_norm=(hd,), k_norm=(hd,))
-    keys = iter(jax.random.split(key, cfg.num_layers * len(shapes) + 2))
+    if cfg.is_mla:  # DeepSeek: MLA attention, dense or MoE MLP per layer
+        from jfp8kv.models import mla
+
+        per_layer = [mla.random_layer_shapes(cfg, i) for i in range(cfg.num_layers)]
+    else:
+        per_layer = [shapes] * cfg.num_layers
+    keys = iter(jax.random.split(key, sum(map(len, per_layer)) + 2))
     generators = {}
 
     def generate(key, shape, ones: bool):
@@ -200,7 +211,7 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float =
                 lambda k, shape=shape, ones=ones: generate(k, shape, ones), out_shardings=where)
         return generators[shape, ones, where](k)
 
-    layers = [{n: make(n, s) for n, s in shapes.items()} for _ in range(cfg.num_layers)]
+    layers = [{n: make(n, s) for n, s in sh.items()} for sh in per_layer]
     params = {"embed": make("embed", (cfg.vocab_size, d)), "final_norm": make("final_norm", (d,)),
               "layers": layers}
     if not cfg.tie_word_embeddings:
