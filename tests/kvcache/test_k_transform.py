@@ -74,18 +74,23 @@ def test_transforms_leave_unquantized_attention_unchanged(name):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
-def test_stored_rows_are_rotate_of_k_minus_shift_bitwise():
-    """The cache stores exactly what the fake quantization feeds its quantizer."""
+@pytest.mark.parametrize("backend", ("reference", "pallas_interpret"))
+def test_stored_rows_are_rotate_of_k_minus_shift_bitwise(backend):
+    """The cache stores exactly what the fake quantization feeds its quantizer (K in the
+    model's dtype, bfloat16 here, transformed in float32; V stays bfloat16)."""
+    from jfp8kv import kernels
+
     rng = np.random.default_rng(5)
     h, d, n = 2, 64, 32
-    k, v = k_like(rng, (n, h, d)), np.zeros((n, h, d), np.float32)
+    k = k_like(rng, (n, h, d)).astype(jnp.bfloat16)
+    v = jnp.zeros((n, h, d), jnp.bfloat16)
     shift = rng.standard_normal((1, h, d)).astype(np.float32) * 30
     cfg = CacheConfig(1, h, d, 3, 16, "float32", kv_rotation="smooth+hadamard")
     layer = KVCache.init(cfg, k_shift=shift).layer(0)
     slots = jnp.arange(16, 16 + n, dtype=jnp.int32)
-    layer, _ = _store(layer, jnp.asarray(k), jnp.asarray(v), slots, cfg)
+    layer, _ = kernels.store_kv(layer, jnp.asarray(k), v, slots, cfg, backend)
     got = np.asarray(layer.k[:, 1:]).reshape(h, n, d)
-    want = fq.hadamard_rotate(np.moveaxis(k, 0, 1) - shift[0][:, None])
+    want = fq.hadamard_rotate(np.moveaxis(np.asarray(k, np.float32), 0, 1) - shift[0][:, None])
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
