@@ -193,3 +193,14 @@ def test_prefix_cache_namespace_includes_the_transform(tiny_hf_checkpoint):
     roots = {LLM(kv_rotation=name, **kw).engine.scheduler.prefix_cache.root
              for name in ("none",) + TRANSFORMS}
     assert len(roots) == 1 + len(TRANSFORMS)
+
+
+def test_fakequant_mean_recorder_is_the_token_mean():
+    rng = np.random.default_rng(9)
+    a, b = k_like(rng, (1, 2, 5, 16)), k_like(rng, (1, 2, 7, 16))  # [B, H, T, D] per call
+    rec = fq.MeanRecorder()
+    for x in (a, b):
+        rec(0, x, x)
+        rec(1, 2 * x, x)
+    want = np.concatenate([a, b], axis=2).astype(np.float64).mean(axis=(0, 2))
+    np.testing.assert_allclose(rec.mean(), np.stack([want, 2 * want]), rtol=1e-6)
