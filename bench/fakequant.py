@@ -24,6 +24,12 @@ as a fast Walsh-Hadamard transform (passes h = 1, 2, 4, ..., b/2, each mapping t
 1/sqrt(b) rounded to the compute dtype (float32, or float64 for a float64 model). The
 queries are rotated the same way, so q.k is unchanged; V is not rotated.
 
+K smoothing (``KVQuantizer(..., k_mean=M)``): before the rotation (if any), the constant
+M[layer] [H, D] (a calibrated per-KV-head, per-channel mean of post-RoPE K, ``MeanRecorder``)
+is subtracted from every K row, in the compute dtype, and never added back: a query's scores
+all move by the same q.M, so softmax (and attention) is unchanged while the large constant
+channels leave the fp8 range. Stored K is ``rotate(k - M)`` (``rotate(k)`` without M).
+
 ``install(model)`` registers an attention function with transformers that fake-quantizes
 the post-RoPE ``key``/``value`` [B, Hkv, T, D] of every layer before calling the stock sdpa
 attention; ``set_quantizer(model, q)`` picks what it does (``None``: no quantization).
@@ -152,15 +158,16 @@ class KVQuantizer:
     static_k/static_v: [layers, H, D] float32 scales for tensor/channel modes (static K
     scales must be measured in the basis K is stored in: rotated when ``rotate_k``).
     rotate_k: rotate K (and the queries) by ``hadamard_rotate`` before quantizing.
+    k_mean: [layers, H, D] float32 subtracted from K before the rotation (K smoothing).
     """
 
     def __init__(self, fmt: str, mode: str, static_k=None, static_v=None,
-                 rotate_k: bool = False):
+                 rotate_k: bool = False, k_mean=None):
         if mode in ("tensor", "channel") and (static_k is None or static_v is None):
             raise ValueError(f"mode {mode!r} needs static scales")
         self.fmt, self.mode = fmt, mode
         self.static_k, self.static_v = static_k, static_v
-        self.rotate_k = rotate_k
+        self.rotate_k, self.k_mean = rotate_k, k_mean
 
     def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
         sk = None if self.static_k is None else self.static_k[layer]
@@ -171,10 +178,11 @@ class KVQuantizer:
 
 class AmaxRecorder:
     """A hook quantizer that quantizes nothing and records max |K| and |V| per layer, KV head
-    and channel (K in the rotated basis when ``rotate_k``): calibration for static scales."""
+    and channel (K in the stored basis: smoothed by ``k_mean`` and rotated when asked):
+    calibration for static scales."""
 
-    def __init__(self, rotate_k: bool = False):
-        self.rotate_k, self.k, self.v = rotate_k, {}, {}
+    def __init__(self, rotate_k: bool = False, k_mean=None):
+        self.rotate_k, self.k_mean, self.k, self.v = rotate_k, k_mean, {}, {}
 
     def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
         for store, x in ((self.k, k), (self.v, v)):
@@ -214,18 +222,43 @@ def static_scales(fmt: str, mode: str, num_layers: int, heads: int, head_dim: in
     return conv(doc["k_amax"]), conv(doc["v_amax"])
 
 
+class MeanRecorder:
+    """A hook quantizer that quantizes nothing and records the mean of post-RoPE K per layer,
+    KV head and channel over every token it sees (float64 sums): K smoothing's calibration."""
+
+    rotate_k, k_mean = False, None
+
+    def __init__(self):
+        self.sum, self.count = {}, {}
+
+    def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
+        x = np.asarray(k, np.float64)
+        self.sum[layer] = self.sum.get(layer, 0.0) + x.sum(axis=(0, 2))  # [B,H,T,D] -> [H,D]
+        self.count[layer] = self.count.get(layer, 0) + x.shape[0] * x.shape[2]
+        return k, v
+
+    def mean(self) -> np.ndarray:
+        """[layers, H, D] float32."""
+        return np.stack([self.sum[i] / self.count[i] for i in sorted(self.sum)]).astype(F32)
+
+
 # -- transformers hook --------------------------------------------------------------------
 ATTN_NAME = "jfp8kv_fakequant"
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    """key/value: [B, Hkv, T, D] post-RoPE torch tensors; fake-quantized (K and the query
-    rotated first when the quantizer says so), then stock sdpa."""
+    """key/value: [B, Hkv, T, D] post-RoPE torch tensors; fake-quantized (K smoothed, then K
+    and the query rotated, first when the quantizer says so), then stock sdpa."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q = getattr(module, "jfp8kv_kv_quantizer", None)
     kdt, vdt = key.dtype, value.dtype
+    mean = getattr(q, "k_mean", None)
+    if mean is not None:  # in float32 (float64 stays float64), as the rotation
+        ct = torch.float64 if key.dtype == torch.float64 else torch.float32
+        m = torch.from_numpy(np.asarray(mean[module.layer_idx], F32)).to(ct)
+        key = key.detach().cpu().to(ct) - m[None, :, None, :]
     if q is not None and getattr(q, "rotate_k", False):
         def rot(t):  # float32/float64 keep their dtype; others compute in float32
             a = t.detach().cpu()

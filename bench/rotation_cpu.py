@@ -1,14 +1,20 @@
 """K rotation before fp8 (issue 14), measured with the independent fake quantization on CPU.
 
-For each model, every (format, scale mode) is run with and without the randomized Hadamard
-rotation of K (queries rotated the same way; ``bench.fakequant``), in transformers on CPU,
+For each model, every (format, scale mode) is run with each K transform (``--rotations``: none,
+the randomized Hadamard rotation of K with the queries rotated the same way, K smoothing --
+a calibrated per-layer, per-KV-head, per-channel mean of post-RoPE K subtracted before
+quantization -- and smoothing followed by the rotation; ``bench.fakequant``), in transformers
+on CPU,
 against the same model with an unquantized cache: mean-NLL increase (pooled over the scored
 tokens, and per window), mean KL(unquantized || fp8) per position, and greedy (argmax)
 agreement. Static scales (tensor / channel) are calibrated on a held-out slice of the text,
-in the basis K is stored in (rotated or not), with ``fakequant.AmaxRecorder``.
+in the basis K is stored in (smoothed and/or rotated, or not), with
+``fakequant.AmaxRecorder``; the smoothing means come from the same held-out slice
+(``fakequant.MeanRecorder``).
 
     python -m bench.rotation_cpu --model smollm2 --tokens 1024 --windows 3
     python -m bench.rotation_cpu --model qwen --windows 2 --configs fp8_e4m3:token,fp8_e4m3:block
+    python -m bench.rotation_cpu --model qwen --windows 2 --rotations smooth,smooth+hadamard
 
 Each call updates its model's entry in ``bench/results/rotation-cpu.json`` (other models'
 entries, and this model's runs of configs not repeated on the same windows, are kept), with the issue's targets evaluated against today's default (e4m3 token,
@@ -37,6 +43,10 @@ WINDOW_STRIDE = 60_000  # characters between window starts (the text has ~465k)
 CALIB_CHARS = 400_000  # held-out calibration text starts here
 DEFAULT_CONFIGS = ("fp8_e4m3:token", "fp8_e4m3:block", "fp8_e4m3:channel", "fp8_e4m3:tensor")
 ROTATIONS = ("none", "hadamard")
+# K transforms: Hadamard rotation, smoothing (calibrated per-channel mean of post-RoPE K
+# subtracted before quantization; exact for attention), or both (subtract, then rotate).
+TRANSFORMS = {"none": (False, False), "hadamard": (False, True), "smooth": (True, False),
+              "smooth+hadamard": (True, True)}
 TARGET_KL_RATIO, TARGET_NLL_PCT = 0.5, 0.10
 
 
@@ -99,10 +109,16 @@ def run(hf, windows, quantizer, base=None):
     return out
 
 
-def calibrate(hf, ids, rotate_k: bool) -> dict:
-    rec = fq.AmaxRecorder(rotate_k)
+def calibrate(hf, ids, rotate_k: bool, k_mean=None) -> dict:
+    rec = fq.AmaxRecorder(rotate_k, k_mean)
     run(hf, [ids], rec)
     return rec.amax()
+
+
+def calibrate_mean(hf, ids) -> np.ndarray:
+    rec = fq.MeanRecorder()
+    run(hf, [ids], rec)
+    return rec.mean()
 
 
 def summarize(base, res, offsets) -> dict:
@@ -144,6 +160,8 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="fmt:mode,...")
     ap.add_argument("--rotations", default=",".join(ROTATIONS))
     ap.add_argument("--out", default=os.path.join(RESULTS, "rotation-cpu.json"))
+    ap.add_argument("--skip-existing", action="store_true",
+                    help="skip (format, mode, rotation) runs already stored for these windows")
     args = ap.parse_args(argv)
     import torch
     import transformers
@@ -175,6 +193,8 @@ def main(argv=None):
     old = doc["models"].get(name, {})
     if (old.get("tokens_per_window"), old.get("offsets")) == (args.tokens, offsets):
         entry["runs"] = old.get("runs", [])  # same windows: keep runs not repeated here
+        entry["commands"] = old.get("commands", [old["command"]] if "command" in old else [])
+    entry["commands"] = entry.get("commands", []) + [command_line()]
     doc["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs"
     doc["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                        "numpy": np.__version__}
@@ -182,23 +202,34 @@ def main(argv=None):
     entry["baseline_mean_nll"] = float(np.concatenate([b["nll"] for b in base]).mean())
     print(f"{name}: baseline NLL {entry['baseline_mean_nll']:.4f} ({time.time() - t0:.0f}s)",
           flush=True)
-    amax = {}
+    amax, k_mean = {}, None
     for spec in args.configs.split(","):
         fmt, mode = spec.split(":")
         for rotation in args.rotations.split(","):
             t = time.time()
-            rk = rotation == "hadamard"
+            if rotation not in TRANSFORMS:
+                raise SystemExit(f"--rotations: {rotation!r} is not one of {list(TRANSFORMS)}")
+            smooth, rk = TRANSFORMS[rotation]
+            key = (fmt, mode, rotation)
+            if args.skip_existing and any((r["kv_cache_dtype"], r["kv_scale_mode"],
+                                           r["rotation"]) == key for r in entry["runs"]):
+                print(f"{fmt} {mode} {rotation}: stored, skipped", flush=True)
+                continue
+            if smooth and k_mean is None:
+                k_mean = calibrate_mean(hf, calib_ids)
+            km = k_mean if smooth else None
             sk = sv = None
             if mode in ("tensor", "channel"):
-                if rk not in amax:
-                    amax[rk] = calibrate(hf, calib_ids, rk)
+                if rotation not in amax:
+                    amax[rotation] = calibrate(hf, calib_ids, rk, km)
                 sk, sv = fq.static_scales(fmt, mode, cfg.num_hidden_layers, heads, head_dim,
-                                          amax=amax[rk])
-            res = run(hf, windows, fq.KVQuantizer(fmt, mode, sk, sv, rotate_k=rk), base)
+                                          amax=amax[rotation])
+            res = run(hf, windows, fq.KVQuantizer(fmt, mode, sk, sv, rotate_k=rk, k_mean=km),
+                      base)
             rec = {"kv_cache_dtype": fmt, "kv_scale_mode": mode, "rotation": rotation,
                    "scales": "calibrated" if sk is not None else "dynamic",
+                   "command": command_line(),
                    **summarize(base, res, offsets)}
-            key = (fmt, mode, rotation)
             entry["runs"] = [r for r in entry["runs"] if (
                 r["kv_cache_dtype"], r["kv_scale_mode"], r["rotation"]) != key] + [rec]
             entry["targets"] = targets(entry["runs"])

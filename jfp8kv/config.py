@@ -184,6 +184,9 @@ class ModelConfig:
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8")
 KV_SCALE_MODES = ("tensor", "channel", "token", "block")
+# What is done to K before fp8 storage (``jfp8kv.kvcache.k_transform``): nothing, a Hadamard
+# rotation (queries rotated alike), subtracting a calibrated per-channel K mean, or both.
+KV_ROTATIONS = ("none", "hadamard", "smooth", "smooth+hadamard")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Not for serving: float64 compute exists so the fp8 cache can be checked against another
@@ -214,6 +217,8 @@ class CacheConfig:
     compute dtype. ``scale_mode`` is meaningful only for fp8 storage (``None`` otherwise).
     ``layout="latent"`` (MLA models): one page array per layer, ``num_kv_heads`` 1 and
     ``head_dim`` = kv_lora_rank + qk_rope_head_dim, no V array (``jfp8kv.kvcache.latent``).
+    ``kv_rotation``: the transform applied to K before it is stored (and to the queries),
+    ``jfp8kv.kvcache.k_transform``; the engine builder sets it for fp8 storage only.
     ``bitcast_pool``: hold 8/16-bit pages as same-width unsigned integers (the bits of the
     storage dtype; ``jfp8kv.kvcache.cache.pool_dtype``). The builder sets it for the
     reference backend on CPU, where XLA updates integer pools in place but rewrites a whole
@@ -230,6 +235,12 @@ class CacheConfig:
     scale_block: int = 32
     bitcast_pool: bool = False
     layout: str = "kv"  # "kv": K and V pages; "latent": one MLA row per token (kvcache/latent.py)
+    kv_rotation: str = "none"  # KV_ROTATIONS; see jfp8kv.kvcache.k_transform
+
+    def __post_init__(self):
+        if self.kv_rotation not in KV_ROTATIONS:
+            raise ValueError(f"unknown kv_rotation {self.kv_rotation!r}; choose one of "
+                             f"{list(KV_ROTATIONS)}")
 
     @property
     def is_fp8(self) -> bool:
@@ -281,8 +292,8 @@ class LoadConfig:
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
     """The user's request for KV-cache storage; the engine builder resolves it, with the
-    model and the memory budget, into a ``CacheConfig``. ``kv_scale_mode`` and
-    ``kv_scales`` apply to fp8 storage only (ignored, with a warning, otherwise)."""
+    model and the memory budget, into a ``CacheConfig``. ``kv_scale_mode``, ``kv_scales``
+    and ``kv_rotation`` apply to fp8 storage only (ignored, with a warning, otherwise)."""
 
     kv_cache_dtype: str = _knob(
         "auto", "KV cache storage dtype: auto (= --dtype) or fp8_e4m3/fp8_e5m2 (fp8 = e4m3)",
@@ -294,11 +305,18 @@ class CacheOptions:
         None, "static fp8 scales (tensor/channel modes): a float for every layer or a scales "
               "JSON from `python -m jfp8kv.calibrate` (default: checkpoint scales, else "
               "calibrate at start-up)", parse=parse_kv_scales)
+    kv_rotation: str = _knob(
+        "none", "fp8 K transform before storage: none, hadamard (K and queries rotated), "
+                "smooth (a calibrated per-channel K mean subtracted; exact for attention) "
+                "or smooth+hadamard", choices=KV_ROTATIONS)
 
     def __post_init__(self):
         if self.kv_scale_mode is not None and self.kv_scale_mode not in KV_SCALE_MODES:
             raise ValueError(f"unknown kv_scale_mode {self.kv_scale_mode!r}; choose one of "
                              f"{list(KV_SCALE_MODES)}")
+        if self.kv_rotation not in KV_ROTATIONS:
+            raise ValueError(f"unknown kv_rotation {self.kv_rotation!r}; choose one of "
+                             f"{list(KV_ROTATIONS)}")
         s = self.kv_scales
         if isinstance(s, bool) or not isinstance(s, (int, float, str, type(None))):
             raise ValueError(f"kv_scales must be a float, a path to a scales JSON or None, "

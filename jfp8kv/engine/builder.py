@@ -10,6 +10,7 @@
 5. ``plan_capacity``: max_model_len, memory budget and page count -> ``CacheConfig`` (per
    device under tensor parallelism)
 6. ``resolve_static_scales``: static fp8 scales (a float, a JSON, the checkpoint, calibration)
+   and the K shift of a smoothing ``kv_rotation`` (a JSON or calibration)
 7. ``assemble_engine``: cache, runner, scheduler and ``LLMEngine``
 
 Every error a user can cause is a ValueError (FileNotFoundError for paths) raised here, at
@@ -31,7 +32,7 @@ from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine.compile_cache import setup_compile_cache
 from jfp8kv.engine.runner import ModelRunner, page_widths_from
 from jfp8kv.engine.scheduler import Scheduler
-from jfp8kv.kvcache import calibrate, fp8
+from jfp8kv.kvcache import calibrate, fp8, k_transform
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.kvcache import latent, scale_modes
 from jfp8kv.kvcache.cache import KVCache, bytes_per_token, plan_num_pages
@@ -88,7 +89,8 @@ def resolve_storage(cache: CacheOptions, dtype: str) -> tuple[str, str | None]:
     if fp8.is_fp8(storage):
         return storage, cache.kv_scale_mode or DEFAULT_FP8_SCALE_MODE
     ignored = [f"{name}={value!r}" for name, value in
-               (("kv_scale_mode", cache.kv_scale_mode), ("kv_scales", cache.kv_scales))
+               (("kv_scale_mode", cache.kv_scale_mode), ("kv_scales", cache.kv_scales),
+                ("kv_rotation", None if cache.kv_rotation == "none" else cache.kv_rotation))
                if value is not None]
     if ignored:
         log.warning("%s: fp8-only option(s) ignored because kv_cache_dtype=%r stores %s; pass "
@@ -160,7 +162,7 @@ def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int
 
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
                   device, tp: sharding.TensorParallel | None = None,
-                  bitcast_pool: bool = False) -> CapacityPlan:
+                  bitcast_pool: bool = False, kv_rotation: str = "none") -> CapacityPlan:
     """Pages that fit the memory budget; raises when one max_model_len sequence does not.
     Under tensor parallelism the budget and ``bytes_per_token`` are per device (one
     device's KV heads); the ``CacheConfig`` describes the global pool (all heads).
@@ -168,9 +170,16 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
     layout = "latent" if model_cfg.is_mla else "kv"
     if model_cfg.is_mla:
         latent.check_latent_mode(model_cfg, storage, mode)
+        if kv_rotation != "none":
+            raise ValueError(f"kv_rotation={kv_rotation!r} applies to K heads; the MLA latent "
+                             f"cache of {model_cfg.family} takes only 'none'")
         shape = latent.cache_shape(model_cfg)
     else:
         scale_modes.get(mode, storage).validate(model_cfg.head_dim)
+        k_transform.validate(kv_rotation, model_cfg.head_dim)
+        if tp is not None and k_transform.smooths(kv_rotation):
+            raise ValueError(f"kv_rotation={kv_rotation!r} is not supported with tensor "
+                             "parallelism yet; use 'none' or 'hadamard'")
         shape = dict(num_layers=model_cfg.num_layers,
                      num_kv_heads=tp.kv_heads_per_device if tp else model_cfg.num_kv_heads,
                      head_dim=model_cfg.head_dim)
@@ -189,52 +198,77 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
     if tp is not None:
         shape["num_kv_heads"] = tp.cache_kv_heads
     ccfg = CacheConfig(*shape.values(), usable + 1, engine.page_size, storage, mode,
-                       bitcast_pool=bitcast_pool, layout=layout)
+                       bitcast_pool=bitcast_pool, layout=layout, kv_rotation=kv_rotation)
     return CapacityPlan(ccfg, max_model_len, memory, bpt)
 
 
 def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales, tp=None):
-    """(k_scale, v_scale, source) for static scale modes, (None, None, None) otherwise.
-    ``kv_scales``: a float for every layer, a scales JSON path, or None (the checkpoint's
-    k_scale/v_scale, else calibration on the built-in text, run on ``tp``'s mesh). Scales
-    are [layers, model KV heads, head_dim]; ``ccfg``'s own head count is not read."""
-    if not scale_modes.of(ccfg).is_static:
+    """(k_scale, v_scale, k_shift, source): static scales for static scale modes and the K
+    shift of a smoothing ``ccfg.kv_rotation``, None where not needed. ``kv_scales``: a float
+    for every layer, a scales JSON path, or None (the checkpoint's k_scale/v_scale, else
+    calibration on the built-in text, run on ``tp``'s mesh). Scales and shift are [layers,
+    model KV heads, head_dim]; ``ccfg``'s own head count is not read. Checkpoint scales
+    describe unrotated K: with a K transform they are not used (calibration instead)."""
+    static = scale_modes.of(ccfg).is_static
+    smooth = k_transform.smooths(ccfg.kv_rotation)
+    if not static and not smooth:
         if kv_scales is not None and ccfg.is_fp8:
             log.warning("kv_scales is ignored: kv_scale_mode=%s computes scales at store "
                         "time", ccfg.scale_mode)
-        return None, None, None
+        return None, None, None, None
     shape = (ccfg.num_layers, loaded.config.num_kv_heads, ccfg.head_dim)
+    if not static and isinstance(kv_scales, (int, float)):
+        log.warning("kv_scales=%s is ignored: kv_scale_mode=%s computes scales at store time",
+                    kv_scales, ccfg.scale_mode)
+        kv_scales = None
     if isinstance(kv_scales, (int, float)):
         if kv_scales == 1.0:
             fp8.warn_unit_scale()
         s = np.full(shape, kv_scales, np.float32)
-        return s, s, f"constant {kv_scales}"
-    if isinstance(kv_scales, str):
-        amax = calibrate.KVAmax.from_json(kv_scales, calibrate.fingerprint(loaded.config))
-    elif loaded.kv_scales is not None:
+        shift = _measured(loaded, ccfg, None, tp).k_mean if smooth else None
+        return s, s, shift, f"constant {kv_scales}"
+    if static and kv_scales is None and ccfg.kv_rotation == "none" and (
+            loaded.kv_scales is not None):
         k, v = (np.broadcast_to(np.asarray(loaded.kv_scales[n], np.float32)[:, None, None],
                                 shape) for n in ("k", "v"))
         log.info("fp8 KV: using the checkpoint's k_scale/v_scale tensors")
-        return k, v, "checkpoint k_scale/v_scale"
-    else:
-        from jfp8kv.engine.calibrate import calibrate_on_text
+        return k, v, None, "checkpoint k_scale/v_scale"
+    amax = _measured(loaded, ccfg, kv_scales, tp)
+    k, v = amax.scales(ccfg.storage_dtype, ccfg.scale_mode) if static else (None, None)
+    return k, v, amax.k_mean if smooth else None, amax.source
 
-        log.warning("fp8 KV with static scales and no kv_scales: calibrating at start-up on "
-                    "the built-in text (pass a scales JSON from `python -m jfp8kv.calibrate` "
-                    "for scales measured on your own data)")
-        amax = calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size,
-                                 tp=tp)
-    return (*amax.scales(ccfg.storage_dtype, ccfg.scale_mode), amax.source)
+
+def _measured(loaded, ccfg: CacheConfig, path: str | None, tp) -> calibrate.KVAmax:
+    """The K/V amax (and K mean) in ``ccfg.kv_rotation``'s basis: from a scales JSON, else
+    calibration on the built-in text."""
+    rot = ccfg.kv_rotation
+    if path is not None:
+        amax = calibrate.KVAmax.from_json(path, calibrate.fingerprint(loaded.config))
+        if amax.kv_rotation != rot:
+            raise ValueError(
+                f"{path} was measured with kv_rotation={amax.kv_rotation!r}, this cache "
+                f"stores K with kv_rotation={rot!r}; run `python -m jfp8kv.calibrate --model "
+                f"<this model> --kv-rotation {rot} --out scales.json`")
+        return amax
+    from jfp8kv.engine.calibrate import calibrate_on_text
+
+    why = ("K transform kv_rotation=%s (checkpoint k_scale/v_scale describe unrotated K)"
+           % rot if rot != "none" else "static scales")
+    log.warning("fp8 KV with %s and no kv_scales file: calibrating at start-up on the "
+                "built-in text (pass a scales JSON from `python -m jfp8kv.calibrate` for "
+                "numbers measured on your own data)", why)
+    return calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size,
+                             tp=tp, kv_rotation=rot)
 
 
 def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backend: str,
                     on_gpu: bool, k_scale, v_scale,
-                    tp: sharding.TensorParallel | None = None) -> LLMEngine:
+                    tp: sharding.TensorParallel | None = None, k_shift=None) -> LLMEngine:
     """Cache, runner, scheduler and engine for a resolved configuration. Static scales are
     [layers, model KV heads, head_dim]; under ``tp`` the pool is allocated on its shards."""
     ccfg = plan.cache_config
     if tp is None:
-        cache = KVCache.init(ccfg, k_scale, v_scale)
+        cache = KVCache.init(ccfg, k_scale, v_scale, k_shift)
     else:
         cache = tp.init_cache(ccfg, *(None if s is None else tp.expand_kv_heads(s)
                                       for s in (k_scale, v_scale)))
@@ -251,7 +285,9 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     # Pages are reused only under the settings that produced their numbers.
     namespace = (loaded.name, ccfg.storage_dtype, ccfg.scale_mode,
                  None if k_scale is None else hash(np.asarray(k_scale).tobytes()),
-                 None if v_scale is None else hash(np.asarray(v_scale).tobytes()))
+                 None if v_scale is None else hash(np.asarray(v_scale).tobytes()),
+                 ccfg.kv_rotation,
+                 None if k_shift is None else hash(np.asarray(k_shift).tobytes()))
     scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg, namespace)
     eos = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
@@ -282,13 +318,15 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
         mode = latent.DEFAULT_LATENT_SCALE_MODE  # the issue's default for latents
     # XLA on CPU rewrites a whole bf16/fp8 pool per scatter, an integer one in place.
     plan = plan_capacity(loaded.config, engine, storage, mode, device, tp,
-                         bitcast_pool=device.platform == "cpu" and backend == "reference")
+                         bitcast_pool=device.platform == "cpu" and backend == "reference",
+                         kv_rotation=cache.kv_rotation if fp8.is_fp8(storage) else "none")
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
-    k_scale, v_scale, source = resolve_static_scales(loaded, plan.cache_config, cache.kv_scales,
-                                                     tp)
+    k_scale, v_scale, k_shift, source = resolve_static_scales(loaded, plan.cache_config,
+                                                              cache.kv_scales, tp)
     built = BuiltEngine(assemble_engine(loaded, plan, engine, backend,
-                                        device.platform == "gpu", k_scale, v_scale, tp),
+                                        device.platform == "gpu", k_scale, v_scale, tp,
+                                        k_shift),
                         loaded, load.dtype, backend, engine, plan.cache_config,
                         plan.bytes_per_token, source, tp)
     log.info(cache_summary(cache_info(built)))
@@ -311,6 +349,7 @@ def cache_info(built: BuiltEngine) -> dict:
     tp_size = built.tp.size if built.tp else 1
     return dict(kv_cache_dtype=fp8.user_dtype_name(c.storage_dtype),
                 storage_dtype=c.storage_dtype, kv_scale_mode=c.scale_mode, kv_layout=c.layout,
+                kv_rotation=c.kv_rotation,
                 page_size=c.page_size, num_pages=c.num_pages - 1,
                 max_tokens=c.max_tokens, bytes_per_token=built.bytes_per_token,
                 kv_cache_memory=built.engine_config.kv_cache_memory,

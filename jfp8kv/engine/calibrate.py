@@ -1,39 +1,69 @@
 """Calibration's forward pass: run a model over text through an unquantized paged cache and
 measure post-RoPE K/V absolute maxima (``KVAmax``, whose policy lives in
-``jfp8kv.kvcache.calibrate``)."""
+``jfp8kv.kvcache.calibrate``). With a K transform (``kv_rotation``) K is measured in the
+basis it is stored in; a smoothing transform first measures the K mean (one more pass)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.engine.runner import ModelRunner
+from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import KVCache
-from jfp8kv.kvcache.calibrate import KVAmax, fingerprint, fold_amax
+from jfp8kv.kvcache.calibrate import KVAmax, fingerprint, fold_amax, fold_k_sum
+
+
+def _run(model_cfg, params, token_chunks, ccfg, k_shift, fold, *, page_size, backend, chunk,
+         tp):
+    """Run each token list through a float32 paged cache built from ``ccfg`` (chunks of
+    ``chunk`` tokens, one sequence at a time, reusing the same pages), calling
+    ``fold(cache, num_tokens)`` after each."""
+    cache = tp.init_cache(ccfg) if tp else KVCache.init(ccfg, k_shift=k_shift)
+    runner = ModelRunner(model_cfg, params, cache, backend, ccfg.num_pages - 1, tp=tp)
+    pages = list(range(1, ccfg.num_pages))
+    for ids in token_chunks:
+        for s in range(0, len(ids), chunk):
+            part = ids[s:s + chunk]
+            runner.nll(part, part, s, pages)
+        fold(runner.cache, len(ids))
 
 
 def measure_amax(model_cfg, params, token_chunks, *, page_size: int = 16,
-                 backend: str = "reference", chunk: int = 512, tp=None) -> KVAmax:
-    """Run each token list through a float32 paged cache (chunks of ``chunk`` tokens, one
-    sequence at a time, reusing the same pages); return the K/V amax over all of them.
+                 backend: str = "reference", chunk: int = 512, tp=None,
+                 kv_rotation: str = "none") -> KVAmax:
+    """Run each token list through a float32 paged cache; return the K/V amax over all of
+    them, K in the ``kv_rotation`` basis (with ``k_mean`` when it smooths).
     ``tp``: the ``models.sharding`` layout ``params`` are placed on (None: one device)."""
+    k_transform.validate(kv_rotation, model_cfg.head_dim)
+    if tp is not None and k_transform.smooths(kv_rotation):
+        raise ValueError(f"kv_rotation={kv_rotation!r} is not supported with tensor "
+                         "parallelism yet; use 'none' or 'hadamard'")
     longest = max(len(t) for t in token_chunks)
     pages_per_seq = -(-longest // page_size)
     heads = tp.cache_kv_heads if tp else model_cfg.num_kv_heads
     ccfg = CacheConfig(model_cfg.num_layers, heads, model_cfg.head_dim, pages_per_seq + 1,
                        page_size, "float32")
-    cache = tp.init_cache(ccfg) if tp else KVCache.init(ccfg)
-    runner = ModelRunner(model_cfg, params, cache, backend, pages_per_seq, tp=tp)
-    pages = list(range(1, pages_per_seq + 1))
+    kw = dict(page_size=page_size, backend=backend, chunk=chunk, tp=tp)
     shape = (model_cfg.num_layers, heads, model_cfg.head_dim)
+    k_mean = None
+    if k_transform.smooths(kv_rotation):
+        k_sum, count = np.zeros(shape, np.float64), [0]
+
+        def add(cache, n):
+            fold_k_sum(cache, n, k_sum)
+            count[0] += n
+
+        _run(model_cfg, params, token_chunks, ccfg, None, add, **kw)
+        k_mean = (k_sum / count[0]).astype(np.float32)
     k_amax, v_amax = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    for ids in token_chunks:
-        for s in range(0, len(ids), chunk):
-            part = ids[s:s + chunk]
-            runner.nll(part, part, s, pages)
-        fold_amax(runner.cache, len(ids), k_amax, v_amax)
+    _run(model_cfg, params, token_chunks, dataclasses.replace(ccfg, kv_rotation=kv_rotation),
+         k_mean, lambda cache, n: fold_amax(cache, n, k_amax, v_amax), **kw)
     r = tp.kv_repeat if tp else 1  # replicated KV heads hold equal copies: keep one each
-    return KVAmax(k_amax[:, ::r], v_amax[:, ::r], fingerprint(model_cfg))
+    return KVAmax(k_amax[:, ::r], v_amax[:, ::r], fingerprint(model_cfg), k_mean=k_mean,
+                  kv_rotation=kv_rotation)
 
 
 def calibrate_on_text(loaded, texts: list[str], **kw) -> KVAmax:

@@ -2,7 +2,8 @@
 (also ``python -m jfp8kv.calibrate``).
 
 Measures per-layer, per-KV-head, per-channel absolute maxima of post-RoPE K and V over
-real text and writes them (times ``--headroom``) to a scales JSON that
+real text (K after ``--kv-rotation``'s transform, with the K mean it subtracts) and writes
+them (times ``--headroom``) to a scales JSON that
 ``LLM(kv_scales="scales.json")`` loads for the static scale modes (tensor, channel).
 """
 
@@ -12,7 +13,7 @@ import argparse
 import sys
 
 from jfp8kv.cli import add_config_args, setup_logging, user_errors
-from jfp8kv.config import LoadConfig
+from jfp8kv.config import KV_ROTATIONS, LoadConfig
 
 PROG = "python -m jfp8kv.calibrate"
 
@@ -25,6 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--headroom", type=float, default=1.0,
                    help="multiply the measured amax by this (>= 1 leaves room for outliers)")
     p.add_argument("--max-tokens-per-file", type=int, default=4096)
+    p.add_argument("--kv-rotation", default="none", choices=KV_ROTATIONS,
+                   help="the K transform the engine will use (K amax measured in its basis; "
+                        "smooth* also records the K mean it subtracts)")
     args = p.parse_args(argv)
     if args.headroom <= 0:
         p.error("--headroom must be positive")
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
             with open(path, encoding="utf-8") as f:
                 ids = loaded.tokenizer.encode(f.read())
             chunks.append(ids[:args.max_tokens_per_file])
-    amax = measure_amax(loaded.config, loaded.params, chunks)
+        amax = measure_amax(loaded.config, loaded.params, chunks, kv_rotation=args.kv_rotation)
     amax.to_json(args.out, headroom=args.headroom)
     n = sum(len(c) for c in chunks)
     print(f"wrote {args.out}: K/V amax over {n} tokens of {len(chunks)} file(s), "

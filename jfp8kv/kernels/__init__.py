@@ -12,6 +12,7 @@ from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import reference
 from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
                                       StatsRow)
+from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import LayerKV
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
@@ -25,6 +26,8 @@ def _check_pool(cfg: CacheConfig, backend: str) -> None:
 
 def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: CacheConfig,
              backend: str = "reference") -> tuple[LayerKV, StatsRow]:
+    """Store post-RoPE rows; K goes through ``cfg.kv_rotation`` first (``k_transform``)."""
+    k_new = k_transform.store_rows(k_new, layer.k_shift, cfg)
     if backend == "reference":
         return reference.store_kv(layer, k_new, v_new, slots, cfg)
     _check_pool(cfg, backend)
@@ -37,7 +40,9 @@ def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: 
 def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,
                     q_positions: Positions, cfg: CacheConfig, sm_scale: float,
                     backend: str = "reference") -> Queries:
-    """q [B, T, H, D]; T == 1 routes to the decode kernel on Pallas backends."""
+    """q [B, T, H, D]; T == 1 routes to the decode kernel on Pallas backends. The queries
+    are taken into the basis K is stored in (``k_transform.query_rows``) first."""
+    q = k_transform.query_rows(q, cfg)
     if backend == "reference":
         return reference.paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
                                          sm_scale)

@@ -10,6 +10,8 @@ Layout (per layer ``l``)::
         "block"             [num_kv_heads, num_pages, page_size, head_dim/32] float16, dynamic
     stats                   [num_layers, 6] float32:
                             k_saturated, v_saturated, k_nan, v_nan, k_amax, v_amax
+    k_shift[l]              [num_kv_heads, head_dim] float32, only when ``kv_rotation``
+                            smooths K (``k_transform``); ``None`` otherwise
 
 With ``CacheConfig.bitcast_pool`` (the reference backend on CPU) the page arrays hold the
 same bits as same-width unsigned integers (``pool_dtype``: uint8 for fp8, uint16 for
@@ -41,7 +43,7 @@ import numpy as np
 from jaxtyping import Array, Float, Float32, Shaped
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kvcache import scale_modes
+from jfp8kv.kvcache import k_transform, scale_modes
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
 
@@ -52,6 +54,7 @@ Scales = (Float[Array, "kv_heads head_dim"]  # static (tensor, channel)
           | Float[Array, "kv_heads pages page_size groups"]  # one per group (block)
           | Float[Array, "0"])  # unscaled pages
 Stats = Float32[Array, "layers 6"]
+Shift = Float32[Array, "kv_heads head_dim"]  # K smoothing's per-layer shift
 
 
 def _check_layer(k: Pages, v: Pages, k_scale: Scales, v_scale: Scales) -> None:
@@ -147,6 +150,7 @@ class KVCache:
     v_scale: list[Scales]
     stats: Stats
     config: CacheConfig = dataclasses.field(metadata=dict(static=True))
+    k_shift: list[Shift] | None = None  # K smoothing only
 
     def __post_init__(self):
         if self.k and self.v and _arrays(self.k[0], self.v[0], self.k_scale[0],
@@ -154,8 +158,11 @@ class KVCache:
             _check_cache(self.k, self.v, self.k_scale, self.v_scale, self.stats)
 
     @classmethod
-    def init(cls, cfg: CacheConfig, static_k_scale=None, static_v_scale=None) -> "KVCache":
-        """Allocate the pool. Static modes need ``static_{k,v}_scale``: [layers, heads, head_dim]."""
+    def init(cls, cfg: CacheConfig, static_k_scale=None, static_v_scale=None,
+             k_shift=None) -> "KVCache":
+        """Allocate the pool. Static modes need ``static_{k,v}_scale``: [layers, heads,
+        head_dim]; a smoothing ``kv_rotation`` needs ``k_shift`` of the same shape."""
+        k_transform.check_shift(cfg, k_shift)
         shape = (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)
         dt = pool_dtype(cfg)
         mode = scale_modes.of(cfg)
@@ -170,10 +177,12 @@ class KVCache:
             v_scale=mode.init_scales(cfg, static_v_scale),
             stats=jnp.zeros((cfg.num_layers, len(STAT_FIELDS)), jnp.float32),
             config=cfg,
+            k_shift=None if k_shift is None else [jnp.asarray(x, jnp.float32) for x in k_shift],
         )
 
     def layer(self, i: int) -> "LayerKV":
-        return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
+        return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i],
+                       None if self.k_shift is None else self.k_shift[i])
 
     def nbytes(self) -> int:
         leaves = jax.tree_util.tree_leaves((self.k, self.v, self.k_scale, self.v_scale))
@@ -190,6 +199,7 @@ class LayerKV:
     v: Pages
     k_scale: Scales
     v_scale: Scales
+    k_shift: Shift | None = None  # K smoothing only
 
     def __post_init__(self):
         if _arrays(self.k, self.v, self.k_scale, self.v_scale):

@@ -6,6 +6,11 @@ takes the absolute maximum of post-RoPE K and V per layer, KV head and channel. 
 file stores those amax values (format-independent); a scale for a given fp8 format is
 ``amax * headroom / fmax``. Tensor mode reduces over heads and channels.
 
+With a K transform (``kv_rotation``, ``kvcache.k_transform``) the K amax is measured in the
+basis K is stored in, and a smoothing transform also records ``k_mean`` (the mean of
+post-RoPE K per layer, KV head and channel: the shift subtracted before storage); the file
+says which transform its numbers belong to (``"kv_rotation"``, absent for "none").
+
     python -m jfp8kv.calibrate --model M --text FILE... --out scales.json [--headroom 1.0]
 """
 
@@ -55,6 +60,8 @@ class KVAmax:
     v: np.ndarray
     model_fingerprint: dict
     source: str = "calibration"
+    k_mean: np.ndarray | None = None  # float32 [layers, kv_heads, head_dim] (smoothing)
+    kv_rotation: str = "none"  # the K transform ``k`` was measured after
 
     def scales(self, storage_dtype: str, mode: str, headroom: float = 1.0):
         """Static scales [layers, kv_heads, head_dim] for a static ``mode``."""
@@ -67,6 +74,10 @@ class KVAmax:
                "headroom": headroom, "source": self.source,
                "k_amax": np.round(self.k * headroom, 6).tolist(),
                "v_amax": np.round(self.v * headroom, 6).tolist()}
+        if self.kv_rotation != "none":
+            doc["kv_rotation"] = self.kv_rotation
+        if self.k_mean is not None:
+            doc["k_mean"] = np.asarray(self.k_mean, np.float32).tolist()
         with open(path, "w") as f:
             json.dump(doc, f)
 
@@ -85,8 +96,10 @@ class KVAmax:
             raise ValueError(
                 f"{path} was made for another model (file vs this model: {diff}); run "
                 f"`python -m jfp8kv.calibrate --model <this model> --out scales.json`")
+        mean = doc.get("k_mean")
         return cls(np.asarray(doc["k_amax"], np.float32), np.asarray(doc["v_amax"], np.float32),
-                   fp, source=path)
+                   fp, source=path, k_mean=None if mean is None else np.asarray(mean, np.float32),
+                   kv_rotation=doc.get("kv_rotation", "none"))
 
 
 def fingerprint(cfg) -> dict:
@@ -106,3 +119,13 @@ def fold_amax(cache, num_tokens: int, k_amax: np.ndarray, v_amax: np.ndarray) ->
             x = np.asarray(as_storage(pool[:, 1:], cfg)).reshape(cfg.num_kv_heads, -1,
                                                                   cfg.head_dim)
             np.maximum(acc[layer], np.abs(x[:, :num_tokens]).max(axis=1), out=acc[layer])
+
+
+def fold_k_sum(cache, num_tokens: int, k_sum: np.ndarray) -> None:
+    """Add the sum over the first ``num_tokens`` tokens of an unquantized cache's K to
+    ``k_sum`` (float64 [layers, kv_heads, head_dim]), in place; pages as ``fold_amax``."""
+    cfg = cache.config
+    for layer in range(cfg.num_layers):
+        x = np.asarray(as_storage(cache.k[layer][:, 1:], cfg)).reshape(cfg.num_kv_heads, -1,
+                                                                        cfg.head_dim)
+        k_sum[layer] += x[:, :num_tokens].astype(np.float64).sum(axis=1)

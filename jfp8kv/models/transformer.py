@@ -156,7 +156,7 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
     # Counts accumulate; amax columns keep the running maximum.
     merged = jnp.concatenate([cache.stats[:, :4] + st[:, :4],
                               jnp.maximum(cache.stats[:, 4:], st[:, 4:])], axis=1)
-    cache = KVCache(new_k, new_v, k_scale, v_scale, merged, cache.config)
+    cache = KVCache(new_k, new_v, k_scale, v_scale, merged, cache.config, cache.k_shift)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 
