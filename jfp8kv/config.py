@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jfp8kv.config_fields import (MLA_FAMILIES, YarnScaling, mla_fields, moe_fields,
-                                  yarn_scaling)
+from jfp8kv.config_fields import (MLA_FAMILIES, RopeScaling, YarnScaling, mla_fields,
+                                  moe_fields, yarn_scaling)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -21,16 +21,6 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)

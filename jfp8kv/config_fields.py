@@ -1,12 +1,24 @@
 """The config.json fields of the model families beyond dense attention, parsed into
 ``ModelConfig`` keyword arguments (``jfp8kv.config.ModelConfig.from_hf_dict`` calls these):
-Qwen3-MoE experts, DeepSeek-V2/V3 latent attention and MoE routing, and YaRN RoPE scaling.
+Qwen3-MoE experts, DeepSeek-V2/V3 latent attention and MoE routing, and the RoPE scalings
+(Llama-3, YaRN).
 Imports nothing from ``jfp8kv.config`` (which imports this)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
