@@ -130,7 +130,7 @@ def run(llm: LLM, prompts=PROMPTS, scored=SCORED, max_tokens=5):
     return [o.token_ids for o in outs], np.asarray(llm.nll(scored)), llm.kv_stats()
 
 
-def assert_same_as_one_device(results: dict, check_stats: bool = True):
+def assert_same_as_one_device(results: dict):
     """Every TP size's greedy tokens equal TP 1's, NLL within NLL_TOL (absolute), and the
     same K/V statistics (each element counted once, also when KV heads are replicated)."""
     toks1, nll1, stats1 = results[1]
