@@ -336,6 +336,8 @@ class ModelRunner:
         pages = [r[2] for r in rows]
         pt = self._page_table(pages, b, self.page_width(max(len(p) for p in pages)))
         tokens = tokens if input_tokens is None else input_tokens
+        if self.tp is not None:  # one input placement, whether host- or device-made
+            tokens = self.tp.replicate(tokens)
         toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *_pad_sampling(sampling, b).args(), cfg=self.cfg,
                                    backend=self.backend, all_greedy=self._mode(all_greedy),

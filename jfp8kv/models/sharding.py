@@ -134,6 +134,12 @@ class TensorParallel:
     def sharding(self, key: str, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, self.param_spec(key, ndim))
 
+    def replicate(self, x):
+        """``x`` on every device of the mesh (a committed, replicated array): host inputs that
+        meet device-made ones at the same argument (decode tokens under overlap scheduling)
+        then share one executable instead of compiling a second for an uncommitted input."""
+        return jax.device_put(x, NamedSharding(self.mesh, P()))
+
     def put(self, key: str, host: np.ndarray) -> jax.Array:
         """A host array straight onto its shards: each device receives only its slice."""
         return jax.make_array_from_callback(host.shape, self.sharding(key, host.ndim),
