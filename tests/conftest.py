@@ -4,9 +4,9 @@ XLA compiles on CPU are the slowest part of the suite. The servers and bench sub
 tests start share a persistent compilation cache (a new directory per run), so the next server
 reads what an earlier one compiled. The pytest process itself keeps JAX's in-memory caches only
 (the engine's jitted steps are module-level, keyed by their static config, so a new engine with
-the same config compiles nothing): twice a full run here and in CI crashed inside XLA while
-deserializing an executable from the persistent cache (test_moe, after ~460 tests), never in a
-short run.
+the same config compiles nothing within a module), and drops them after each module
+(``_release_executables``: loaded executables hold memory mappings, and a whole suite's worth
+passed the kernel's limit and crashed XLA).
 
 The jaxtyping annotations at the real boundaries (the kernels' contract, the cache pytree,
 ``transformer.forward``) are checked at run time under pytest only: the import hook below
@@ -14,6 +14,7 @@ wraps the functions of these modules with beartype before any test imports them.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -43,6 +44,20 @@ def _children_jax_cache() -> str:
 
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _children_jax_cache()
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """After each test module (its engines are gone by then: this fixture is set up first, so
+    torn down last), drop JAX's compiled executables. Each loaded CPU executable holds a few
+    memory mappings; a whole suite in one process compiled enough of them to pass Linux's
+    ``vm.max_map_count`` (65,530), and XLA then crashed compiling or loading the next one
+    (seen in CI and here, in different tests, after ~370-460 tests; test_llm alone adds
+    ~24,000 mappings)."""
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
