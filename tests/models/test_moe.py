@@ -19,7 +19,7 @@ from jfp8kv.config import ModelConfig
 from jfp8kv.engine.llm import LLM
 from jfp8kv.models import moe
 from jfp8kv.models.loader import load_model
-from tests.models.test_parity import LENGTHS, PagedModel, hf_logits
+from tests.models.test_parity import PagedModel, assert_paged_paths_match, hf_logits
 from tests.x64 import x64
 
 VARIANTS = {  # name -> Qwen3MoeConfig overrides
@@ -138,38 +138,7 @@ def test_config_and_stacked_expert_weights(qwen3_moe_checkpoint):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_paged_logits_match_transformers(qwen3_moe_checkpoint, variant):
-    path = qwen3_moe_checkpoint(variant)
-    loaded = load_model(str(path), "float32")
-    rng = np.random.default_rng()
-    seqs = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in LENGTHS]
-    ref = hf_logits(path, seqs)
-    tol = 1e-4 * max(np.abs(r).max() for r in ref)
-
-    def check(got, what):
-        for i, n in enumerate(LENGTHS):
-            err = np.abs(got[i][:n] - ref[i]).max()
-            assert err < tol, f"{variant} {what}: seq {i} max |diff| {err:.3g} >= {tol:.3g}"
-
-    check(PagedModel(loaded, rng).run([(s, 0) for s in seqs]), "one-shot prefill")
-    m, out = PagedModel(loaded, rng), [np.zeros_like(r) for r in ref]
-    for start in range(0, max(LENGTHS), 7):  # chunks of 7; finished sequences leave gaps
-        chunks = [(s[start:start + 7], start) if start < len(s) else None for s in seqs]
-        lg = m.run(chunks)
-        for i, c in enumerate(chunks):
-            if c:
-                out[i][start:start + len(c[0])] = lg[i, :len(c[0])]
-    check(out, "chunked prefill")
-    m, out = PagedModel(loaded, rng), [np.zeros_like(r) for r in ref]
-    lg = m.run([(s[:3], 0) for s in seqs])
-    for i in range(len(seqs)):
-        out[i][:3] = lg[i, :3]
-    for p in range(3, max(LENGTHS)):  # token-by-token decode across page boundaries
-        chunks = [([s[p]], p) if p < len(s) else None for s in seqs]
-        lg = m.run(chunks)
-        for i, c in enumerate(chunks):
-            if c:
-                out[i][p] = lg[i, 0]
-    check(out, "decode")
+    assert_paged_paths_match(qwen3_moe_checkpoint(variant), PagedModel, variant)
 
 
 def _llm(loaded, **kw):

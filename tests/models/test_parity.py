@@ -66,6 +66,45 @@ class PagedModel:
         return np.asarray(lg)
 
 
+def assert_paged_paths_match(path, make_model, label: str) -> None:
+    """``path``'s float32 checkpoint through ``make_model(loaded, rng)`` (a PagedModel) equals
+    transformers' logits within 1e-4 of their scale, all finite, on random sequences of
+    LENGTHS: one-shot prefill, chunked prefill (chunks of 7; finished sequences leave gaps)
+    and token-by-token decode after a 3-token prefill (crossing page boundaries)."""
+    loaded = load_model(str(path), "float32")
+    rng = np.random.default_rng()
+    seqs = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in LENGTHS]
+    ref = hf_logits(path, seqs)
+    tol = 1e-4 * max(np.abs(r).max() for r in ref)
+
+    def check(got, what):
+        for i, n in enumerate(LENGTHS):
+            assert np.isfinite(got[i][:n]).all(), f"{label} {what}"
+            err = np.abs(got[i][:n] - ref[i]).max()
+            assert err < tol, f"{label} {what}: seq {i} max |diff| {err:.3g} >= {tol:.3g}"
+
+    check(make_model(loaded, rng).run([(s, 0) for s in seqs]), "one-shot prefill")
+    m, out = make_model(loaded, rng), [np.zeros_like(r) for r in ref]
+    for start in range(0, max(LENGTHS), 7):
+        chunks = [(s[start:start + 7], start) if start < len(s) else None for s in seqs]
+        lg = m.run(chunks)
+        for i, c in enumerate(chunks):
+            if c:
+                out[i][start:start + len(c[0])] = lg[i, :len(c[0])]
+    check(out, "chunked prefill")
+    m, out = make_model(loaded, rng), [np.zeros_like(r) for r in ref]
+    lg = m.run([(s[:3], 0) for s in seqs])
+    for i in range(len(seqs)):
+        out[i][:3] = lg[i, :3]
+    for p in range(3, max(LENGTHS)):
+        chunks = [([s[p]], p) if p < len(s) else None for s in seqs]
+        lg = m.run(chunks)
+        for i, c in enumerate(chunks):
+            if c:
+                out[i][p] = lg[i, 0]
+    check(out, "decode")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward_logits(params, cache, tok, pos, slots, pt, lens, *, cfg):
     hidden, cache = transformer.forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg)
