@@ -66,11 +66,12 @@ class PagedModel:
         return np.asarray(lg)
 
 
-def assert_paged_paths_match(path, make_model, label: str) -> None:
+def assert_paged_paths_match(path, make_model, label: str) -> dict:
     """``path``'s float32 checkpoint through ``make_model(loaded, rng)`` (a PagedModel) equals
     transformers' logits within 1e-4 of their scale, all finite, on random sequences of
     LENGTHS: one-shot prefill, chunked prefill (chunks of 7; finished sequences leave gaps)
-    and token-by-token decode after a 3-token prefill (crossing page boundaries)."""
+    and token-by-token decode after a 3-token prefill (crossing page boundaries). Returns
+    each path's logits per sequence and the tolerance used."""
     loaded = load_model(str(path), "float32")
     rng = np.random.default_rng()
     seqs = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in LENGTHS]
@@ -83,15 +84,16 @@ def assert_paged_paths_match(path, make_model, label: str) -> None:
             err = np.abs(got[i][:n] - ref[i]).max()
             assert err < tol, f"{label} {what}: seq {i} max |diff| {err:.3g} >= {tol:.3g}"
 
-    check(make_model(loaded, rng).run([(s, 0) for s in seqs]), "one-shot prefill")
-    m, out = make_model(loaded, rng), [np.zeros_like(r) for r in ref]
+    one_shot = make_model(loaded, rng).run([(s, 0) for s in seqs])
+    check(one_shot, "one-shot prefill")
+    m, chunked = make_model(loaded, rng), [np.zeros_like(r) for r in ref]
     for start in range(0, max(LENGTHS), 7):
         chunks = [(s[start:start + 7], start) if start < len(s) else None for s in seqs]
         lg = m.run(chunks)
         for i, c in enumerate(chunks):
             if c:
-                out[i][start:start + len(c[0])] = lg[i, :len(c[0])]
-    check(out, "chunked prefill")
+                chunked[i][start:start + len(c[0])] = lg[i, :len(c[0])]
+    check(chunked, "chunked prefill")
     m, out = make_model(loaded, rng), [np.zeros_like(r) for r in ref]
     lg = m.run([(s[:3], 0) for s in seqs])
     for i in range(len(seqs)):
@@ -103,6 +105,7 @@ def assert_paged_paths_match(path, make_model, label: str) -> None:
             if c:
                 out[i][p] = lg[i, 0]
     check(out, "decode")
+    return dict(one_shot=one_shot, chunked=chunked, decode=out, tol=tol)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -113,51 +116,10 @@ def _forward_logits(params, cache, tok, pos, slots, pt, lens, *, cfg):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(tiny_hf_checkpoint, family):
-    path = tiny_hf_checkpoint(family)
-    loaded = load_model(str(path), "float32")
-    rng = np.random.default_rng()
-    seqs = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in LENGTHS]
-    ref = hf_logits(path, seqs)
-    scale = max(np.abs(r).max() for r in ref)
-    tol = 1e-4 * scale
-
-    def check(got, what):
-        for i, n in enumerate(LENGTHS):
-            err = np.abs(got[i][:n] - ref[i]).max()
-            assert np.isfinite(got[i][:n]).all(), what
-            assert err < tol, f"{family} {what}: seq {i} max |diff| {err:.3g} >= {tol:.3g}"
-
-    # One-shot prefill of the whole batch.
-    m = PagedModel(loaded, rng)
-    one_shot = m.run([(s, 0) for s in seqs])
-    check(one_shot, "one-shot prefill")
-
-    # Chunked prefill, chunks of 7 (sequences finish at different steps: empty slots).
-    m = PagedModel(loaded, rng)
-    out = [np.zeros_like(r) for r in ref]
-    for start in range(0, max(LENGTHS), 7):
-        chunks = [(s[start:start + 7], start) if start < len(s) else None for s in seqs]
-        lg = m.run(chunks)
-        for i, c in enumerate(chunks):
-            if c:
-                out[i][start:start + len(c[0])] = lg[i, :len(c[0])]
-    check(out, "chunked prefill")
+    got = assert_paged_paths_match(tiny_hf_checkpoint(family), PagedModel, family)
     # Different physical pages, same numbers.
-    assert all(np.allclose(out[i], one_shot[i][:n], atol=tol) for i, n in enumerate(LENGTHS))
-
-    # Token-by-token decode after a 3-token prefill, crossing page boundaries.
-    m = PagedModel(loaded, rng)
-    out = [np.zeros_like(r) for r in ref]
-    lg = m.run([(s[:3], 0) for s in seqs])
-    for i in range(len(seqs)):
-        out[i][:3] = lg[i, :3]
-    for p in range(3, max(LENGTHS)):
-        chunks = [([s[p]], p) if p < len(s) else None for s in seqs]
-        lg = m.run(chunks)
-        for i, c in enumerate(chunks):
-            if c:
-                out[i][p] = lg[i, 0]
-    check(out, "decode")
+    assert all(np.allclose(got["chunked"][i], got["one_shot"][i][:n], atol=got["tol"])
+               for i, n in enumerate(LENGTHS))
 
 
 def test_results_do_not_depend_on_physical_pages(tiny_hf_checkpoint):
