@@ -21,8 +21,10 @@ from jfp8kv.config import CacheConfig
 from jfp8kv.engine.llm import LLM
 from jfp8kv.kvcache.cache import KVCache, bytes_per_token
 from jfp8kv.models.loader import load_model
-from tests.models.test_parity import (LENGTHS, PAGE, PagedModel, assert_paged_paths_match,
-                                       hf_logits)
+from tests.models.test_parity import (GREEDY, LENGTHS, PAGE, PagedModel,
+                                       assert_llm_matches_transformers,
+                                       assert_paged_paths_match)
+from tests.models.test_parity import small_llm as _llm
 from tests.x64 import x64
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -124,15 +126,6 @@ def test_paged_logits_match_transformers(deepseek_checkpoint, variant):
     assert_paged_paths_match(deepseek_checkpoint(variant), LatentPagedModel, variant)
 
 
-def _llm(loaded, **kw):
-    kw = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": 1 << 20,
-          "max_num_batched_tokens": 64, **kw}
-    return LLM(loaded=loaded, **kw)
-
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
 def test_llm_greedy_matches_transformers(deepseek_checkpoint):
     """Through LLM (latent float32 cache): prefill logits one-shot and chunked equal
     transformers'; an unequal batch decodes transformers' teacher-forced argmax."""
@@ -140,18 +133,7 @@ def test_llm_greedy_matches_transformers(deepseek_checkpoint):
     llm = _llm(load_model(str(path), "float32"))
     info = llm.cache_info()
     assert info["kv_layout"] == "latent" and info["bytes_per_token"] == 3 * 96 * 4
-    rng = np.random.default_rng()
-    prompts = [rng.integers(3, 320, n).tolist() for n in (4, 19, 33)]
-    outs = llm.generate(prompts, GREEDY)
-    fulls = [p + o.token_ids for p, o in zip(prompts, outs)]
-    for p, full, ref in zip(prompts, fulls, hf_logits(path, fulls)):
-        tol = 1e-4 * np.abs(ref).max()
-        for chunk in (128, 6):
-            _, lg = llm.nll(full, chunk_size=chunk, return_logits=True)
-            assert np.abs(lg - ref[:-1]).max() < tol, chunk
-        gen = ref[len(p) - 1:-1]
-        picked = gen[np.arange(len(gen)), full[len(p):]]
-        assert (gen.max(-1) - picked <= tol).all()
+    assert_llm_matches_transformers(llm, path)
 
 
 def test_capacity_and_mode_validation(deepseek_checkpoint):

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfp8kv import SamplingParams
 from jfp8kv.config import ModelConfig
-from jfp8kv.engine.llm import LLM
 from jfp8kv.models import moe
 from jfp8kv.models.loader import load_model
-from tests.models.test_parity import PagedModel, assert_paged_paths_match, hf_logits
+from tests.models.test_parity import (GREEDY, PagedModel, assert_llm_matches_transformers,
+                                       assert_paged_paths_match)
+from tests.models.test_parity import small_llm as _llm
 from tests.x64 import x64
 
 VARIANTS = {  # name -> Qwen3MoeConfig overrides
@@ -141,33 +141,11 @@ def test_paged_logits_match_transformers(qwen3_moe_checkpoint, variant):
     assert_paged_paths_match(qwen3_moe_checkpoint(variant), PagedModel, variant)
 
 
-def _llm(loaded, **kw):
-    kw = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": 1 << 20,
-          "max_num_batched_tokens": 64, **kw}
-    return LLM(loaded=loaded, **kw)
-
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
 def test_llm_float32_cache_matches_transformers(qwen3_moe_checkpoint):
     """Through LLM: prefill logits (one-shot, chunked) equal transformers'; what a batch of
     unequal prompts decodes greedily is transformers' teacher-forced argmax."""
     path = qwen3_moe_checkpoint("mlp-only")
-    llm = _llm(load_model(str(path), "float32"))
-    rng = np.random.default_rng()
-    prompts = [rng.integers(3, 320, n).tolist() for n in (4, 19, 33)]
-    outs = llm.generate(prompts, GREEDY)
-    fulls = [p + o.token_ids for p, o in zip(prompts, outs)]
-    refs = hf_logits(path, fulls)
-    for p, full, ref in zip(prompts, fulls, refs):
-        tol = 1e-4 * np.abs(ref).max()
-        for chunk in (128, 6):
-            _, lg = llm.nll(full, chunk_size=chunk, return_logits=True)
-            assert np.abs(lg - ref[:-1]).max() < tol, chunk
-        gen = ref[len(p) - 1:-1]  # the logits each generated token was sampled from
-        picked = gen[np.arange(len(gen)), full[len(p):]]
-        assert (gen.max(-1) - picked <= tol).all()
+    assert_llm_matches_transformers(_llm(load_model(str(path), "float32")), path)
 
 
 @pytest.mark.parametrize("mode", ["token", "block"])

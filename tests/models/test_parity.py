@@ -15,6 +15,7 @@ import pytest
 from jfp8kv.config import CacheConfig
 from jfp8kv.kvcache.cache import KVCache
 from jfp8kv.models import transformer
+from jfp8kv import SamplingParams
 from jfp8kv.models.loader import load_model
 
 from tests.tiny_checkpoints import FAMILIES
@@ -106,6 +107,36 @@ def assert_paged_paths_match(path, make_model, label: str) -> dict:
                 out[i][p] = lg[i, 0]
     check(out, "decode")
     return dict(one_shot=one_shot, chunked=chunked, decode=out, tol=tol)
+
+
+def small_llm(loaded, **kw):
+    """An LLM over ``loaded`` with small float32 defaults (each overridable)."""
+    from jfp8kv.engine.llm import LLM
+
+    kw = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": 1 << 20,
+          "max_num_batched_tokens": 64, **kw}
+    return LLM(loaded=loaded, **kw)
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def assert_llm_matches_transformers(llm, path) -> None:
+    """Through ``llm`` (float32 cache): prefill logits, one-shot and in chunks of 6, equal
+    transformers'; what an unequal batch decodes greedily is transformers' teacher-forced
+    argmax (within 1e-4 of the logits' scale)."""
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 320, n).tolist() for n in (4, 19, 33)]
+    outs = llm.generate(prompts, GREEDY)
+    fulls = [p + o.token_ids for p, o in zip(prompts, outs)]
+    for p, full, ref in zip(prompts, fulls, hf_logits(path, fulls)):
+        tol = 1e-4 * np.abs(ref).max()
+        for chunk in (128, 6):
+            _, lg = llm.nll(full, chunk_size=chunk, return_logits=True)
+            assert np.abs(lg - ref[:-1]).max() < tol, chunk
+        gen = ref[len(p) - 1:-1]  # the logits each generated token was sampled from
+        picked = gen[np.arange(len(gen)), full[len(p):]]
+        assert (gen.max(-1) - picked <= tol).all()
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
