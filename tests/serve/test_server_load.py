@@ -78,17 +78,35 @@ def test_past_queue_bound_is_503_with_retry_after(server):
     assert _complete(server.url, "after the storm", 3)["usage"]["completion_tokens"] == 3
 
 
+def _wait_accepted(url: str, n: int, limit_s: float = 60.0) -> None:
+    """Poll /metrics until n requests are running or waiting in the engine."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        m = metric_values(url)
+        if m["jfp8kv_num_requests_running"] + m["jfp8kv_queue_length"] >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} requests reached the engine in {limit_s} s")
+
+
 def test_sigterm_drains_in_flight_then_exits(spare_server):
-    srv = spare_server
-    chunks = []
+    # The drain must outlast the check below (one /health poll and one refused POST). A single
+    # short request once finished, and the server exited, between those two calls on a loaded
+    # CI machine; so a backlog of requests that cannot all hold pages at once (6 x 5 pages in a
+    # 12-page pool) keeps the drain going for hundreds of steps, and every one must complete.
+    srv, chunks, backlog_n, backlog_tokens = spare_server, [], 6, 70
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
                       json={"prompt": "drain me", "max_tokens": 40, "ignore_eos": True,
-                            "temperature": 0, "stream": True}) as r:
+                            "temperature": 0, "stream": True}) as r, \
+            concurrent.futures.ThreadPoolExecutor(backlog_n) as pool:
         lines = r.iter_lines()
         for line in lines:
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:]))
                 break
+        backlog = [pool.submit(_complete, srv.url, f"backlog {i}: the river", backlog_tokens)
+                   for i in range(backlog_n)]
+        _wait_accepted(srv.url, backlog_n)
         srv.proc.send_signal(signal.SIGTERM)
         refused = None
         for _ in range(100):  # bounded: the drain flag is set by the signal handler
@@ -101,7 +119,9 @@ def test_sigterm_drains_in_flight_then_exits(spare_server):
         assert refused is not None and refused.status_code == 503
         assert "retry-after" in refused.headers and refused.json()["error"]["message"]
         rest = [ln for ln in lines if ln]
+        finished = [f.result(timeout=120) for f in backlog]
     assert rest[-1] == "data: [DONE]"
     chunks += [json.loads(ln[6:]) for ln in rest[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(f["usage"]["completion_tokens"] == backlog_tokens for f in finished)
     assert srv.proc.wait(60) == 0
