@@ -34,7 +34,8 @@ def test_ideal_time_matches_a_hand_computation():
     e, k, m, item = 16, 4, 3, 2
     terms = dict(matmul_params=int(rng.integers(1e6, 1e7)),
                  logits_params=int(rng.integers(1e5, 1e6)),
-                 static_params=int(rng.integers(1e5, 1e6)), expert_params=int(rng.integers(1e4, 1e5)),
+                 static_params=int(rng.integers(1e5, 1e6)),
+                 expert_params=int(rng.integers(1e4, 1e5)),
                  moe_layers=m, num_experts=e, experts_per_tok=k, itemsize=item,
                  attn_flops_per_pair=4096)
     c, s, n, start = (int(x) for x in rng.integers(1, 200, 4))
