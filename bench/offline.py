@@ -30,17 +30,35 @@ whole timed run saw, and the ideal time, from the engine's recorded steps and tw
 measured in the same invocation (a bf16 matmul, a device copy):
 
     ideal = prefill FLOPs / matmul rate + decode bytes / copy bandwidth
-    prefill FLOPs = 2 * P * prefill tokens + 2 * D * V * prefill rows
-                    + 4 * L * H * Dh * causal (query, key) pairs
-    decode bytes  = per decode dispatch: iterations * W + K/V tokens read * bytes_per_token
+    prefill FLOPs = 2 * A * prefill tokens + 2 * D * V * prefill rows
+                    + F * causal (query, key) pairs
+    decode bytes  = per decode dispatch: iterations * W(B) + K/V tokens read * bytes_per_token
+    W(B) = (S + D * V + M * X(B) * 3 * D * I_e) * itemsize,   X(B) = E * (1 - (1 - k / E)^B)
 
-with P the transformer's matmul parameters (all layers' q/k/v/o and MLP weights), D the
-hidden size, V the vocabulary (the logits matmul), L, H, Dh layers, query heads and head
-size, W the weights one decode iteration reads (P plus the logits matrix, times the
-parameter itemsize), and bytes_per_token the cache's K/V bytes per token including scales.
+Each term is one function below. Per layer, the attention's matmul parameters
+(``attention_params``: q/k/v/o; MLA: q or q_a + q_b, kv_a, kv_b, o) and the MLP's
+(``mlp_params``: a dense SwiGLU 3 * D * I; a routed layer: the router D * E, the shared
+experts 3 * D * n_shared * I_e, and 3 * D * I_e per routed expert). A = active matmul
+parameters per token = every layer's attention + dense MLP or (router + shared + k routed
+experts); S = the same without the routed experts (what every decode iteration reads
+whatever the routing). D, V: hidden size and vocabulary (the logits matmul); M routed
+layers, E experts, k experts per token, I_e ``moe_intermediate_size``. F
+(``attn_flops_per_pair``) = per layer 4 * H * Dh (scores and values over H query heads of
+size Dh), for MLA 2 * H * (r + d_r) + 2 * H * r: the absorbed form the engine runs (scores
+over the latent row of r = kv_lora_rank plus d_r RoPE dims, values over the r latent dims;
+W_UK / W_UV are applied per token and counted in A through kv_b). An expanded MLA prefill
+would need fewer FLOPs per pair; this ideal is that of the absorbed computation.
+bytes_per_token is the cache's bytes per token including scales (for MLA one latent row of
+r + d_r per layer). X(B) (``distinct_experts``) is the expected number of distinct experts a
+batch of B tokens touches per routed layer **assuming uniform, independent routing** (each
+token picks k of E, so an expert is missed by all B with probability (1 - k/E)^B; random
+weights route roughly uniformly, trained routers less so); X(1) = k, X(B) -> E. B is a
+decode iteration's rows (for a recorded dispatch its decode tokens / iterations). A dense
+model has M = 0, A = S = P, the transformer's matmul parameters.
 ``actual_over_ideal`` is the wall time over that. ``ideal_roofline_s`` also charges every
-dispatch the larger of its FLOPs and bytes terms (prefill reads the weights too; a large
-decode batch computes); it is never below ``ideal_s`` (up to float rounding).
+dispatch the larger of its FLOPs and bytes terms (prefill reads the weights too, W(prefill
+tokens); a large decode batch computes, 2 * (A + D * V) per token + F per pair); it is never
+below ``ideal_s`` (up to float rounding).
 
 Writes ``bench/results/offline-<machine>.json`` (``--out``; with ``--append`` the runs are
 added to an existing file): machine, versions, exact command, the two rates, the ideal model
@@ -65,10 +83,15 @@ from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_in
 
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
-    "2 * P * prefill_tokens + 2 * D * V * prefill_rows + 4 * L * H * Dh * causal_pairs; "
-    "decode_bytes = sum over decode dispatches of (iterations * W + kv_tokens_read * "
-    "bytes_per_token); P = matmul parameters of all layers, W = (P + D * V) * itemsize; "
-    "ideal_roofline_s charges each dispatch max(flops / matmul_rate, bytes / copy_bandwidth)")
+    "2 * A * prefill_tokens + 2 * D * V * prefill_rows + F * causal_pairs; decode_bytes = sum "
+    "over decode dispatches of (iterations * W(B) + kv_tokens_read * bytes_per_token); "
+    "A = active matmul parameters per token (attention, dense MLPs, routers, shared experts, "
+    "k routed experts per routed layer); W(B) = (S + D * V + M * X(B) * 3 * D * I_e) * "
+    "itemsize, S = A without the routed experts, M routed layers, X(B) = E * (1 - (1 - k/E)^B)"
+    " the expected distinct experts of B rows under uniform routing, B = rows per decode "
+    "iteration; F = per layer 4 * H * Dh, MLA (absorbed) 2 * H * (kv_lora_rank + "
+    "qk_rope_head_dim) + 2 * H * kv_lora_rank; ideal_roofline_s charges each dispatch "
+    "max(flops / matmul_rate, bytes / copy_bandwidth)")
 
 
 def machine_slug(info: dict) -> str:
@@ -104,18 +127,73 @@ def make_prompts(args, vocab: int, tokenizer, seed: int) -> tuple[list[list[int]
     return prompts, [int(x) for x in out_lens]
 
 
+def attention_params(cfg) -> int:
+    """Matmul parameters of one layer's attention: q, k, v, o; MLA: q (or q_a and q_b),
+    kv_a (latent + RoPE key), kv_b (W_UK and W_UV, applied per token when absorbed), o."""
+    d, h = cfg.hidden_size, cfg.num_heads
+    if cfg.is_mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = d * h * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * qk)
+        kv_b = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return q + d * cfg.latent_dim + kv_b + h * cfg.v_head_dim * d
+    hd = cfg.head_dim
+    return 2 * d * h * hd + 2 * d * cfg.num_kv_heads * hd
+
+
+def mlp_params(cfg, layer: int) -> tuple[int, int]:
+    """(matmul parameters every token of ``layer`` uses, parameters of one routed expert):
+    a dense SwiGLU (3 * D * I, 0); a routed layer (router D * E + shared experts
+    3 * D * n_shared * I_e, 3 * D * I_e)."""
+    d = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return 3 * d * cfg.intermediate_size, 0
+    i_e = cfg.moe_intermediate_size
+    return d * cfg.num_experts + 3 * d * cfg.n_shared_experts * i_e, 3 * d * i_e
+
+
+def attn_flops_per_pair(cfg) -> int:
+    """Attention FLOPs per causal (query, key) pair over all layers: 4 * H * Dh per layer;
+    MLA, absorbed: 2 * H * (r + d_r) for scores over latent rows + 2 * H * r for values."""
+    h = cfg.num_heads
+    if cfg.is_mla:
+        return cfg.num_layers * (2 * h * cfg.latent_dim + 2 * h * cfg.kv_lora_rank)
+    return cfg.num_layers * 4 * h * cfg.head_dim
+
+
+def distinct_experts(num_experts: int, top_k: int, rows: float) -> float:
+    """Expected distinct experts that ``rows`` tokens touch in one routed layer when each
+    token picks ``top_k`` of ``num_experts`` uniformly and independently (the ideal
+    model's assumption): E * (1 - (1 - k/E)^B). Equals k at B = 1, tends to E."""
+    if num_experts == 0 or rows <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
+
+
 def model_terms(cfg, dtype: str) -> dict:
-    """The architecture's numbers the ideal model needs (see the module docstring)."""
+    """The architecture's numbers the ideal model needs (see the module docstring):
+    ``matmul_params`` A (active per token), ``static_params`` S, ``total_params`` (every
+    expert), ``expert_params`` (one routed expert), ``logits_params`` D * V."""
     import jax.numpy as jnp
 
-    d, hd = cfg.hidden_size, cfg.head_dim
-    per_layer = (d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd
-                 + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size)
-    p = cfg.num_layers * per_layer
-    head = d * cfg.vocab_size
-    return dict(matmul_params=p, logits_params=head,
-                decode_weight_bytes=(p + head) * jnp.dtype(dtype).itemsize,
-                attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * hd)
+    attn = attention_params(cfg)
+    mlps = [mlp_params(cfg, i) for i in range(cfg.num_layers)]
+    moe_layers = sum(1 for _, e in mlps if e)
+    expert = max((e for _, e in mlps), default=0)
+    static = cfg.num_layers * attn + sum(s for s, _ in mlps)
+    k = cfg.num_experts_per_tok if moe_layers else 0
+    return dict(matmul_params=static + moe_layers * k * expert, static_params=static,
+                total_params=static + moe_layers * cfg.num_experts * expert,
+                expert_params=expert, moe_layers=moe_layers, num_experts=cfg.num_experts,
+                experts_per_tok=k, logits_params=cfg.hidden_size * cfg.vocab_size,
+                itemsize=jnp.dtype(dtype).itemsize, attn_flops_per_pair=attn_flops_per_pair(cfg))
+
+
+def weight_bytes(terms: dict, rows: float) -> float:
+    """W(B): weight bytes one forward iteration over ``rows`` tokens reads: the static and
+    logits weights plus the routed experts those tokens are expected to touch."""
+    experts = terms["moe_layers"] * terms["expert_params"] * distinct_experts(
+        terms["num_experts"], terms["experts_per_tok"], rows)
+    return (terms["static_params"] + terms["logits_params"] + experts) * terms["itemsize"]
 
 
 def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: float) -> dict:
@@ -127,13 +205,14 @@ def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: 
         f = (2 * terms["matmul_params"] * r.prefill_tokens
              + 2 * terms["logits_params"] * r.prefill_chunks
              + terms["attn_flops_per_pair"] * r.prefill_pairs)
-        b = (r.decode_iterations * terms["decode_weight_bytes"]
+        rows = r.decode_tokens / r.decode_iterations if r.decode_iterations else 0
+        b = (r.decode_iterations * weight_bytes(terms, rows)
              + r.decode_kv_tokens * bytes_per_token)
         g = (2 * (terms["matmul_params"] + terms["logits_params"]) * r.decode_tokens
              + terms["attn_flops_per_pair"] * r.decode_kv_tokens)
         pf, db, df = pf + f, db + b, df + g
         if r.prefill_chunks:
-            roof += max(f / rate, terms["decode_weight_bytes"] / bw)
+            roof += max(f / rate, weight_bytes(terms, r.prefill_tokens) / bw)
         if r.decode_rows:
             roof += max(b / bw, g / rate)
     return dict(prefill_flops=pf, prefill_s=pf / rate, decode_bytes=db, decode_s=db / bw,
@@ -145,7 +224,8 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
     """The ideal model over the best schedule rather than the engine's recorded one: every
     prompt prefilled at the matmul rate, then decode in waves of ``batch`` requests (the most
     that run at once: max_num_seqs, and what the pool holds), each wave running its longest
-    output's iterations, every iteration reading the weights once plus its rows' live K/V."""
+    output's iterations, every iteration reading the weights its live rows need, W(rows),
+    plus their live K/V."""
     rate, bw = tflops * 1e12, tbps * 1e12
     pf = sum(2 * terms["matmul_params"] * p + 2 * terms["logits_params"]
              + terms["attn_flops_per_pair"] * p * (p + 1) / 2 for p in in_lens)
@@ -154,7 +234,7 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
         rows = list(zip(in_lens[w:w + batch], out_lens[w:w + batch]))
         for j in range(1, max(o for _, o in rows)):
             live = [p + j for p, o in rows if j < o]
-            db += terms["decode_weight_bytes"] + sum(live) * bytes_per_token
+            db += weight_bytes(terms, len(live)) + sum(live) * bytes_per_token
     return dict(batch=batch, prefill_s=pf / rate, decode_s=db / bw, ideal_s=pf / rate + db / bw)
 
 

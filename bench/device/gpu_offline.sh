@@ -4,6 +4,12 @@
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_offline.sh
 # STAGES (default "tests small large") picks stages; each is bounded in time and a failing
 # stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png), $OUT/*.log.
+# STAGES=moe (or moe-lite / moe-30b alone): random-weight DeepSeek-V2-Lite (MLA + MoE) and
+# Qwen3-30B-A3B (MoE, 61 GB of bf16 weights + the 8 GB pool fit one H200), bf16 vs fp8 KV at
+# a fixed KV budget sized so that bf16 holds about half the 64 sequences and fp8 all of them
+# (V2-Lite 2.5e9 B: 31,104 vs 16,524 B/token with block scales, 34 vs 65 sequences of 2304
+# tokens; 30B-A3B 8e9 B: 98,304 vs 50,688 B/token with token scales, 35 vs 68).
+# Results: $OUT/offline-moe-h200.json (+ .png).
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"tests small large"}
@@ -12,7 +18,8 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-stage() { local name=$1 limit=$2; shift 2; case " $STAGES " in *" $name "*) ;; *) return;; esac
+stage() { local name=$1 limit=$2; shift 2
+  case " $STAGES " in *" $name "*|*" ${name%%-*} "*) ;; *) return;; esac
   echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 json="$OUT/offline-h200.json"
@@ -25,5 +32,12 @@ stage large ${LARGE_LIMIT:-240} python3 -m bench.offline --model random:qwen3-8b
 stage capacity ${CAP_LIMIT:-240} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
   --input-len 4096 --output-len 256 --kv-cache-memory 16e9 --kv-cache-dtype bfloat16,fp8 \
   --out "$json" --append
-[ -f "$json" ] && python3 -m bench.offline --plot-only "$json" >/dev/null 2>&1
+moe_json="$OUT/offline-moe-h200.json"
+stage moe-lite ${MOE_LITE_LIMIT:-300} python3 -m bench.offline --model random:deepseek-v2-lite \
+  --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_LITE_KV:-2.5e9} \
+  --kv-cache-dtype bfloat16,fp8 --out "$moe_json" --append
+stage moe-30b ${MOE_30B_LIMIT:-420} python3 -m bench.offline --model random:qwen3-30b-a3b \
+  --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_30B_KV:-8e9} \
+  --kv-cache-dtype bfloat16,fp8 --out "$moe_json" --append
+for j in "$json" "$moe_json"; do [ -f "$j" ] && python3 -m bench.offline --plot-only "$j" >/dev/null 2>&1; done
 ls -la "$OUT"

@@ -21,6 +21,15 @@ _DEEPSEEK_V2_LITE = dict(
     v_head_dim=128, rope_interleave=True, num_experts=64, num_experts_per_tok=6,
     moe_intermediate_size=1408, n_shared_experts=2, first_k_dense_replace=1)
 
+# Qwen3-30B-A3B's config.json: every layer routed (decoder_sparse_step 1, no mlp_only_layers),
+# 128 experts top-8 renormalized, GQA 32 query / 4 KV heads; ~30.5B parameters, ~3.3B active.
+_QWEN3_30B_A3B = dict(
+    family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1e6, max_position_embeddings=40960, qk_norm=True, eos_token_ids=(151645,),
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=())
+
 PRESETS = {
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
@@ -52,6 +61,15 @@ PRESETS = {
         num_layers=2, num_heads=4, num_kv_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=32, v_head_dim=32, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, eos_token_ids=(4095,)),
+    # Qwen3-30B-A3B's shapes (random weights): 61 GB in bf16, fits one H200.
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    # Not a real model: the same layout at toy size for CPU smoke tests; layer 0 is dense
+    # (mlp_only_layers) so that the mixed dense/routed path is exercised too.
+    "qwen3-moe-tiny": dict(
+        _QWEN3_30B_A3B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, mlp_only_layers=(0,), tie_word_embeddings=True,
+        eos_token_ids=(4095,)),
 }
 
 

@@ -190,8 +190,10 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float =
         from jfp8kv.models import mla
 
         per_layer = [mla.random_layer_shapes(cfg, i) for i in range(cfg.num_layers)]
-    else:
-        per_layer = [shapes] * cfg.num_layers
+    else:  # routed layers (qwen3_moe) swap the dense MLP for router + expert stacks
+        routed = {**{k: v for k, v in shapes.items() if k not in ("w_gate", "w_up", "w_down")},
+                  **moe.moe_layer_shapes(cfg)}
+        per_layer = [routed if cfg.is_moe_layer(i) else shapes for i in range(cfg.num_layers)]
     keys = iter(jax.random.split(key, sum(map(len, per_layer)) + 2))
     generators = {}
 

@@ -1,5 +1,7 @@
 """bench.offline on the CPU: the record's fields, the step anatomy's counts against the
-workload, the ideal model against a hand computation, and the compile counter."""
+workload, the ideal model against a hand computation, its per-architecture terms (dense, MoE,
+MLA) against hand-computed numbers and the parameters of the actually built random models,
+and the compile counter."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import numpy as np
 import pytest
 
 from bench import offline
+from jfp8kv.config import ModelConfig
 from jfp8kv.engine.stats import StepRecord, compile_count
+from jfp8kv.models.presets import PRESETS
 
 
 def test_compile_counter_sees_a_fresh_compile():
@@ -27,8 +31,13 @@ def test_compile_counter_sees_a_fresh_compile():
 
 def test_ideal_time_matches_a_hand_computation():
     rng = np.random.default_rng()
-    terms = dict(matmul_params=int(rng.integers(1e6, 1e7)), logits_params=int(rng.integers(1e5, 1e6)),
-                 decode_weight_bytes=int(rng.integers(1e6, 1e7)), attn_flops_per_pair=4096)
+    e, k, m, item = 16, 4, 3, 2
+    terms = dict(matmul_params=int(rng.integers(1e6, 1e7)),
+                 logits_params=int(rng.integers(1e5, 1e6)),
+                 static_params=int(rng.integers(1e5, 1e6)),
+                 expert_params=int(rng.integers(1e4, 1e5)),
+                 moe_layers=m, num_experts=e, experts_per_tok=k, itemsize=item,
+                 attn_flops_per_pair=4096)
     c, s, n, start = (int(x) for x in rng.integers(1, 200, 4))
     pre = StepRecord(prefill_chunks=1, prefill_tokens=n, prefill_pairs=n * start + n * (n + 1) // 2)
     dec = StepRecord(decode_rows=2, decode_tokens=2 * s, decode_iterations=s,
@@ -38,10 +47,111 @@ def test_ideal_time_matches_a_hand_computation():
     flops = (2 * terms["matmul_params"] * n + 2 * terms["logits_params"]
              + 4096 * sum(start + j + 1 for j in range(n)))
     kv_read = 2 * sum(c + i + 1 for i in range(s))
-    nbytes = s * terms["decode_weight_bytes"] + kv_read * bpt
-    assert got["prefill_flops"] == flops and got["decode_bytes"] == nbytes
+    # Two rows per iteration: 16 * (1 - (12/16)^2) = 7 distinct experts expected per layer.
+    w2 = (terms["static_params"] + terms["logits_params"] + m * 7 * terms["expert_params"]) * item
+    nbytes = s * w2 + kv_read * bpt
+    assert got["prefill_flops"] == flops and math.isclose(got["decode_bytes"], nbytes,
+                                                          rel_tol=1e-12)
     assert math.isclose(got["ideal_s"], flops / 2e12 + nbytes / 0.5e12, rel_tol=1e-12)
     assert got["ideal_roofline_s"] >= got["ideal_s"] * (1 - 1e-12)
+
+
+def test_distinct_experts_expectation():
+    for e, k in ((128, 8), (64, 6), (8, 2)):
+        assert math.isclose(offline.distinct_experts(e, k, 1), k, rel_tol=1e-12)
+        xs = [offline.distinct_experts(e, k, b) for b in (1, 2, 4, 16, 64, 512, 10_000)]
+        assert all(a < b for a, b in zip(xs[:5], xs[1:5])) and xs[4] < e
+        assert all(a <= b for a, b in zip(xs, xs[1:])) and xs[-1] <= e
+        assert math.isclose(xs[-1], e, rel_tol=1e-9)
+    assert offline.distinct_experts(0, 0, 5) == 0.0
+    # Against a simulation of uniform routing: each token picks k distinct experts at random.
+    rng = np.random.default_rng()
+    e, k, b, trials = 16, 4, 5, 4000
+    picks = np.argsort(rng.random((trials, b, e)), axis=-1)[..., :k].reshape(trials, -1)
+    seen = np.array([len(set(row)) for row in picks.tolist()])
+    want = offline.distinct_experts(e, k, b)
+    assert abs(seen.mean() - want) < 4 * seen.std() / math.sqrt(trials)
+
+
+# Hand-computed terms of the toy presets (matmul parameters over all layers).
+# qwen3-tiny: D 128, I 256, H 4, KV 2, Dh 32, 2 dense layers: attention 2*128*128 + 2*128*64.
+# qwen3-moe-tiny: layer 0 dense, layer 1 routed (router 128*8, expert 3*128*64, top-2 of 8).
+# deepseek-v2-tiny: MLA attention wq 128*4*64 + wkv_a 128*96 + wkv_b 64*4*64 + wo 128*128;
+#   layer 0 dense, layer 1 router 128*8 + shared 3*128*128 + top-2 of 8 experts 3*128*64.
+TOY_TERMS = {
+    "qwen3-tiny": dict(static_params=2 * (49152 + 98304), matmul_params=2 * (49152 + 98304),
+                       total_params=2 * (49152 + 98304), expert_params=0, moe_layers=0,
+                       attn_flops_per_pair=2 * 4 * 4 * 32),
+    "qwen3-moe-tiny": dict(static_params=2 * 49152 + 98304 + 1024,
+                           matmul_params=2 * 49152 + 98304 + 1024 + 2 * 24576,
+                           total_params=2 * 49152 + 98304 + 1024 + 8 * 24576,
+                           expert_params=24576, moe_layers=1, attn_flops_per_pair=1024),
+    "deepseek-v2-tiny": dict(static_params=2 * 77824 + 98304 + 1024 + 49152,
+                             matmul_params=2 * 77824 + 98304 + 1024 + 49152 + 2 * 24576,
+                             total_params=2 * 77824 + 98304 + 1024 + 49152 + 8 * 24576,
+                             expert_params=24576, moe_layers=1,
+                             attn_flops_per_pair=2 * (2 * 4 * 96 + 2 * 4 * 64)),
+}
+
+
+def _counted(params, cfg) -> dict:
+    """Matmul parameters of a built params pytree: every layer leaf but norms and the V3
+    router bias; routed experts' stacks count k/E toward the active parameters."""
+    static = active = total = 0
+    for lp in params["layers"]:
+        for name, leaf in lp.items():
+            if name.endswith("norm") or name == "router_bias":
+                continue
+            size = math.prod(leaf.shape)
+            total += size
+            if name.startswith("experts_"):
+                active += size * cfg.num_experts_per_tok // cfg.num_experts
+            else:
+                static += size
+                active += size
+    return dict(static_params=static, matmul_params=active, total_params=total)
+
+
+@pytest.mark.parametrize("preset", sorted(TOY_TERMS))
+def test_model_terms_of_the_toy_presets(preset):
+    from jfp8kv.models.loader import load_model
+
+    loaded = load_model(f"random:{preset}", "bfloat16")
+    cfg = loaded.config
+    terms = offline.model_terms(cfg, "bfloat16")
+    assert {k: terms[k] for k in TOY_TERMS[preset]} == TOY_TERMS[preset]
+    assert {k: terms[k] for k in ("static_params", "matmul_params", "total_params")} == \
+        _counted(loaded.params, cfg)
+    assert terms["logits_params"] == math.prod(loaded.params["embed"].shape)
+    assert terms["itemsize"] == 2
+    w1 = (terms["static_params"] + terms["logits_params"]
+          + terms["moe_layers"] * terms["experts_per_tok"] * terms["expert_params"]) * 2
+    assert math.isclose(offline.weight_bytes(terms, 1), w1, rel_tol=1e-12)
+    if terms["moe_layers"]:  # a large batch reads every expert: the whole model's weights
+        total = (terms["total_params"] + terms["logits_params"]) * 2
+        assert math.isclose(offline.weight_bytes(terms, 10_000), total, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("preset, total, active", [
+    # Published: Qwen3-30B-A3B 30.5B total / 3.3B active; DeepSeek-V2-Lite 15.7B / 2.4B
+    # (DeepSeek's active count leaves out the embedding lookup, a gather).
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("deepseek-v2-lite", 15.7e9, 2.4e9)])
+def test_model_terms_of_the_real_presets(preset, total, active):
+    """The shapes ``load_model("random:...")`` would build (traced, nothing allocated)
+    against the terms and the published parameter counts."""
+    from jfp8kv.models.transformer import init_random_params
+
+    cfg = ModelConfig(**PRESETS[preset], name=preset)
+    shapes = jax.eval_shape(lambda key: init_random_params(cfg, key), jax.random.PRNGKey(0))
+    terms = offline.model_terms(cfg, "bfloat16")
+    assert {k: terms[k] for k in ("static_params", "matmul_params", "total_params")} == \
+        _counted(shapes, cfg)
+    embed = math.prod(shapes["embed"].shape)
+    leaves = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
+    assert abs(leaves - total) < 0.01 * total
+    got_active = terms["matmul_params"] + terms["logits_params"]
+    got_active += embed if preset.startswith("qwen3") else 0
+    assert abs(got_active - active) < 0.03 * active
 
 
 def test_prefill_only_and_sampled_lengths():
@@ -57,17 +167,25 @@ def test_prefill_only_and_sampled_lengths():
 
 
 @pytest.mark.timeout(900)
-def test_offline_tiny_preset_record(tmp_path):
+@pytest.mark.parametrize("preset, kvs", [  # one KV dtype for the MoE/MLA toys: ~35 s each
+    ("qwen3-tiny", "bfloat16,fp8"), ("qwen3-moe-tiny", "bfloat16"), ("deepseek-v2-tiny", "fp8")])
+def test_offline_tiny_preset_record(tmp_path, preset, kvs):
     out = tmp_path / "offline.json"
     n, lin, lout = 3, 24, 5
-    assert offline.main(["--model", "random:qwen3-tiny", "--num-prompts", str(n), "--input-len",
-                         str(lin), "--output-len", str(lout), "--kv-cache-dtype", "bfloat16,fp8",
+    assert offline.main(["--model", f"random:{preset}", "--num-prompts", str(n), "--input-len",
+                         str(lin), "--output-len", str(lout), "--kv-cache-dtype", kvs,
                          "--warmup", "off", "--out", str(out), "--plot"]) == 0
     doc = json.loads(out.read_text())
     assert "bench.offline" in doc["commands"][0] and doc["machine"]["platform"] == "cpu"
     assert doc["versions"]["jax"] and "ideal_s" in doc["ideal_model"]
-    assert [r["kv_cache_dtype"] for r in doc["runs"]] == ["bfloat16", "fp8_e4m3"]
+    names = {"bfloat16": "bfloat16", "fp8": "fp8_e4m3"}
+    assert [r["kv_cache_dtype"] for r in doc["runs"]] == [names[k] for k in kvs.split(",")]
+    cfg = ModelConfig(**PRESETS[preset], name=preset)
     for r in doc["runs"]:
+        assert r["model_terms"] == offline.model_terms(cfg, "bfloat16")
+        if cfg.is_mla:  # fp8 block (the MLA default): one latent row of r + d_r = 96 e4m3
+            # values and 3 fp16 scales per token and layer
+            assert r["kv_scale_mode"] == "block" and r["bytes_per_token"] == 2 * (96 + 3 * 2)
         a = r["anatomy"]
         assert r["total_input_tokens"] == n * lin and r["total_output_tokens"] == n * lout
         assert r["output_throughput"] > 0 and r["total_throughput"] > r["output_throughput"]
