@@ -58,3 +58,37 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
 
     return pallas_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
                                             sm_scale, interpret=interpret)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
+
+
+def store_latent(pages, scale, rows, slots: Slots, cfg: CacheConfig, backend: str = "reference"):
+    """MLA latent rows [N, R] into one layer's latent pool (``mla_reference.store_latent``'s
+    contract). Every backend runs the jnp store (a Pallas latent store is open)."""
+    from jfp8kv.kernels import mla_reference
+
+    check_backend(backend)
+    return mla_reference.store_latent(pages, scale, rows, slots, cfg)
+
+
+def latent_attention(q, pages, scale, page_tables: PageTables, seq_lens: SeqLens,
+                     q_positions: Positions, cfg: CacheConfig, sm_scale: float, value_dim: int,
+                     backend: str = "reference"):
+    """MLA attention over latent rows (``mla_reference.latent_attention``'s contract): q
+    [B, T, H, R] absorbed -> [B, T, H, value_dim]. Pallas backends run ``pallas_mla`` for
+    decode (T == 1) and prefill/extend alike."""
+    check_backend(backend)
+    if backend == "reference":
+        from jfp8kv.kernels import mla_reference
+
+        return mla_reference.latent_attention(q, pages, scale, page_tables, seq_lens,
+                                              q_positions, cfg, sm_scale, value_dim)
+    _check_pool(cfg, backend)
+    from jfp8kv.kernels import pallas_mla
+
+    return pallas_mla.latent_attention(q, pages, scale, page_tables, seq_lens, q_positions,
+                                       cfg, sm_scale, value_dim,
+                                       interpret=backend == "pallas_interpret")
