@@ -13,6 +13,7 @@ and ones that do not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -90,20 +91,69 @@ def test_latent_attention_matches_reference(case, exec_mode):
     assert (np.asarray(out, np.float32)[empty] == 0).all(), "empty slots must return zeros"
 
 
-def test_dispatch_routes_every_backend_to_the_same_numbers():
-    """``jfp8kv.kernels.latent_attention``: reference and pallas_interpret agree, decode and
-    extend; an unknown backend and a non-power-of-two rank are ValueErrors naming the fix."""
+def test_dispatch_rejects_what_it_cannot_run():
+    """``jfp8kv.kernels.latent_attention``: an unknown backend, an integer (bitcast) pool on
+    a Pallas backend and a non-power-of-two rank are ValueErrors naming what works. (Its
+    routing of decode and extend to ``pallas_mla`` is checked by the model test below.)"""
     rng = np.random.default_rng()
     lens = np.array([5, 0, 19])
     cfg, clean, _, pt, seq_lens = latent_case(rng, "bfloat16", None, 8, 32, 32, lens)
-    for t in (1, 3):
-        q, pos = queries(rng, lens, t, 4, 64, "bfloat16")
-        outs = [on_cpu(latent_attention, q, *clean, pt, seq_lens, pos, cfg, 0.125, 32,
-                       backend=be) for be in ("reference", "pallas_interpret")]
-        assert_close(outs[1], outs[0])
+    q, pos = queries(rng, lens, 1, 4, 64, "bfloat16")
     assert "pallas" in BACKENDS
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'.*pallas"):
         latent_attention(q, *clean, pt, seq_lens, pos, cfg, 0.125, 32, backend="cuda")
-    bad = dataclasses.replace(cfg, head_dim=48)
+    with pytest.raises(ValueError, match="bitcast_pool=False"):
+        latent_attention(q, *clean, pt, seq_lens, pos, dataclasses.replace(
+            cfg, bitcast_pool=True), 0.125, 32, backend="pallas_interpret")
     with pytest.raises(ValueError, match="kv_lora_rank a power of two.*reference"):
-        pallas_mla.check_shapes(bad, 48, 24)
+        pallas_mla.check_shapes(dataclasses.replace(cfg, head_dim=48), 48, 24)
+    with pytest.raises(ValueError, match="latent cache"):
+        pallas_mla.check_shapes(dataclasses.replace(cfg, layout="kv"), 64, 32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def _model_logits(params, cache, tok, pos, slots, pt, lens, *, cfg, backend):
+    from jfp8kv.models import transformer
+
+    hidden, cache = transformer.forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg,
+                                        backend=backend)
+    return transformer.logits(params, hidden), cache
+
+
+def test_deepseek_tiny_pallas_interpret_matches_reference_backend():
+    """random:deepseek-v2-tiny's first layer (float32 weights, fp8 block latent cache): an
+    unequal-length prefill over shuffled pages (the extend kernel), then one decode step,
+    give the same logits through ``pallas_interpret`` as through ``reference``."""
+    from jfp8kv.kvcache.cache import KVCache
+    from jfp8kv.models.loader import load_model
+
+    loaded = load_model("random:deepseek-v2-tiny", "float32")
+    mcfg = dataclasses.replace(loaded.config, num_layers=1)  # its first (dense) layer: small
+    params = {**loaded.params, "layers": loaded.params["layers"][:1]}
+    rng = np.random.default_rng()
+    page, num_pages, lens = 8, 12, np.array([13, 6], np.int32)
+    ccfg = make_cfg("float8_e4m3fn", "block", heads_kv=1, head_dim=mcfg.latent_dim,
+                    page_size=page, num_pages=num_pages)
+    ccfg = dataclasses.replace(ccfg, num_layers=mcfg.num_layers, layout="latent")
+    pt = rng.permutation(np.arange(1, num_pages))[:6].reshape(2, 3).astype(np.int32)
+    t = int(lens.max())
+    pos = np.minimum(np.arange(t)[None, :], lens[:, None] - 1).astype(np.int32)
+    slots = np.take_along_axis(pt, pos // page, 1) * page + pos % page
+    slots = np.where(np.arange(t)[None, :] < lens[:, None], slots, 0).astype(np.int32)
+    tok = rng.integers(0, mcfg.vocab_size, (2, t)).astype(np.int32)
+    step = (tok[:, :1], lens[:, None], np.take_along_axis(pt, lens[:, None] // page, 1) * page
+            + lens[:, None] % page, lens + 1)
+    got = {}
+    for backend in ("reference", "pallas_interpret"):
+        cache = KVCache.init(ccfg)
+        lg, cache = _model_logits(params, cache, tok, pos, slots, pt, lens, cfg=mcfg,
+                                  backend=backend)
+        lg2, _ = _model_logits(params, cache, step[0], step[1].astype(np.int32),
+                               step[2].astype(np.int32), pt, step[3], cfg=mcfg,
+                               backend=backend)
+        got[backend] = (np.asarray(lg)[0, :lens[0]], np.asarray(lg)[1, :lens[1]],
+                        np.asarray(lg2))
+    for out, ref in zip(got["pallas_interpret"], got["reference"]):
+        scale = float(np.abs(ref).max())  # random weights: logits well below 1
+        assert np.isfinite(out).all() and scale > 0
+        assert_close(out / scale, ref / scale)
