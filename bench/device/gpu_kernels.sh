@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the fp8 cast and decode-variant GPU tests, then the kernel comparisons
-# (store casts and decode variants side by side with bf16) into $OUT/kernels-h200.json.
+# (store casts and decode variants side by side with bf16) into $OUT/kernels-h200.json;
+# STAGES="mla" (not a default): the MLA kernel's GPU tests, then its decode timings (sweep, best
+# per storage) into $OUT/mla-kernels-h200.json.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
@@ -19,4 +21,5 @@ stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store --budge
   --out "$OUT/kernels-h200.json"
 stage decode ${DECODE_LIMIT:-150} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-150} - 40 )) \
   --out "$OUT/kernels-h200.json"
+stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
 ls -la "$OUT"

@@ -4,18 +4,25 @@
 * ``"reference"``: the pure-jnp twins (any device, any dtype; XLA emulates fp8 on CPU);
 * ``"pallas"``: Pallas kernels on the Triton backend (NVIDIA GPU);
 * ``"pallas_interpret"``: the same Pallas kernels in interpret mode (CPU tests).
+
+MLA latent caches: ``store_latent`` and ``latent_attention`` (``mla_reference``'s contract;
+Pallas backends run ``pallas_mla`` for attention, the jnp store for the rows).
 """
 
 from __future__ import annotations
 
+from jaxtyping import Array, Float
+
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels import reference
+from jfp8kv.kernels import mla_reference, reference
+from jfp8kv.kernels.mla_reference import LatentPages, LatentQueries, LatentRows
 from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
                                       StatsRow)
 from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import LayerKV
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
+LatentOut = Float[Array, "b t heads value_dim"]
 
 
 def _check_pool(cfg: CacheConfig, backend: str) -> None:
@@ -58,3 +65,35 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
 
     return pallas_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
                                             sm_scale, interpret=interpret)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
+
+
+def store_latent(pages: LatentPages, scale, rows: LatentRows, slots: Slots, cfg: CacheConfig,
+                 backend: str = "reference") -> tuple[LatentPages, object, StatsRow]:
+    """MLA latent rows [N, R] into one layer's latent pool (``mla_reference.store_latent``'s
+    contract). Every backend runs the jnp store (a Pallas latent store is open)."""
+    check_backend(backend)
+    return mla_reference.store_latent(pages, scale, rows, slots, cfg)
+
+
+def latent_attention(q: LatentQueries, pages: LatentPages, scale, page_tables: PageTables,
+                     seq_lens: SeqLens, q_positions: Positions, cfg: CacheConfig,
+                     sm_scale: float, value_dim: int, backend: str = "reference"
+                     ) -> LatentOut:
+    """MLA attention over latent rows (``mla_reference.latent_attention``'s contract): q
+    [B, T, H, R] absorbed -> [B, T, H, value_dim]. Pallas backends run ``pallas_mla`` for
+    decode (T == 1) and prefill/extend alike."""
+    check_backend(backend)
+    if backend == "reference":
+        return mla_reference.latent_attention(q, pages, scale, page_tables, seq_lens,
+                                              q_positions, cfg, sm_scale, value_dim)
+    _check_pool(cfg, backend)
+    from jfp8kv.kernels import pallas_mla
+
+    return pallas_mla.latent_attention(q, pages, scale, page_tables, seq_lens, q_positions,
+                                       cfg, sm_scale, value_dim,
+                                       interpret=backend == "pallas_interpret")

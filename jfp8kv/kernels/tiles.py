@@ -17,6 +17,7 @@ log2(e)`` folded into the logits); the state is (acc [M, D] unnormalized, m [M],
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -140,21 +141,29 @@ def fp8_to_f16_asm(x):
     return y
 
 
-def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout):
+def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, col0: int = 0,
+                width: int | None = None):
     """Gather a [BK, D] K or V tile (storage dtype) and its dynamic scales: [BK] f32 (one per
     token), [BK, G] (one per group), else None. Masked rows (and their scales) read as 0.
 
     pages_ref [Hkv, P*S, D]; rows int32[BK] flat token rows; valid bool[BK]. Every index is
     an integer array (the interpret mode discharges only all-array or all-slice indexers).
+    ``col0``/``width`` (static) gather the column chunk [col0, col0 + width) of the rows
+    instead (MLA's latent and RoPE parts); with group scales the chunk must be group-aligned
+    and gets its own groups' scales [BK, width / group width].
     """
     bk = rows.shape[0]
-    d = pages_ref.shape[-1]
-    x = plgpu.load(pages_ref.at[h, rows[:, None], cols(d)],
+    full = pages_ref.shape[-1]
+    d = full if width is None else width
+    x = plgpu.load(pages_ref.at[h, rows[:, None], col0 + cols(d)],
                    mask=jnp.broadcast_to(valid[:, None], (bk, d)), other=0.0)
     if kv.groups > 1:
-        idx = rows[:, None] * kv.groups + cols(kv.groups)  # [BK, G] into [P*S*G]
+        gw = full // kv.groups
+        assert col0 % gw == 0 and d % gw == 0, "column chunk not aligned to scale groups"
+        ng = d // gw
+        idx = rows[:, None] * kv.groups + col0 // gw + cols(ng)  # [BK, ng] into [P*S*G]
         return x, plgpu.load(scale_ref.at[h, idx], other=0.0,
-                             mask=jnp.broadcast_to(valid[:, None], (bk, kv.groups)))
+                             mask=jnp.broadcast_to(valid[:, None], (bk, ng)))
     if kv.groups == 1:
         return x, plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
     return x, None
@@ -222,9 +231,13 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool
     visible: bool broadcastable to [M, BK]; ``load_v() -> (v [BK, D], v_tok or None)`` is
     called after the probabilities exist (so V is dequantized late). ``nomma``: both
     products by f32 multiply-reduce (``fma_nt`` / ``fma_nn``) instead of matrix-unit dots.
+    ``q`` and ``k`` may also be equal-length tuples of column chunks of the same rows (MLA's
+    latent and RoPE parts): the logits are the sum of the chunks' products.
     """
     acc, m_i, l_i = state
-    s = fma_nt(q, k) if nomma else dot_nt(q, k)  # [M, BK] f32
+    qs, ks = (q, k) if isinstance(q, tuple) else ((q,), (k,))
+    prods = [fma_nt(a, b) if nomma else dot_nt(a, b) for a, b in zip(qs, ks)]
+    s = functools.reduce(jnp.add, prods)  # [M, BK] f32
     if k_tok is not None:
         s = s * k_tok[None, :]
     s = jnp.where(visible, s * qk_scale, -jnp.inf)

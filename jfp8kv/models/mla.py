@@ -9,8 +9,9 @@ Per layer (r = kv_lora_rank, d_n / d_r = qk_nope / qk_rope head dims, d_v = v_he
     scores = (W_UK_h^T q_nope_h) . c + RoPE(q_rope_h) . k_rope   (absorbed: no per-head K)
     out_h  = W_UV_h (softmax(scores * scale) . c)                then o_proj
 
-Prefill, extend and decode all take this absorbed path over the latent pages (the oracle;
-a faster prefill that expands per-head K/V is open, see docs/mla-moe.md). RoPE: YaRN as
+Prefill, extend and decode all take this absorbed path over the latent pages (the jnp twin
+``kernels.mla_reference`` or the Pallas kernel ``kernels.pallas_mla``, by backend; a faster
+prefill that expands per-head K/V is open, see docs/mla-moe.md). RoPE: YaRN as
 transformers computes it (``YarnScaling``: blended inverse frequencies, cos/sin times the
 attention factor, softmax scale times mscale(factor, mscale_all_dim)^2); pairwise (even,
 odd) rotation when ``rope_interleave`` (DeepSeek-V2 always), rotate-half otherwise. The
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig, YarnScaling
-from jfp8kv.kernels import mla_reference
+from jfp8kv import kernels
 from jfp8kv.models import moe
 
 
@@ -115,9 +116,10 @@ def _queries(h, lp, cfg: ModelConfig):
 
 
 def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_tables, seq_lens,
-              ccfg, cfg: ModelConfig, rope):
+              ccfg, cfg: ModelConfig, rope, backend: str = "reference"):
     """One MLA layer's attention on h [B, T, D] (normalized). Stores the chunk's latent rows,
-    attends over the latent pages (absorbed). ``rope``: (inv_freq, factor). Returns
+    attends over the latent pages (absorbed) through ``jfp8kv.kernels`` with ``backend``.
+    ``rope``: (inv_freq, factor). Returns
     (attention output [B, T, D] before the residual, pages, scale, stats row)."""
     from jfp8kv.models.transformer import _linear, acc_dtype, rms_norm
 
@@ -131,14 +133,14 @@ def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_table
     q_rope = apply_rope(q[..., dn:], positions, inv_freq, factor, cfg.rope_interleave)
     k_rope = apply_rope(kv[..., None, r:], positions, inv_freq, factor, cfg.rope_interleave)
     rows = jnp.concatenate([c, k_rope[:, :, 0]], -1).reshape(b * t, r + cfg.qk_rope_head_dim)
-    pages, scale, st = mla_reference.store_latent(layer_pages, layer_scale, rows, flat_slots,
-                                                  ccfg)
+    pages, scale, st = kernels.store_latent(layer_pages, layer_scale, rows, flat_slots, ccfg,
+                                            backend)
     w_kv = lp["wkv_b"].reshape(r, hh, dn + dv)
     w_uk, w_uv = w_kv[..., :dn], w_kv[..., dn:]  # [r, H, d_n], [r, H, d_v]
     q_lat = jnp.einsum("bthn,rhn->bthr", q[..., :dn], w_uk, preferred_element_type=acc)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(acc)], -1)
-    o_lat = mla_reference.latent_attention(q_abs, pages, scale, page_tables, seq_lens,
-                                           positions, ccfg, softmax_scale(cfg), r)
+    o_lat = kernels.latent_attention(q_abs, pages, scale, page_tables, seq_lens, positions,
+                                     ccfg, softmax_scale(cfg), r, backend)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv.astype(acc), preferred_element_type=acc)
     out = _linear(o.reshape(b, t, hh * dv).astype(h.dtype), lp["wo"])
     return out, pages, scale, st
@@ -157,8 +159,8 @@ def mlp(h, lp, cfg: ModelConfig):
 def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens, *,
             cfg: ModelConfig, backend: str = "reference"):
     """``transformer.forward`` for MLA models (same arguments and result; the cache has the
-    latent layout). Every backend runs the jnp reference for the latent cache (a Pallas
-    latent kernel is open)."""
+    latent layout). ``backend`` picks the latent attention kernel (``kernels.latent_attention``:
+    ``pallas_mla`` on the Pallas backends); the latent store is the jnp one on every backend."""
     from jfp8kv.kvcache.cache import KVCache
     from jfp8kv.models.transformer import acc_dtype, rms_norm
 
@@ -173,7 +175,7 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         a, p, s, st = attention(h, lp, cache.k[i], cache.k_scale[i], positions, flat_slots,
-                                page_tables, seq_lens, cache.config, cfg, rope)
+                                page_tables, seq_lens, cache.config, cfg, rope, backend)
         x = x + a
         x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg)
         pages.append(p)
