@@ -28,6 +28,7 @@ import numpy as np
 
 from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheOptions,
                            EngineConfig, LoadConfig, check_compute_dtype)
+from jfp8kv import kernels
 from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine.compile_cache import setup_compile_cache
 from jfp8kv.engine.runner import ModelRunner, page_widths_from
@@ -322,6 +323,8 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
                          kv_rotation=cache.kv_rotation if fp8.is_fp8(storage) else "none")
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
+    if loaded.config.is_mla:
+        kernels.check_latent_cache(plan.cache_config, loaded.config.kv_lora_rank, backend)
     k_scale, v_scale, k_shift, source = resolve_static_scales(loaded, plan.cache_config,
                                                               cache.kv_scales, tp)
     built = BuiltEngine(assemble_engine(loaded, plan, engine, backend,

@@ -72,6 +72,16 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
 
 
+def check_latent_cache(cfg: CacheConfig, value_dim: int, backend: str) -> None:
+    """At engine build: ValueError now, not at the first trace, when ``backend`` cannot run
+    this latent cache (``pallas_mla.check_shapes``: power-of-two widths, block/token scales)."""
+    check_backend(backend)
+    if backend != "reference":
+        from jfp8kv.kernels import pallas_mla
+
+        pallas_mla.check_shapes(cfg, cfg.head_dim, value_dim)
+
+
 def store_latent(pages: LatentPages, scale, rows: LatentRows, slots: Slots, cfg: CacheConfig,
                  backend: str = "reference") -> tuple[LatentPages, object, StatsRow]:
     """MLA latent rows [N, R] into one layer's latent pool (``mla_reference.store_latent``'s

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfp8kv.kernels import BACKENDS, latent_attention, mla_reference, pallas_mla
+from jfp8kv.kernels import (BACKENDS, check_latent_cache, latent_attention, mla_reference,
+                            pallas_mla)
 
 from .cases import assert_close, attention_case, make_cfg, on_cpu, on_exec, sweep
 
@@ -109,6 +110,12 @@ def test_dispatch_rejects_what_it_cannot_run():
         pallas_mla.check_shapes(dataclasses.replace(cfg, head_dim=48), 48, 24)
     with pytest.raises(ValueError, match="latent cache"):
         pallas_mla.check_shapes(dataclasses.replace(cfg, layout="kv"), 64, 32)
+    # the engine builder's early check: the reference takes any width, Pallas refuses a
+    # 24-wide RoPE tail
+    odd = dataclasses.replace(cfg, head_dim=56)
+    check_latent_cache(odd, 32, "reference")
+    with pytest.raises(ValueError, match="qk_rope_head_dim a power of two.*reference"):
+        check_latent_cache(odd, 32, "pallas")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"))
