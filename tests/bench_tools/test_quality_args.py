@@ -128,3 +128,6 @@ def test_kernels_rotation_summary_against_the_target():
     assert s[("decode_attention", "hadamard")]["max_cost_pct"] == 2.9
     assert s[("prefill_attention", "hadamard")]["under_target"] is False
     assert s[("prefill_attention", "hadamard")]["noise_pct_max"] == pytest.approx(1.0)
+    assert s[("prefill_attention", "hadamard")]["resolved"] is True
+    assert s[("decode_attention", "hadamard")]["noise_pct_max"] is None
+    assert s[("decode_attention", "hadamard")]["resolved"] is False
