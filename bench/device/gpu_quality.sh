@@ -110,7 +110,7 @@ if has_stage rotation; then
   for m in $ROTATION_MODELS; do
     case $m in
       smollm2) extra=(--keys 25);;
-      qwen) extra=(--keys 10 --tokens-per-context 8192)
+      qwen) extra=(--keys 5 --tokens-per-context 8192)
         qwen_gguf > "$OUT/rotation-qwen.log" 2>&1; ok=$?; cat "$OUT/rotation-qwen.log"
         [ "$ok" = 0 ] || { rot_rc=3; continue; };;
       *) echo "unknown ROTATION_MODELS entry $m (smollm2, qwen)"; rot_rc=2; continue;;
