@@ -19,8 +19,8 @@ in the compute dtype (the baseline every fp8 config is compared with). Static sc
 ("calib", the default for tensor/channel, and for smoothing transforms the K means) are
 measured by the engine's calibration (``jfp8kv.engine.calibrate.measure_amax``, one file per
 K transform) on a held-out slice of the text; ``auto`` uses the engine's start-up
-calibration, a number is a constant scale. Configs run in order of importance (bf16, e4m3 token = the default ``fp8``,
-e4m3 block/channel/tensor, then e5m2), and the JSON is rewritten after every config, so a
+calibration, a number is a constant scale. Configs run in order of importance (bf16, e4m3
+token = the default ``fp8``, e4m3 block/channel/tensor, then e5m2), and the JSON is rewritten after every config, so a
 run cut short keeps what it measured; ``--time-budget`` skips the configs that would not end
 in time and records them under ``skipped``. Measurements, per config:
 
