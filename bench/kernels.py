@@ -13,7 +13,14 @@ and the output; for the store the new rows read and the quantized rows and scale
 written), plus the tuning used. ``--sweep`` first times decode code-generation variants
 and launch knobs and uses the best; ``--sweep-prefill`` does the same for prefill (tile
 shapes and warps, then stages and fp8 variants, per storage); ``--smoke`` runs tiny shapes
-in interpret mode (CPU).
+in interpret mode (CPU). ``--kv-rotation hadamard,smooth,smooth+hadamard`` (or ``all``) times
+only the issue-14 K transform's cost: ``jfp8kv.kernels.store_kv`` / ``paged_attention`` (the
+transform runs there, outside the Pallas kernels) for e4m3 token/block/tensor with
+kv_rotation none and each transform side by side, rows under "rotation" with ``ratio_vs_none``
+and ``cost_pct``, and "rotation_summary" against the issue's < 3% target:
+
+    python -m bench.kernels --kv-rotation all [--rotation-ops decode,prefill,store] \
+        [--budget-s 400] --out bench/results/kernels-h200.json
 Data is random (never zeros); every K/V byte a sequence can see is distinct data.
 """
 
@@ -218,8 +225,9 @@ class Bench:
     def add(self, rec, where="records"):
         self.doc[where].append(rec)
         self.save()
-        keys = ("op", "impl", "kv_cache_dtype", "kv_scale_mode", "batch", "context", "tokens",
-                "fp8_cast", "ms", "tbps", "ratio_vs_bf16", "tuning", "error")
+        keys = ("op", "impl", "kv_cache_dtype", "kv_scale_mode", "kv_rotation", "batch",
+                "context", "tokens", "num_heads", "head_dim", "fp8_cast", "ms", "tbps",
+                "ratio_vs_bf16", "ratio_vs_none", "cost_pct", "tuning", "error")
         print(" ".join(f"{k}={rec[k]}" for k in keys if k in rec), flush=True)
 
     def decode(self, impl, storage, mode, batch, context, hq, hkv, d, tuning=None,
@@ -431,6 +439,186 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
     b.save()
 
 
+# Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated
+# and/or smoothed before the store, queries rotated before attention). It runs outside the
+# Pallas kernels, in ``jfp8kv.kernels.store_kv`` / ``paged_attention``, so these rows time
+# those dispatcher functions (default tunings, as the engine runs them), for kv_rotation
+# "none" and each transform, side by side on the same data, in one run.
+ROTATION_OPS = ("decode", "prefill", "store")
+ROTATION_MODES = ("token", "block", "tensor")
+ROTATION_TARGET_PCT = 3.0  # issue 14: the rotation costs < 3% of decode and prefill attention
+
+
+def rotation_shapes(op: str, smoke: bool):
+    """Per op: decode (batch, context, hq, hkv, d); prefill (batch, chunk, prefix, hq, hkv,
+    d); store (tokens, hkv, d). Head dims 128 (Llama-like) and 64 (SmolLM2 9/3, Qwen2.5-0.5B
+    14/2)."""
+    if smoke:
+        return {"decode": [(2, 64, 8, 2, 64)], "prefill": [(1, 32, 16, 8, 2, 64)],
+                "store": [(40, 2, 64)]}[op]
+    return {"decode": [(64, 8192, 32, 8, 128), (64, 8192, 14, 2, 64)],
+            "prefill": [(1, 2048, 2048, 32, 8, 128), (1, 4096, 4096, 14, 2, 64)],
+            "store": [(2048, 8, 128), (8192, 8, 128)]}[op]
+
+
+def dispatch_chain(op: str, cfg: CacheConfig, backend: str):
+    """reps -> jitted chain of ``reps`` dependent calls of the dispatcher-level op: decode
+    f(q [B, 1, H, D], layer, pt, lens), prefill f(q [B, T, H, D], layer, pt, lens, pos),
+    store f(layer, k, v, slots, shift) (the shift re-attached before every store, as the
+    engine's cache does)."""
+    from jfp8kv import kernels
+
+    sm = 1.0 / float(np.sqrt(cfg.head_dim))
+
+    def make(reps):
+        if op == "store":
+            @functools.partial(jax.jit, donate_argnums=(0,))
+            def f(layer, k, v, slots, shift):
+                tot = jnp.zeros((6,), jnp.float32)
+                for _ in range(reps):
+                    layer = LayerKV(layer.k, layer.v, layer.k_scale, layer.v_scale, shift)
+                    layer, st = kernels.store_kv(layer, k, v, slots, cfg, backend)
+                    tot = tot + st
+                return layer, tot
+            return f
+
+        @jax.jit
+        def g(q, layer, pt, lens, pos):
+            acc = jnp.zeros(q.shape, jnp.float32)
+            for _ in range(reps):
+                out = kernels.paged_attention(q, layer, pt, lens, pos, cfg, sm, backend)
+                acc = acc + out.astype(jnp.float32)
+                q = (q.astype(jnp.float32) + 1e-3 * out.astype(jnp.float32)).astype(q.dtype)
+            return acc
+        return g
+    return make
+
+
+def rotation_op_name(op: str) -> str:
+    """--rotation-ops name -> the records' ``op``."""
+    return {"decode": "decode_attention", "prefill": "prefill_attention"}.get(op, op)
+
+
+def rotation_row(b: "Bench", op: str, mode: str, shape, rot: str, seed: int):
+    """Time one dispatcher-level op for one kv_rotation; the data depend only on ``seed``
+    (the same for every rotation of a group). -> the record (with ``error`` on failure)."""
+    rec = dict(op=rotation_op_name(op),
+               impl="jfp8kv.kernels", kv_cache_dtype="fp8_e4m3", kv_scale_mode=mode,
+               kv_rotation=rot)
+    backend = "pallas_interpret" if b.interpret else "pallas"
+    rng, s = np.random.default_rng(seed), 16
+    try:
+        if op == "store":
+            tokens, hkv, d = shape
+            rec.update(batch=1, tokens=tokens, num_kv_heads=hkv, head_dim=d)
+            p = 2 + 2 * tokens // s
+            cfg = dataclasses.replace(cache_cfg("float8_e4m3fn", mode, hkv, d, p, s),
+                                      kv_rotation=rot)
+            layer, _, _ = make_layer(rng, cfg, 1, s)
+            kk, kv, ksh = jax.random.split(jax.random.key(seed), 3)
+            k = jax.random.normal(kk, (tokens, hkv, d), jnp.bfloat16)
+            v = jax.random.normal(kv, (tokens, hkv, d), jnp.bfloat16)
+            shift = 0.5 * jax.random.normal(ksh, (hkv, d), jnp.float32)
+            slots = jnp.asarray(rng.permutation((p - 1) * s)[:tokens] + s, jnp.int32)
+            make, holder = dispatch_chain("store", cfg, backend), {"layer": layer}
+
+            def fn(reps):  # donation consumes the layer: thread it through the calls
+                f = make(reps)
+
+                def g(k, v, slots, shift):
+                    holder["layer"], tot = f(holder["layer"], k, v, slots, shift)
+                    return tot
+                return g
+            ms, reps = timed(fn, k, v, slots, shift, est_ms=0.004 + tokens * hkv * d * 8 / 1e9,
+                             calls=2 if b.smoke else 10, max_reps=2 if b.smoke else 48)
+        else:
+            if op == "decode":
+                batch, ctx, hq, hkv, d = shape
+                chunk, prefix = 1, ctx - 1
+                rec.update(batch=batch, context=ctx)
+            else:
+                batch, chunk, prefix, hq, hkv, d = shape
+                ctx = prefix + chunk
+                rec.update(batch=batch, tokens=chunk, context=ctx)
+            rec.update(num_heads=hq, num_kv_heads=hkv, head_dim=d)
+            cfg = dataclasses.replace(
+                cache_cfg("float8_e4m3fn", mode, hkv, d, 1 + batch * (-(-ctx // s)), s),
+                kv_rotation=rot)
+            layer, pt, lens = make_layer(rng, cfg, batch, ctx)
+            q = jax.random.normal(jax.random.key(seed), (batch, chunk, hq, d), jnp.bfloat16)
+            pos = jnp.broadcast_to(jnp.arange(prefix, ctx, dtype=jnp.int32), (batch, chunk))
+            est = (kv_bytes(cfg, batch * ctx) / 2e9 if op == "decode"
+                   else 4 * batch * hq * d * chunk * (prefix + chunk / 2) / 2e11)
+            ms, reps = timed(dispatch_chain(op, cfg, backend), q, layer, pt, lens, pos,
+                             est_ms=est, calls=2 if b.smoke else 8,
+                             max_reps=2 if b.smoke else 48)
+        rec.update(ms=round(ms, 5), reps=reps)
+    except Exception as e:  # noqa: BLE001 - a failed row is recorded, not fatal
+        rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    return rec
+
+
+def rotation_compare(b: "Bench", rotations, ops, smoke: bool, budget_s: float):
+    """Rows under doc["rotation"]: per (op, scale mode, shape), kv_rotation "none", each of
+    ``rotations``, then "none" again, on the same data. Each transform's row gets
+    ``ratio_vs_none`` (its time / the mean of the two "none" times) and ``cost_pct``; the
+    second "none" row's ``ratio_vs_none`` (vs the first) shows the timing noise.
+    doc["rotation_summary"]: per op and transform, the worst and median cost and whether it
+    stays under ROTATION_TARGET_PCT (decode and prefill: the issue's target)."""
+    t0 = time.perf_counter()
+    b.doc.setdefault("rotation", [])
+    b.doc["rotation_skipped"] = []
+    seed = 100
+    for op in ops:
+        for shape in rotation_shapes(op, smoke):
+            for mode in ROTATION_MODES:
+                seed += 1
+                label = f"{op} {mode} {shape}"
+                if time.perf_counter() - t0 > budget_s:
+                    b.doc["rotation_skipped"].append(label)
+                    continue
+                rows = [rotation_row(b, op, mode, shape, r, seed)
+                        for r in ("none", *rotations, "none")]
+                nones = [r["ms"] for r in (rows[0], rows[-1]) if "ms" in r]
+                if nones:
+                    ref = float(np.mean(nones))
+                    if len(nones) == 2:
+                        rows[-1]["ratio_vs_none"] = round(nones[1] / nones[0], 4)
+                        rows[-1]["repeat"] = True
+                    for r in rows[1:-1]:
+                        if "ms" in r:
+                            r["ratio_vs_none"] = round(r["ms"] / ref, 4)
+                            r["cost_pct"] = round(100 * (r["ms"] / ref - 1), 2)
+                for r in rows:
+                    b.add(r, "rotation")
+    b.doc["rotation_summary"] = rotation_summary(b.doc["rotation"])
+    b.doc["rotation_elapsed_s"] = round(time.perf_counter() - t0, 1)
+    b.save()
+
+
+def rotation_summary(rows) -> list:
+    """Per (op, kv_rotation): rows measured, worst and median ``cost_pct``, the op's largest
+    none-vs-none repeat difference (timing noise), whether the worst cost is under
+    ROTATION_TARGET_PCT, and whether the noise is small enough for that verdict to mean
+    anything (``resolved``: noise below the target)."""
+    out = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        noise = [100 * abs(r["ratio_vs_none"] - 1) for r in rows
+                 if r["op"] == op and r.get("repeat")]
+        for rot in dict.fromkeys(r["kv_rotation"] for r in rows if r["kv_rotation"] != "none"):
+            cost = [r["cost_pct"] for r in rows if r["op"] == op and r["kv_rotation"] == rot
+                    and "cost_pct" in r]
+            if not cost:
+                continue
+            out.append({"op": op, "kv_rotation": rot, "rows": len(cost),
+                        "max_cost_pct": max(cost), "median_cost_pct": float(np.median(cost)),
+                        "noise_pct_max": round(max(noise), 2) if noise else None,
+                        "under_target": bool(max(cost) < ROTATION_TARGET_PCT),
+                        "resolved": bool(noise) and max(noise) < ROTATION_TARGET_PCT,
+                        "target": f"< {ROTATION_TARGET_PCT}% of the op's time"})
+    return out
+
+
 def plot(doc, png_path):
     import matplotlib
 
@@ -465,7 +653,7 @@ def plot(doc, png_path):
     fig.savefig(png_path, dpi=110)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/kernels-h200.json")
     ap.add_argument("--sweep", action="store_true")
@@ -479,10 +667,22 @@ def main():
                     "comparison (fp8 store cast paths, decode P.V variants, bf16 and today's "
                     "default side by side, with ratios), added to --out under 'compare' (the "
                     "file's other results are kept)")
+    ap.add_argument("--kv-rotation", default="", metavar="LIST",
+                    help="comma list of K transforms (hadamard, smooth, smooth+hadamard, or "
+                    "all): only the issue-14 rotation cost, each fp8 row (e4m3 token, block, "
+                    "tensor) timed at the dispatcher level with kv_rotation none and with each "
+                    "transform side by side, with ratios; added to --out under 'rotation' "
+                    "(the file's other results are kept)")
+    ap.add_argument("--rotation-ops", default=",".join(ROTATION_OPS),
+                    help="with --kv-rotation: comma list of decode,prefill,store")
     ap.add_argument("--budget-s", type=float, default=240.0,
-                    help="--compare starts no new row after this many seconds")
-    args = ap.parse_args()
+                    help="--compare / --kv-rotation start no new row (group) after this many "
+                    "seconds")
+    args = ap.parse_args(argv)
+    rotations, ops = parse_rotation_args(ap, args.kv_rotation, args.rotation_ops)
     b = Bench(args.out, args.smoke)
+    if rotations:
+        return run_rotation(b, args, rotations, ops)
     if args.compare:
         return run_compare(b, args)
     skip = set(filter(None, args.skip.split(",")))
@@ -574,6 +774,47 @@ def run_compare(b: Bench, args):
     print(json.dumps({"compare_rows": len(b.doc["compare"]),
                       "skipped": len(b.doc["compare_skipped"]),
                       "elapsed_s": b.doc["compare_elapsed_s"]}))
+    return None
+
+
+def parse_rotation_args(ap, spec: str, ops_spec: str):
+    """``--kv-rotation`` / ``--rotation-ops`` -> (transforms, ops); ``ap.error`` naming what
+    works on anything else. An empty ``spec`` -> ((), ops)."""
+    from jfp8kv.config import KV_ROTATIONS
+
+    known = [r for r in KV_ROTATIONS if r != "none"]
+    rots = [r.strip() for r in spec.split(",") if r.strip()]
+    if rots == ["all"]:
+        rots = known
+    bad = [r for r in rots if r not in known]
+    if bad:
+        ap.error(f"--kv-rotation: unknown {bad}; give a comma list of {', '.join(known)} or "
+                 "'all' (kv_rotation none is always timed as the reference)")
+    ops = [o.strip() for o in ops_spec.split(",") if o.strip()]
+    if not ops or set(ops) - set(ROTATION_OPS):
+        ap.error(f"--rotation-ops: want a comma list of {', '.join(ROTATION_OPS)}, got "
+                 f"{ops_spec!r}")
+    return tuple(dict.fromkeys(rots)), tuple(dict.fromkeys(ops))
+
+
+def run_rotation(b: Bench, args, rotations, ops):
+    """``--kv-rotation``: keep what --out already holds, except its 'rotation' rows of the
+    ops being re-run."""
+    if os.path.exists(args.out):
+        with open(args.out) as fh:
+            old = json.load(fh)
+        names = {rotation_op_name(o) for o in ops}
+        old["rotation"] = [r for r in old.get("rotation", []) if r["op"] not in names]
+        b.doc = {**old, "rotation_machine": b.doc["machine"],
+                 "rotation_versions": b.doc["versions"], "rotation_command": b.doc["command"]}
+    b.doc["rotation_setup"] = {"kv_rotations": list(rotations), "ops": list(ops),
+                               "modes": list(ROTATION_MODES), "budget_s": args.budget_s,
+                               "backend": "pallas_interpret" if b.interpret else "pallas"}
+    rotation_compare(b, rotations, ops, args.smoke, args.budget_s)
+    print(json.dumps({"rotation_rows": len(b.doc["rotation"]),
+                      "skipped": len(b.doc["rotation_skipped"]),
+                      "elapsed_s": b.doc["rotation_elapsed_s"],
+                      "summary": b.doc["rotation_summary"]}, indent=1))
     return None
 
 

@@ -1,16 +1,26 @@
-"""fp8 KV quality on SmolLM2-135M-Instruct: NLL, KL, greedy agreement and passkey retrieval.
+"""fp8 KV quality on real models: NLL, KL, greedy agreement and passkey retrieval.
 
-    python -m bench.quality [--dtype bfloat16] [--max-len 8192] [--keys 25] [--time-budget S]
-                            [--configs bf16,fp8_e4m3:token,...] [--out PATH] [--quick]
+    python -m bench.quality [--model smollm2|qwen|PATH] [--dtype bfloat16] [--max-len 8192]
+                            [--keys 25] [--time-budget S] [--out PATH] [--quick]
+                            [--configs bf16,fp8_e4m3:token,fp8_e4m3:token+hadamard,...|rotation]
     python -m bench.quality --plot-only PATH.json
+
+``--model``: smollm2 (SmolLM2-135M-Instruct, the embedded GGUF; the default) or qwen
+(Qwen2.5-Coder-0.5B-Instruct, the GGUF shipped in PyPI wheels, ``bench.second_model``),
+loaded by jfp8kv's own loaders; results go to ``bench/results/quality-<model>.json``.
+A config is ``bf16`` or ``<format>:<mode>[+<rotation>][:<scales>]`` (``CONFIG_SYNTAX``);
+the rotation is the engine's ``kv_rotation`` (hadamard, smooth, smooth+hadamard; none when
+omitted), and its static scales and smoothing means are calibrated in the basis K is stored
+in. ``--configs rotation`` runs bf16 and e4m3 token/block/tensor with each K transform.
 
 Every config is one ``jfp8kv.LLM`` (the default attention backend: Pallas kernels on a GPU,
 the reference elsewhere) with compute dtype ``--dtype``; ``bf16`` means an unquantized cache
 in the compute dtype (the baseline every fp8 config is compared with). Static scales
-("calib", the default for tensor/channel) are measured by ``jfp8kv.kvcache.calibrate`` on a
-held-out slice of the text; ``auto`` uses the engine's start-up calibration, a number is a
-constant scale. Configs run in order of importance (bf16, e4m3 token = the default ``fp8``,
-e4m3 block/channel/tensor, then e5m2), and the JSON is rewritten after every config, so a
+("calib", the default for tensor/channel, and for smoothing transforms the K means) are
+measured by the engine's calibration (``jfp8kv.engine.calibrate.measure_amax``, one file per
+K transform) on a held-out slice of the text; ``auto`` uses the engine's start-up
+calibration, a number is a constant scale. Configs run in order of importance (bf16, e4m3
+token = the default ``fp8``, e4m3 block/channel/tensor, then e5m2), and the JSON is rewritten after every config, so a
 run cut short keeps what it measured; ``--time-budget`` skips the configs that would not end
 in time and records them under ``skipped``. Measurements, per config:
 
@@ -30,9 +40,12 @@ in time and records them under ``skipped``. Measurements, per config:
 
 The baseline runs first; when its passkey accuracy is too low to resolve differences, the
 output says so (``passkey_note``) and the NLL/KL numbers are the ones to judge by.
-``targets`` checks the issue's targets for the default fp8 mode (fp8_e4m3, token scales).
+``targets`` checks issue #6's targets for the default fp8 mode (fp8_e4m3, token scales);
+``rotation_targets`` checks issue #14's for every other fp8 config against fp8_e4m3:token
+(KL <= 0.5x its KL and mean-NLL increase <= +0.10% at every context).
 Writes the JSON (``--out``) and PNG plots next to it (``-passkey.png`` heatmaps,
-``-nll.png``). JAX only: no torch, no network (the model is the embedded GGUF).
+``-nll.png``). JAX only: no torch, no network (SmolLM2 is the embedded GGUF; qwen fetches
+its wheels once with pip unless the GGUF is already in the jfp8kv cache directory).
 
 Shapes (each distinct shape is one compile per config, and configs share none: the cache's
 dtype, scale mode and page count are static): one ``nll`` program (1 x ``chunk`` tokens), one
@@ -65,6 +78,8 @@ from bench import internals
 from bench.common import RESULTS, machine_info
 from jfp8kv.engine.runner import bucket
 from jfp8kv.engine import calibrate as engine_calibrate
+from jfp8kv.config import KV_ROTATIONS
+from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import bytes_per_token
 
 MODES = ("tensor", "channel", "token", "block")
@@ -107,17 +122,65 @@ def text_windows(tokenizer, context: int, n: int, start_chars: int) -> list[list
 
 
 # -- configs -------------------------------------------------------------------------------
-def parse_config(s: str):
-    """"bf16" | "fp8_e4m3:token" | "fp8_e5m2:channel[:calib|:auto|:<float>]" -> dict."""
+FORMATS = ("fp8_e4m3", "fp8_e5m2")
+CONFIG_SYNTAX = ("bf16, or <format>:<mode>[+<rotation>][:<scales>] with format "
+                 f"{'|'.join(FORMATS)}, mode {'|'.join(MODES)}, rotation "
+                 f"{'|'.join(r for r in KV_ROTATIONS if r != 'none')} (omitted: none) and "
+                 "scales calib|auto|<float> (e.g. fp8_e4m3:token, fp8_e4m3:token+hadamard, "
+                 "fp8_e4m3:block+smooth, fp8_e4m3:tensor+smooth+hadamard:calib)")
+# --configs rotation: bf16 and e4m3 token/block/tensor, each with every K transform (the
+# unrotated token config, today's default, first: it is the issue-#14 baseline).
+ROTATION_MODES = ("token", "block", "tensor")
+ROTATION_CONFIGS = ["bf16"] + [f"fp8_e4m3:{m}" + ("" if r == "none" else f"+{r}")
+                               for m in ROTATION_MODES for r in KV_ROTATIONS]
+PRESETS = {"default": DEFAULT_CONFIGS, "quick": QUICK_CONFIGS, "rotation": ROTATION_CONFIGS}
+
+
+def parse_config(s: str) -> dict:
+    """A config string (``CONFIG_SYNTAX``) -> {name, kv_cache_dtype, kv_scale_mode,
+    kv_rotation, scales}; ValueError naming the syntax otherwise. ``scales`` defaults to
+    "calib" for static modes (tensor/channel) and for smoothing transforms (the calibration
+    file also carries the K means), None otherwise; "calib" files are measured in the basis
+    K is stored in (``main``)."""
     if s in ("bf16", "auto"):
-        return {"name": "bf16", "kv_cache_dtype": "auto", "kv_scale_mode": None, "scales": None}
+        return {"name": "bf16", "kv_cache_dtype": "auto", "kv_scale_mode": None,
+                "kv_rotation": "none", "scales": None}
     parts = s.split(":")
-    if parts[0] not in ("fp8_e4m3", "fp8_e5m2") or len(parts) < 2 or parts[1] not in MODES:
-        raise SystemExit(f"bad config {s!r}: bf16 or fp8_e4m3|fp8_e5m2:{'|'.join(MODES)}"
-                         "[:calib|:auto|:<scale>]")
-    scales = parts[2] if len(parts) > 2 else ("calib" if parts[1] in ("tensor", "channel")
-                                               else None)
-    return {"name": s, "kv_cache_dtype": parts[0], "kv_scale_mode": parts[1], "scales": scales}
+    if len(parts) not in (2, 3) or parts[0] not in FORMATS:
+        raise ValueError(f"bad config {s!r}: want {CONFIG_SYNTAX}")
+    mode, _, rot = parts[1].partition("+")
+    rot = rot or "none"
+    if mode not in MODES:
+        raise ValueError(f"bad config {s!r}: unknown scale mode {mode!r}; want {CONFIG_SYNTAX}")
+    if rot not in KV_ROTATIONS or (rot == "none" and "+" in parts[1]):
+        raise ValueError(f"bad config {s!r}: unknown K rotation "
+                         f"{parts[1].partition('+')[2]!r}; want {CONFIG_SYNTAX}")
+    if len(parts) == 3:
+        scales = parts[2]
+        if scales not in ("calib", "auto"):
+            try:
+                ok = float(scales) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"bad config {s!r}: scales {scales!r} is not calib, auto or a "
+                                 f"positive number; want {CONFIG_SYNTAX}")
+    else:
+        scales = "calib" if mode in ("tensor", "channel") or k_transform.smooths(rot) else None
+    return {"name": s, "kv_cache_dtype": parts[0], "kv_scale_mode": mode, "kv_rotation": rot,
+            "scales": scales}
+
+
+def config_names(spec: str | None, quick: bool) -> list[str]:
+    """``--configs``: comma-separated config strings and preset names (``PRESETS``), in
+    order, duplicates dropped; None -> the quick or default preset."""
+    names = []
+    for item in (spec.split(",") if spec else ["quick" if quick else "default"]):
+        item = item.strip()
+        for n in PRESETS.get(item, [item]):
+            if n and n not in names:
+                names.append(n)
+    return names
 
 
 def kv_scales_arg(scales, calib_path):
@@ -293,7 +356,7 @@ def plot(doc, stem: str) -> None:
         ax.set_title(t, fontsize=9)
         ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M-Instruct, {doc['dtype']} compute, {doc['machine']}", fontsize=9)
+    fig.suptitle(f"{doc['model']}, {doc['dtype']} compute, {doc['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(stem + "-nll.png", dpi=110)
     plt.close(fig)
@@ -338,6 +401,76 @@ def evaluate_targets(doc, name: str) -> dict:
             "met": bool(all(met)) if nll else None}
 
 
+ROT_BASELINE = "fp8_e4m3:token"  # issue #14: today's default fp8 cache (token, unrotated)
+ROT_KL_RATIO, ROT_NLL_PCT = 0.5, 0.10  # KL <= 0.5x the baseline's; NLL increase <= +0.10%
+
+
+def evaluate_rotation_targets(doc, baseline: str = ROT_BASELINE) -> dict | None:
+    """Issue #14's targets for every fp8 config measured, relative to ``baseline`` (e4m3
+    token, unrotated): at every context, KL(bf16 || config) <= ROT_KL_RATIO x the baseline's
+    KL and mean-NLL increase over bf16 <= +ROT_NLL_PCT %. None until bf16 and the baseline
+    have runs. Per config: per-context numbers and ``met`` (None when it shares no context
+    with the baseline)."""
+    by = {}
+    for r in doc["runs"]:
+        by.setdefault(r["config"], {})[r["context"]] = r
+    base, ref = by.get("bf16"), by.get(baseline)
+    if not base or not ref:
+        return None
+    out = []
+    for c in doc["configs"]:
+        name = c["name"]
+        if name in ("bf16", baseline) or name not in by:
+            continue
+        rows = []
+        for ctx, r in sorted(by[name].items()):
+            if ctx not in base or ctx not in ref:
+                continue
+            inc = float(100 * (r["mean_nll"] / base[ctx]["mean_nll"] - 1))
+            ratio = r["kl"] / ref[ctx]["kl"] if ref[ctx]["kl"] > 0 else float("inf")
+            rows.append({"context": ctx, "kl": r["kl"], "baseline_kl": ref[ctx]["kl"],
+                         "kl_ratio": round(float(ratio), 4),
+                         "nll_increase_pct": round(inc, 4),
+                         "greedy_agreement": r["greedy_agreement"],
+                         "met": bool(ratio <= ROT_KL_RATIO and inc <= ROT_NLL_PCT)})
+        out.append({"config": name, "kv_scale_mode": c.get("kv_scale_mode"),
+                    "kv_rotation": c.get("kv_rotation", "none"), "contexts": rows,
+                    "met": bool(all(x["met"] for x in rows)) if rows else None})
+    return {"baseline": baseline,
+            "rule": f"at every context: KL(bf16 || config) <= {ROT_KL_RATIO} x {baseline}'s KL "
+                    f"and mean NLL increase over bf16 <= +{ROT_NLL_PCT}%",
+            "baseline_nll_increase_pct": {
+                str(ctx): round(float(100 * (r["mean_nll"] / base[ctx]["mean_nll"] - 1)), 4)
+                for ctx, r in sorted(ref.items()) if ctx in base},
+            "configs": out, "met_by": [x["config"] for x in out if x["met"]]}
+
+
+def resolve_model(name: str) -> tuple[str, str | None]:
+    """``--model`` -> (results key, what ``load_model`` / ``jfp8kv.LLM`` take)."""
+    if name in ("smollm2", "default"):
+        return "smollm2", None
+    if name == "qwen":
+        from bench.second_model import qwen_gguf_path
+
+        return "qwen", str(qwen_gguf_path())
+    key = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.splitext(os.path.basename(
+        name.rstrip("/")))[0] or name).strip("-").lower()
+    return key or "model", name
+
+
+def calibrate_files(loaded, calib_ids, configs) -> dict:
+    """One scales JSON per K transform the configs calibrate ("calib" scales), measured by the
+    engine's own calibration (``engine.calibrate.measure_amax``) on the held-out ids in the
+    basis K is stored in (with the K means for smoothing). -> {kv_rotation: path}."""
+    tmp = tempfile.mkdtemp(prefix="jfp8kv-quality-")
+    paths = {}
+    for rot in dict.fromkeys(c["kv_rotation"] for c in configs if c["scales"] == "calib"):
+        paths[rot] = os.path.join(tmp, f"scales-{rot.replace('+', '-')}.json")
+        engine_calibrate.measure_amax(loaded.config, loaded.params, [calib_ids],
+                                      kv_rotation=rot).to_json(paths[rot])
+    return paths
+
+
 # -- main ----------------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -346,8 +479,11 @@ def main(argv=None):
     ap.add_argument("--keys", type=int, default=None,
                     help="passkeys per cell (25: 5 depths x 25 = 125 prompts fill the "
                          "128-row batch bucket that 100 prompts would pad to anyway)")
-    ap.add_argument("--configs", default=None, help=f"comma-separated, run in this order "
-                                                    f"(default: {','.join(DEFAULT_CONFIGS)})")
+    ap.add_argument("--configs", default=None,
+                    help=f"comma-separated, run in this order (bf16 always first): "
+                         f"{CONFIG_SYNTAX}; or a preset among them: {', '.join(PRESETS)} "
+                         f"(rotation = {','.join(ROTATION_CONFIGS)}; default: "
+                         f"{','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--tokens-per-context", type=int, default=None,
                     help="text tokens scored per context (16384)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
@@ -362,7 +498,10 @@ def main(argv=None):
                          "'skipped') when it would end after this, judged by the slowest "
                          "config so far")
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2)")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (the embedded SmolLM2-135M-Instruct GGUF, the default), qwen "
+                         "(Qwen2.5-Coder-0.5B-Instruct, bench.second_model) or any model "
+                         "jfp8kv.LLM loads (a .gguf path, an HF directory, random:<preset>)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-passkey", action="store_true")
     ap.add_argument("--quick", action="store_true",
@@ -370,8 +509,9 @@ def main(argv=None):
     ap.add_argument("--plot-only", metavar="JSON", default=None,
                     help="only redraw the PNGs of an existing result file")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default bench/results/quality-smollm2.json; "
-                         "quality-smollm2-quick.json with --quick)")
+                    help="JSON path (default bench/results/quality-<model>.json, e.g. "
+                         "quality-smollm2.json, quality-qwen.json; quality-<model>-quick.json "
+                         "with --quick)")
     args = ap.parse_args(argv)
     if args.plot_only:
         with open(args.plot_only) as f:
@@ -384,12 +524,14 @@ def main(argv=None):
     keys = args.keys or (2 if q else 25)
     depths = (0, 50, 100) if q else DEPTHS
     per_context = args.tokens_per_context or (512 if q else 16384)
-    names = args.configs.split(",") if args.configs else (QUICK_CONFIGS if q else DEFAULT_CONFIGS)
-    configs = [parse_config(c) for c in names]
+    try:
+        configs = [parse_config(c) for c in config_names(args.configs, q)]
+    except ValueError as e:
+        ap.error(str(e))
     configs = [c for c in configs if c["name"] != "bf16"]
     configs.insert(0, parse_config("bf16"))  # the baseline comes first
-    out = args.out or os.path.join(RESULTS,
-                                   "quality-smollm2-quick.json" if q else "quality-smollm2.json")
+    key, model = resolve_model(args.model)
+    out = args.out or os.path.join(RESULTS, f"quality-{key}{'-quick' if q else ''}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     contexts = [c for c in ((128, 256) if q else (1024, 4096)) if c < max_len] + [max_len]
     lengths = [n for n in ((128, 256, 512) if q else (1024, 2048, 4096, 8192)) if n <= max_len]
@@ -398,14 +540,13 @@ def main(argv=None):
 
     from jfp8kv.models.loader import load_model
 
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(model, args.dtype)
     cfg = loaded.config
     tok = loaded.tokenizer
     groups = {c: text_windows(tok, c, max(1, per_context // c), i * WINDOW_STRIDE)
               for i, c in enumerate(contexts)}
-    calib_path = os.path.join(tempfile.mkdtemp(prefix="jfp8kv-quality-"), "scales.json")
     calib_ids = text_windows(tok, min(max_len, 2048), 1, CALIB_CHARS)[0]
-    engine_calibrate.measure_amax(cfg, loaded.params, [calib_ids]).to_json(calib_path)
+    calib_paths = calibrate_files(loaded, calib_ids, configs)
     pk = Passkey(tok)
     page = 16
     pk_lengths = [min(n, max_len - NEW_TOKENS) for n in lengths]
@@ -426,7 +567,7 @@ def main(argv=None):
     info0 = machine_info()
     doc = {"machine": info0["device"], "versions": info0["versions"], "python": info0["python"],
            "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-           "model": cfg.name, "dtype": args.dtype, "quick": q,
+           "model": cfg.name, "model_key": key, "dtype": args.dtype, "quick": q,
            "default_fp8_scale_mode": default_mode,
            "default_note": f"'default' marks the default scale mode ({default_mode}) of each fp8 "
                            f"dtype; the default fp8 cache (--kv-cache-dtype fp8) is "
@@ -447,11 +588,15 @@ def main(argv=None):
            "kv_cache_memory": cache_memory, "max_num_seqs": max_seqs,
            "time_budget_s": args.time_budget, "setup_s": setup_s, "partial": True,
            "configs": [], "runs": [], "passkey": [], "passkey_summary": [],
-           "passkey_note": None, "targets": None, "skipped": [], "errors": []}
+           "passkey_note": None, "targets": None, "rotation_targets": None,
+           "calibration": {"tokens": len(calib_ids), "text_from_chars": CALIB_CHARS,
+                           "kv_rotations": sorted(calib_paths)},
+           "skipped": [], "errors": []}
 
     def write():
         if any(c["name"] == target_name for c in doc["configs"]):
             doc["targets"] = evaluate_targets(doc, target_name)
+        doc["rotation_targets"] = evaluate_rotation_targets(doc)
         tmp = out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
@@ -472,12 +617,15 @@ def main(argv=None):
                 write()
                 continue
         t = time.time()
-        default = c["kv_scale_mode"] is not None and c["kv_scale_mode"] == default_mode
+        default = (c["kv_scale_mode"] is not None and c["kv_scale_mode"] == default_mode
+                   and c["kv_rotation"] == "none")
         llm = None
         try:
-            llm = jfp8kv.LLM(model=args.model, dtype=args.dtype,
+            llm = jfp8kv.LLM(model=model, dtype=args.dtype,
                              kv_cache_dtype=c["kv_cache_dtype"], kv_scale_mode=c["kv_scale_mode"],
-                             kv_scales=kv_scales_arg(c["scales"], calib_path),
+                             kv_scales=kv_scales_arg(c["scales"], calib_paths.get(
+                                 c["kv_rotation"])),
+                             kv_rotation=c["kv_rotation"],
                              max_model_len=max_len, kv_cache_memory=cache_memory, page_size=page,
                              max_num_seqs=max_seqs, max_num_batched_tokens=batched,
                              attention_backend=args.attention_backend, loaded=loaded,
@@ -497,7 +645,8 @@ def main(argv=None):
                 if c["name"] == "bf16":
                     base_logits[ctx] = logits
                 runs.append({"config": c["name"], "kv_cache_dtype": info["kv_cache_dtype"],
-                             "kv_scale_mode": c["kv_scale_mode"], "default": default,
+                             "kv_scale_mode": c["kv_scale_mode"],
+                             "kv_rotation": c["kv_rotation"], "default": default,
                              "context": ctx, "windows": len(windows), "positions": len(nll),
                              "mean_nll": float(nll.mean()), "kl": float(kl.mean()),
                              "greedy_agreement": float(agree.mean())})
@@ -532,7 +681,8 @@ def main(argv=None):
         nominal = dict(zip(pk_lengths, lengths))
         for cell in cells:
             doc["passkey"].append({"config": c["name"], "kv_cache_dtype": info["kv_cache_dtype"],
-                                   "kv_scale_mode": c["kv_scale_mode"], "default": default,
+                                   "kv_scale_mode": c["kv_scale_mode"],
+                                   "kv_rotation": c["kv_rotation"], "default": default,
                                    **cell, "length": nominal[cell["length"]]})
         correct = {nominal[m]: ok for m, ok in correct.items()}
         if c["name"] == "bf16":
@@ -576,6 +726,13 @@ def main(argv=None):
           f"{len(doc['skipped'])} skipped, {len(doc['errors'])} failed)", flush=True)
     if doc["targets"]:
         print("targets:", json.dumps(doc["targets"]), flush=True)
+    rt = doc["rotation_targets"]
+    if rt:
+        for x in rt["configs"]:
+            print(f"issue-14 targets vs {rt['baseline']}: {x['config']}: met={x['met']} "
+                  + ", ".join(f"{r['context']}: KL x{r['kl_ratio']:.3f} NLL "
+                              f"{r['nll_increase_pct']:+.3f}%" for r in x["contexts"]),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 # STAGES="mla" (not a default): the MLA kernel's GPU tests, then its decode timings (sweep, best
 # per storage) into $OUT/mla-kernels-h200.json.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
+# Issue 14's rotation cost, its own call: OUT=/some/dir STAGES=rotation bash bench/device/gpu_kernels.sh
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"tests store decode"}
@@ -22,4 +23,12 @@ stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store --budge
 stage decode ${DECODE_LIMIT:-150} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-150} - 40 )) \
   --out "$OUT/kernels-h200.json"
 stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
+# Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher
+# (kernels.store_kv / paged_attention, where the transform runs), e4m3 token/block/tensor,
+# kv_rotation none vs hadamard, smooth and smooth+hadamard side by side on the same data
+# (decode, then prefill, then the store; head dims 128 and 64); rows under "rotation" and
+# the verdict against the < 3% target under "rotation_summary" in kernels-h200.json.
+stage rotation ${ROTATION_LIMIT:-540} python3 -m bench.kernels --kv-rotation all \
+  --rotation-ops decode,prefill,store --budget-s $(( ${ROTATION_LIMIT:-540} - 90 )) \
+  --out "$OUT/kernels-h200.json"
 ls -la "$OUT"

@@ -12,6 +12,16 @@
 #     quality-smollm2.json, quality-smollm2-passkey.png, quality-smollm2-nll.png,
 #     quality.log, setup.log
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_quality.sh [quality.py args]
+# Stages (STAGES, default "quality"): quality = the run above; rotation = issue #14's K
+# transforms (bench.quality --configs rotation: bf16 and e4m3 token/block/tensor, each with
+# none, hadamard, smooth, smooth+hadamard) on the models in ROTATION_MODELS (default
+# "smollm2 qwen"), one command per model, each under ROTATION_LIMIT (540 s; budget 450 s):
+# give one model per device call (STAGES=rotation ROTATION_MODELS=qwen). Outputs
+# quality-<model>.json (+ the two PNGs) and rotation-<model>.log. Qwen2.5-Coder-0.5B's GGUF
+# (491 MB, bench/second_model.py) is carried in parts by earlier calls into QWEN_PARTS
+# (default /tmp/gguf-qwen, files qwen.part*, joined in name order and checked against
+# bench.second_model.SHA256; docs/quality.md says how); SmolLM2's GGUF is needed only when
+# a stage runs it.
 # Env: QUALITY_BUDGET (s, default 450: quality.py starts no config it expects to end later),
 #      QUALITY_LIMIT (s, default 540: hard stage timeout), GGUF_PART1 (default: /tmp/gguf/gguf.part1,
 #      else .carry/gguf.part1 if call 1's carry is still in the tree).
@@ -31,6 +41,13 @@ if [ -n "${GGUF_PART1:-}" ]; then PART1=$GGUF_PART1
 elif [ -f /tmp/gguf/gguf.part1 ]; then PART1=/tmp/gguf/gguf.part1
 else PART1=.carry/gguf.part1; fi
 fatal() { echo "FATAL: $*" >&2; exit 3; }  # inside the setup block: its log gets it
+STAGES=${STAGES:-quality}
+ROTATION_MODELS=${ROTATION_MODELS:-smollm2 qwen}
+has_stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+NEED_SMOLLM2=1
+if ! has_stage quality && { ! has_stage rotation || [[ " $ROTATION_MODELS " != *" smollm2 "* ]]; }; then
+  NEED_SMOLLM2=0
+fi
 
 {
 echo "=== setup"
@@ -39,6 +56,8 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 have_sha() { [ -f "$1" ] && [ "$(sha256sum < "$1" | cut -d' ' -f1)" = "$SHA" ]; }
 if have_sha "$GGUF"; then
   echo "model: $GGUF already present (sha256 ok)"
+elif [ "$NEED_SMOLLM2" = 0 ]; then
+  echo "model: SmolLM2 not needed (STAGES=$STAGES, ROTATION_MODELS=$ROTATION_MODELS)"
 else
   [ -f "$PART1" ] || fatal "GGUF part 1 not found (looked at ${GGUF_PART1:-/tmp/gguf/gguf.part1 and .carry/gguf.part1}). Device call 1 must carry .carry and run 'mkdir -p /tmp/gguf && cp .carry/gguf.part1 /tmp/gguf/', and this call must follow it within 30 s while the machine is still warm (a fresh machine has no /tmp/gguf: redo call 1)."
   [ -f "$PART2" ] || fatal "GGUF part 2 not found at $PART2: carry .carry2 in this call (bash bench/device/split_gguf.sh writes it)."
@@ -65,12 +84,50 @@ else
 fi
 python3 -c "import gguf; print('gguf', gguf.__file__)" \
   || fatal "python3 cannot import gguf (carry .whl: it holds the gguf wheel)"
-python3 -c "from jfp8kv.models import hub; p = hub.default_gguf_path(fetch=False); print('loader finds', p); assert str(p) == '$GGUF', p" \
+[ "$NEED_SMOLLM2" = 0 ] || python3 -c "from jfp8kv.models import hub; p = hub.default_gguf_path(fetch=False); print('loader finds', p); assert str(p) == '$GGUF', p" \
   || fatal "jfp8kv's loader does not find $GGUF"
 echo "=== setup done in $((SECONDS - T0))s"
 } 2>&1 | tee "$OUT/setup.log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 3
 export PYTHONPATH=$([ -d .whl ] && echo /tmp/site:)$PWD
+
+# Issue 14 (STAGES=rotation): every K transform in token/block/tensor modes, one command per
+# model (each well under 9 min on an H200: SmolLM2 ~13 x 25 s per config, Qwen with fewer
+# keys and text tokens); configs past the budget are recorded under "skipped".
+qwen_gguf() {  # join the carried parts into $JFP8KV_CACHE, where bench.second_model looks
+  local dir=${QWEN_PARTS:-/tmp/gguf-qwen} want got tgt
+  want=$(python3 -c "from bench.second_model import SHA256; print(SHA256)")
+  tgt=$JFP8KV_CACHE/$(python3 -c "from bench.second_model import FILENAME; print(FILENAME)")
+  if [ -f "$tgt" ] && [ "$(sha256sum < "$tgt" | cut -d' ' -f1)" = "$want" ]; then return 0; fi
+  ls "$dir"/qwen.part* >/dev/null 2>&1 || { echo "no Qwen GGUF parts in $dir (see docs/quality.md)"; return 1; }
+  mkdir -p "$JFP8KV_CACHE" && cat $(ls "$dir"/qwen.part* | sort) > "$tgt.tmp$$"
+  got=$(sha256sum < "$tgt.tmp$$" | cut -d' ' -f1)
+  [ "$got" = "$want" ] || { rm -f "$tgt.tmp$$"; echo "joined Qwen GGUF: sha256 $got, want $want"; return 1; }
+  mv "$tgt.tmp$$" "$tgt" && echo "Qwen GGUF: $tgt (sha256 ok)"
+}
+if has_stage rotation; then
+  rot_rc=0
+  for m in $ROTATION_MODELS; do
+    case $m in
+      smollm2) extra=(--keys 25);;
+      qwen) extra=(--keys 5 --tokens-per-context 8192)
+        qwen_gguf > "$OUT/rotation-qwen.log" 2>&1; ok=$?; cat "$OUT/rotation-qwen.log"
+        [ "$ok" = 0 ] || { rot_rc=3; continue; };;
+      *) echo "unknown ROTATION_MODELS entry $m (smollm2, qwen)"; rot_rc=2; continue;;
+    esac
+    echo "=== rotation $m (budget ${ROTATION_BUDGET:-450}s, hard limit ${ROTATION_LIMIT:-540}s)"
+    t1=$SECONDS
+    timeout -k 10 "${ROTATION_LIMIT:-540}" python3 -m bench.quality --model "$m" --configs rotation \
+      "${extra[@]}" --time-budget "${ROTATION_BUDGET:-450}" --out "$OUT/quality-$m.json" 2>&1 \
+      | tee -a "$OUT/rotation-$m.log"
+    rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || rot_rc=$rc
+    echo "=== rotation $m rc=$rc in $((SECONDS - t1))s" | tee -a "$OUT/rotation-$m.log"
+    if [ "$rc" != 0 ] && [ -f "$OUT/quality-$m.json" ]; then  # cut short: plot what is there
+      timeout 60 python3 -m bench.quality --plot-only "$OUT/quality-$m.json" 2>&1 | tee -a "$OUT/rotation-$m.log"
+    fi
+  done
+  has_stage quality || { echo "=== total $((SECONDS - T0))s"; ls -la "$OUT"; exit "$rot_rc"; }
+fi
 
 # 3. quality, under its own budget (it skips configs it expects to overrun, writing the JSON
 # after every config) and a hard timeout as a backstop.
