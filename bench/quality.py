@@ -669,7 +669,7 @@ def main(argv=None):
                                   "traceback": traceback.format_exc()[-3000:]})
             print(f"{c['name']}: FAILED: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
-            del llm
+            llm = None  # drop the engine (and its device buffers) before the next config
             gc.collect()
             write()
             if c["name"] == "bf16":
@@ -715,7 +715,7 @@ def main(argv=None):
         rec["wall_s"] = round(time.time() - t, 1)
         walls[c["name"]] = rec["wall_s"]
         print(f"    {c['name']} done in {rec['wall_s']}s [{time.time() - t0:.0f}s]", flush=True)
-        del llm
+        llm = None
         gc.collect()
         write()
     doc["partial"] = bool(doc["skipped"] or doc["errors"])
