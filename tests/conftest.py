@@ -60,12 +60,38 @@ def _release_executables():
     gc.collect()
 
 
+# Test files that take minutes on CI's two cores, longest first (measured with --durations):
+# under ``-n 2 --dist loadgroup`` their groups are handed out first, so that no long file
+# starts last and leaves the other worker idle.
+LONG_FIRST = ()
+
+
+def pytest_configure(config):
+    """Under ``-n N`` (pytest-xdist; its default there is ``--dist load``), hand out whole
+    groups (``_xdist_group``) in collection order (``LONG_FIRST`` first) instead of single
+    tests: a file's module-scoped engines and the servers are then built by one worker only.
+    An explicit ``--dist`` other than ``load`` is kept."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "load":
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+
+
+def _xdist_group(item) -> str:
+    """One group per test file (its module-scoped engines are built once), and one for all of
+    tests/serve (its session-scoped servers are started once)."""
+    path = Path(str(item.path)).resolve().relative_to(Path(__file__).resolve().parents[1])
+    return "tests/serve" if path.parts[:2] == ("tests", "serve") else path.as_posix()
+
+
 def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() == "gpu"
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the GPU machine with -m gpu)")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(_xdist_group(it), len(rank)))  # stable: file order kept
 
 
 # ------------------------------------------- tiny checkpoints (built by tests/tiny_checkpoints.py)
