@@ -60,27 +60,37 @@ def _release_executables():
     gc.collect()
 
 
-# Test files that take minutes on CI's two cores, longest first (measured with --durations):
-# under ``-n 2 --dist loadgroup`` their groups are handed out first, so that no long file
-# starts last and leaves the other worker idle.
-LONG_FIRST = ()
+# Test files that take minutes on CI's two cores, longest first: under ``-n 2`` their groups
+# are handed out first, so that no long file starts last while the other worker idles.
+LONG_FIRST = ("tests/engine/test_tensor_parallel.py", "tests/serve",
+              "tests/kvcache/test_quality.py", "tests/models/test_mla.py",
+              "tests/engine/test_llm.py", "tests/models/test_moe.py",
+              "tests/bench_tools/test_offline.py", "tests/engine/test_prefix_cache_llm.py")
 
 
-def pytest_configure(config):
-    """Under ``-n N`` (pytest-xdist; its default there is ``--dist load``), hand out whole
-    groups (``_xdist_group``) in collection order (``LONG_FIRST`` first) instead of single
-    tests: a file's module-scoped engines and the servers are then built by one worker only.
-    An explicit ``--dist`` other than ``load`` is kept."""
-    if getattr(config.option, "numprocesses", None) and config.option.dist == "load":
-        config.option.dist = "loadgroup"
-        config.option.loadscopereorder = False
+def _group(nodeid: str) -> str:
+    """A test's worker group under ``-n``: its file (the module-scoped engines are built once),
+    or ``tests/serve`` for every server test (the session-scoped servers start once)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/serve" if path.startswith("tests/serve/") else path
 
 
-def _xdist_group(item) -> str:
-    """One group per test file (its module-scoped engines are built once), and one for all of
-    tests/serve (its session-scoped servers are started once)."""
-    path = Path(str(item.path)).resolve().relative_to(Path(__file__).resolve().parents[1])
-    return "tests/serve" if path.parts[:2] == ("tests", "serve") else path.as_posix()
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``-n N`` defaults to ``--dist load`` (single tests to any worker); here
+    that becomes whole ``_group``s in collection order (``LONG_FIRST`` first). pytest-xdist's
+    own ``loadgroup`` cannot do it with pytest 9 (it renames nodes through an attribute pytest
+    no longer reads). An explicit ``--dist`` is kept."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -89,9 +99,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda it: rank.get(_xdist_group(it), len(rank)))  # stable: file order kept
+    items.sort(key=lambda it: rank.get(_group(it.nodeid), len(rank)))  # stable: order kept
 
 
 # ------------------------------------------- tiny checkpoints (built by tests/tiny_checkpoints.py)
