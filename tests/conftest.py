@@ -62,10 +62,10 @@ def _release_executables():
 
 # Test files that take minutes on CI's two cores, longest first: under ``-n 2`` their groups
 # are handed out first, so that no long file starts last while the other worker idles.
-LONG_FIRST = ("tests/engine/test_tensor_parallel.py", "tests/serve",
-              "tests/kvcache/test_quality.py", "tests/models/test_mla.py",
-              "tests/engine/test_llm.py", "tests/models/test_moe.py",
-              "tests/bench_tools/test_offline.py", "tests/engine/test_prefix_cache_llm.py")
+LONG_FIRST = ("tests/engine/test_tensor_parallel.py", "tests/kvcache/test_quality.py",
+              "tests/engine/test_prefix_cache_llm.py", "tests/engine/test_llm.py",
+              "tests/models/test_mla.py", "tests/models/test_moe.py", "tests/serve",
+              "tests/models/test_smollm2.py", "tests/engine/test_overlap.py")
 
 
 def _group(nodeid: str) -> str:

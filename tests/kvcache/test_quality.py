@@ -3,7 +3,7 @@
 ``bench/fakequant.py`` re-implements the numerics contract with numpy + ml_dtypes (it imports
 nothing from jfp8kv). First, on random rows, it must agree bit for bit with what the
 engine's store writes and attention reads back, for every format and scale mode. Then, on
-SmolLM2-135M over 1,024 tokens of natural text (2,048 in the committed
+SmolLM2-135M over 512 tokens of natural text (2,048 in the committed
 benchmark result), every (format, mode) of the engine's fp8 cache
 is compared with the same fake quantization in Hugging Face transformers (the same GGUF
 weights), each side against its own unquantized run: the NLL increases must agree within
@@ -91,7 +91,9 @@ def test_fakequant_dynamic_modes_never_saturate():
 
 # -- the real model ------------------------------------------------------------------------------
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-TOKENS = 1024  # 2,048+ tokens and every config: bench/results/quality-cpu.json (same script)
+# One window: the check is agreement to ~1e-10 pp, not a quality figure (2,048+ tokens and
+# every config: bench/results/quality-cpu.json, same script).
+TOKENS = 512
 CONFIGS = [f"{f}:{m}" for f in FORMATS for m in ("tensor:1.0", "channel:calib", "token", "block")]
 NLL_TOLERANCE_PP = 0.1  # the acceptance
 SAME_REALIZATION_PP = 1e-6  # what float64 on both sides actually gives (~1e-10 measured)
