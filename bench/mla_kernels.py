@@ -32,6 +32,7 @@ from bench import common
 from bench.kernels import timed
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import pallas_mla
+from jfp8kv.kvcache.cache import bytes_per_token
 
 STORAGES = {"bf16": ("bfloat16", None), "fp8_e4m3:token": ("float8_e4m3fn", "token"),
             "fp8_e4m3:block": ("float8_e4m3fn", "block")}
@@ -65,13 +66,10 @@ def make_pool(rng, cfg: CacheConfig, batch: int, context: int):
 
 
 def latent_bytes(cfg: CacheConfig, tokens: int) -> int:
-    """Rows and their scales read for ``tokens`` visible tokens (each read once)."""
-    per = cfg.head_dim * jnp.dtype(cfg.storage_dtype).itemsize
-    if cfg.scale_mode == "token":
-        per += 4
-    elif cfg.scale_mode == "block":
-        per += cfg.head_dim // cfg.scale_block * 2
-    return per * tokens
+    """Rows and their scales read for ``tokens`` visible tokens (each read once): the cache's
+    own per-token byte count for one latent layer."""
+    return tokens * bytes_per_token(1, 1, cfg.head_dim, cfg.storage_dtype, cfg.scale_mode,
+                                    cfg.scale_block, layout="latent")
 
 
 def decode_chain(cfg: CacheConfig, rank: int, tuning, interpret: bool):
