@@ -139,8 +139,26 @@ def cache_cfg(storage, mode, hkv, d, num_pages, page_size=16):
 # ----------------------------------------------------------------------------- ops
 
 
+def chain(one):
+    """reps -> jitted f(q, *rest) calling ``out = one(q, *rest)`` reps times, each call
+    depending on the last (q_{i+1} = q_i + 1e-3 out_i, ``out`` zero-padded to q's last
+    dimension when narrower) so XLA cannot merge them; returns the f32 sum of the outputs."""
+    def make(reps):
+        @jax.jit
+        def f(q, *rest):
+            acc = 0.0
+            for _ in range(reps):
+                out = one(q, *rest).astype(jnp.float32)
+                acc = acc + out
+                step = jnp.pad(out, [(0, 0)] * (q.ndim - 1) + [(0, q.shape[-1] - out.shape[-1])])
+                q = (q.astype(jnp.float32) + 1e-3 * step).astype(q.dtype)
+            return acc
+        return f
+    return make
+
+
 def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
-    """reps -> jitted (q, layer, pt, lens) running decode reps times, q_{i+1} = q_i + 1e-3 out_i."""
+    """reps -> jitted (q, layer, pt, lens) running decode reps times (``chain``)."""
     sm = 1.0 / float(np.sqrt(cfg.head_dim))
 
     def one(q, layer, pt, lens):
@@ -153,17 +171,7 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
         return jpa.paged_attention(q * sm, layer.k, layer.v, pt, lens, *scales,
                                    interpret=interpret)
 
-    def make(reps):
-        @jax.jit
-        def f(q, layer, pt, lens):
-            acc = jnp.zeros(q.shape, jnp.float32)
-            for _ in range(reps):
-                out = one(q, layer, pt, lens)
-                acc = acc + out.astype(jnp.float32)
-                q = (q.astype(jnp.float32) + 1e-3 * out.astype(jnp.float32)).astype(q.dtype)
-            return acc
-        return f
-    return make
+    return chain(one)
 
 
 def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto"):
@@ -182,19 +190,8 @@ def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto"):
 
 def prefill_chain(cfg: CacheConfig, tuning, interpret: bool):
     sm = 1.0 / float(np.sqrt(cfg.head_dim))
-
-    def make(reps):
-        @jax.jit
-        def f(q, layer, pt, lens, pos):
-            acc = jnp.zeros(q.shape, jnp.float32)
-            for _ in range(reps):
-                out = pallas_prefill.prefill_attention(q, layer, pt, lens, pos, cfg, sm,
-                                                       interpret=interpret, tuning=tuning)
-                acc = acc + out.astype(jnp.float32)
-                q = (q.astype(jnp.float32) + 1e-3 * out.astype(jnp.float32)).astype(q.dtype)
-            return acc
-        return f
-    return make
+    return chain(lambda q, layer, pt, lens, pos: pallas_prefill.prefill_attention(
+        q, layer, pt, lens, pos, cfg, sm, interpret=interpret, tuning=tuning))
 
 
 # ----------------------------------------------------------------------------- runner
@@ -482,15 +479,8 @@ def dispatch_chain(op: str, cfg: CacheConfig, backend: str):
                 return layer, tot
             return f
 
-        @jax.jit
-        def g(q, layer, pt, lens, pos):
-            acc = jnp.zeros(q.shape, jnp.float32)
-            for _ in range(reps):
-                out = kernels.paged_attention(q, layer, pt, lens, pos, cfg, sm, backend)
-                acc = acc + out.astype(jnp.float32)
-                q = (q.astype(jnp.float32) + 1e-3 * out.astype(jnp.float32)).astype(q.dtype)
-            return acc
-        return g
+        return chain(lambda q, layer, pt, lens, pos: kernels.paged_attention(
+            q, layer, pt, lens, pos, cfg, sm, backend))(reps)
     return make
 
 

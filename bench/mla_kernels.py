@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from bench.kernels import timed
+from bench.kernels import chain, timed
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import pallas_mla
 from jfp8kv.kvcache.cache import bytes_per_token
@@ -73,24 +73,12 @@ def latent_bytes(cfg: CacheConfig, tokens: int) -> int:
 
 
 def decode_chain(cfg: CacheConfig, rank: int, tuning, interpret: bool):
-    """reps -> jitted (q, pages, scale, pt, lens) running decode reps times, each q built
-    from the last output (q_{i+1} = q_i + 1e-3 [o_i | 0]) so XLA cannot merge them."""
+    """reps -> jitted (q, pages, scale, pt, lens) running decode reps times (``chain``: each
+    q built from the last output, q_{i+1} = q_i + 1e-3 [o_i | 0])."""
     sm = 1.0 / float(np.sqrt(cfg.head_dim))
-
-    def make(reps):
-        @jax.jit
-        def f(q, pages, scale, pt, lens):
-            pos = (lens - 1)[:, None]
-            acc = jnp.zeros(q.shape[:-1] + (rank,), jnp.float32)
-            for _ in range(reps):
-                out = pallas_mla.latent_attention(q, pages, scale, pt, lens, pos, cfg, sm, rank,
-                                                  interpret=interpret, tuning=tuning)
-                acc = acc + out.astype(jnp.float32)
-                pad = jnp.pad(out.astype(jnp.float32), [(0, 0)] * 3 + [(0, cfg.head_dim - rank)])
-                q = (q.astype(jnp.float32) + 1e-3 * pad).astype(q.dtype)
-            return acc
-        return f
-    return make
+    return chain(lambda q, pages, scale, pt, lens: pallas_mla.latent_attention(
+        q, pages, scale, pt, lens, (lens - 1)[:, None], cfg, sm, rank, interpret=interpret,
+        tuning=tuning))
 
 
 def time_decode(args, rng, key, batch, context, tuning, interpret):
