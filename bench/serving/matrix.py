@@ -332,6 +332,15 @@ def _hits(rec: dict) -> str:
     return f"prefix hits {rec['prefix_cache_hit_rate']:.0%}{ttft}, "
 
 
+def _failed(rec: dict) -> str:
+    """Failed requests and the first error, so a run of rejected requests does not read as
+    an instant success (its metrics are zeros)."""
+    if not rec.get("failed"):
+        return ""
+    first = (rec.get("errors") or ["?"])[0]
+    return f"FAILED {rec['failed']} of {rec['failed'] + rec['completed']} ({first[:160]}), "
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -447,7 +456,7 @@ def main(argv=None) -> int:
         wu = rec["warmup"]
         print(f"{tag}: TTFT {rec['median_ttft_ms']:.0f} ms, ITL {rec['median_itl_ms']:.1f} ms, "
               f"TPOT {rec['median_tpot_ms']:.2f} ms, {rec['output_throughput']:.0f} tok/s, "
-              f"{_hits(rec)}"
+              f"{_hits(rec)}{_failed(rec)}"
               f"{rec['duration']:.1f} s; warm-up {wu.get('duration_s', 0):.0f} s with "
               f"{wu.get('compiles', 0)} compiles ({wu.get('compile_s', 0):.0f} s); "
               f"compiles in run {rec['compiles_in_run']}, preemptions "
