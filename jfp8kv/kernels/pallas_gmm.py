@@ -102,7 +102,7 @@ def _gmm_kernel(group_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, tm, tn, tk, n
     n_mask = None if n_total % tn == 0 else n_ok[None, :]
     src = jnp.maximum(rows, 0)
     ge = jnp.minimum(g, num_groups - 1)
-    n_iter = jnp.where(g < num_groups, pl.cdiv(k_total, tk), 0)  # zero tail: no K loop
+    n_iter = (g < num_groups).astype(jnp.int32) * pl.cdiv(k_total, tk)  # zero tail: none
 
     def body(i, acc):
         k_idx = i * tk + jnp.arange(tk, dtype=jnp.int32)
@@ -112,9 +112,10 @@ def _gmm_kernel(group_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, tm, tn, tk, n
             b_mask = k_idx[:, None] < k_total
             b_mask = b_mask if n_mask is None else b_mask & n_mask
         b_mask = None if b_mask is None else jnp.broadcast_to(b_mask, (tk, tn))
-        a = plgpu.load(lhs_ref.at[src[:, None], k_idx[None, :]], mask=a_mask, other=0)
+        a = plgpu.load(lhs_ref.at[src[:, None], k_idx[None, :]], mask=a_mask,
+                       other=None if a_mask is None else 0)
         b = plgpu.load(rhs_ref.at[ge, pl.ds(i * tk, tk), pl.ds(j * tn, tn)], mask=b_mask,
-                       other=0)
+                       other=None if b_mask is None else 0)
         return acc + dot_nn(a, b)
 
     acc = jax.lax.fori_loop(0, n_iter, body, jnp.zeros((tm, tn), jnp.float32))
