@@ -7,10 +7,14 @@
 
 MLA latent caches: ``store_latent`` and ``latent_attention`` (``mla_reference``'s contract;
 Pallas backends run ``pallas_mla`` for attention, the jnp store for the rows).
+
+MoE experts: ``grouped_matmul`` (``jax.lax.ragged_dot``'s meaning; Pallas backends run
+``pallas_gmm``, which does only the routed rows' work where XLA's GPU ragged_dot is dense).
 """
 
 from __future__ import annotations
 
+import jax
 from jaxtyping import Array, Float
 
 from jfp8kv.config import CacheConfig
@@ -107,3 +111,17 @@ def latent_attention(q: LatentQueries, pages: LatentPages, scale, page_tables: P
     return pallas_mla.latent_attention(q, pages, scale, page_tables, seq_lens, q_positions,
                                        cfg, sm_scale, value_dim,
                                        interpret=backend == "pallas_interpret")
+
+
+def grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=None,
+                   backend: str = "reference"):
+    """lhs [M, K] x rhs [E, K, N] by row groups ``group_sizes`` int32[E] -> [M, N]:
+    ``jax.lax.ragged_dot`` on "reference", ``pallas_gmm.gmm`` on the Pallas backends."""
+    check_backend(backend)
+    if backend == "reference":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                                  preferred_element_type=preferred_element_type)
+    from jfp8kv.kernels import pallas_gmm
+
+    return pallas_gmm.gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                          interpret=backend == "pallas_interpret")

@@ -146,14 +146,16 @@ def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_table
     return out, pages, scale, st
 
 
-def mlp(h, lp, cfg: ModelConfig):
-    """Dense SwiGLU, or the DeepSeek MoE block (V2 softmax / V3 sigmoid routing)."""
+def mlp(h, lp, cfg: ModelConfig, backend: str = "reference"):
+    """Dense SwiGLU, or the DeepSeek MoE block (V2 softmax / V3 sigmoid routing); ``backend``
+    picks its grouped matmul (``moe.grouped_experts``)."""
     if "router" not in lp:
         return moe.swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
     return moe.deepseek_moe_mlp(
         h, lp, version=3 if cfg.family == "deepseek_v3" else 2, top_k=cfg.num_experts_per_tok,
         n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor, topk_method=cfg.topk_method)
+        routed_scaling_factor=cfg.routed_scaling_factor, topk_method=cfg.topk_method,
+        backend=backend)
 
 
 def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens, *,
@@ -177,7 +179,7 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
         a, p, s, st = attention(h, lp, cache.k[i], cache.k_scale[i], positions, flat_slots,
                                 page_tables, seq_lens, cache.config, cfg, rope, backend)
         x = x + a
-        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg)
+        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, backend)
         pages.append(p)
         scales.append(s)
         stats.append(st)

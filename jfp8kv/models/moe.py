@@ -14,8 +14,9 @@ accumulation dtype, expert ids ``int32[N, k]``).
 
 Experts (``grouped_experts``): every (token, expert) assignment is kept (no capacity, no
 dropping). Assignments are sorted by expert so that each expert's rows are contiguous, the
-three SwiGLU matmuls run as ``jax.lax.ragged_dot`` over the sorted rows (one grouped matmul
-per projection, no per-expert Python loop), and the rows are un-sorted and summed per token
+three SwiGLU matmuls run as grouped matmuls over the sorted rows (``kernels.grouped_matmul``:
+``jax.lax.ragged_dot`` on the reference backend, ``pallas_gmm`` on the Pallas ones; one per
+projection, no per-expert Python loop), and the rows are un-sorted and summed per token
 with their router weights. Shapes are static (N*k rows), so it jits once per batch shape.
 
 MoE layer params (weights [in, out] like the dense layers)::
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jfp8kv import kernels
 
 
 def _acc(dtype):
@@ -100,13 +103,14 @@ def deepseek_v3_route(logits, bias, top_k: int, *, n_group: int, topk_group: int
     return weights * routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def grouped_experts(x, ids, weights, w_gate, w_up, w_down):
+def grouped_experts(x, ids, weights, w_gate, w_up, w_down, backend: str = "reference"):
     """sum_j weights[n, j] * SwiGLU_{ids[n, j]}(x[n]) for every token n, without dropping.
 
     x [N, D]; ids int32[N, k]; weights [N, k]; w_gate/w_up [E, D, I]; w_down [E, I, D].
     Returns [N, D] in x's dtype. Gate/up outputs are rounded to x's dtype as the dense MLP
     does; the down projection, router weighting and the sum over k stay in the accumulation
-    dtype and are rounded once.
+    dtype and are rounded once. ``backend``: ``kernels.grouped_matmul``'s (``reference``:
+    ``jax.lax.ragged_dot``; the Pallas backends: ``pallas_gmm``).
     """
     n, k = ids.shape
     num_experts = w_gate.shape[0]
@@ -117,7 +121,7 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down):
     rows = x[order // k]
 
     def mm(lhs, w):
-        return jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=acc)
+        return kernels.grouped_matmul(lhs, w, sizes, acc, backend)
 
     gate = mm(rows, w_gate).astype(x.dtype)
     up = mm(rows, w_up).astype(x.dtype)
@@ -132,24 +136,26 @@ def router_logits(h, router):
     return jnp.einsum("...d,de->...e", h, router, preferred_element_type=_acc(h.dtype))
 
 
-def qwen3_moe_mlp(h, lp, cfg):
-    """Qwen3-MoE sparse block on h [B, T, D] (already normalized); returns [B, T, D]."""
+def qwen3_moe_mlp(h, lp, cfg, backend: str = "reference"):
+    """Qwen3-MoE sparse block on h [B, T, D] (already normalized); returns [B, T, D].
+    ``backend`` picks the grouped matmul (``grouped_experts``)."""
     flat = h.reshape(-1, h.shape[-1])
     weights, ids = softmax_topk(router_logits(flat, lp["router"]), cfg.num_experts_per_tok,
                                 cfg.norm_topk_prob)
     out = grouped_experts(flat, ids, weights, lp["experts_gate"], lp["experts_up"],
-                          lp["experts_down"])
+                          lp["experts_down"], backend)
     return out.reshape(h.shape)
 
 
 def deepseek_moe_mlp(h, lp, *, version: int, top_k: int, n_group: int = 1, topk_group: int = 1,
                      norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
-                     topk_method: str = "greedy"):
+                     topk_method: str = "greedy", backend: str = "reference"):
     """DeepSeek-V2/V3 MoE block on h [B, T, D]: routed experts plus the shared expert(s).
 
     ``lp`` holds router [D, E], experts_* (as Qwen3-MoE), shared_gate/shared_up [D, Is],
     shared_down [Is, D] (the n_shared_experts fused into one SwiGLU of width Is) and, for V3,
     router_bias [E] (e_score_correction_bias). The router runs in the accumulation dtype.
+    ``backend`` picks the grouped matmul (``grouped_experts``).
     """
     flat = h.reshape(-1, h.shape[-1])
     logits = router_logits(flat.astype(_acc(h.dtype)), lp["router"].astype(_acc(h.dtype)))
@@ -164,7 +170,7 @@ def deepseek_moe_mlp(h, lp, *, version: int, top_k: int, n_group: int = 1, topk_
     else:
         raise ValueError(f"DeepSeek MoE version must be 2 or 3, got {version!r}")
     out = grouped_experts(flat, ids, weights, lp["experts_gate"], lp["experts_up"],
-                          lp["experts_down"])
+                          lp["experts_down"], backend)
     return out.reshape(h.shape) + swiglu(h, lp["shared_gate"], lp["shared_up"],
                                          lp["shared_down"])
 

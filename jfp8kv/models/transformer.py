@@ -146,7 +146,7 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
             page_tables, seq_lens, positions, cache.config, sm_scale, backend)
         x = x + _linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (moe.qwen3_moe_mlp(h, lp, cfg) if "router" in lp else _dense_mlp(h, lp))
+        x = x + (moe.qwen3_moe_mlp(h, lp, cfg, backend) if "router" in lp else _dense_mlp(h, lp))
         new_k.append(layer.k)
         new_v.append(layer.v)
         k_scale.append(layer.k_scale)
