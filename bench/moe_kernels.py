@@ -112,8 +112,13 @@ def run_case(doc, rng, model, shape, tokens, args, deadline, tbps):
     floor = case_floor(tokens, m, shape["d"], shape["i"], hit, tbps)
     base.update(floor)
     operands = (lhs, rhs, sizes)
-    rec = record(base, "ragged_dot", None, op("ragged_dot", None, False), operands,
-                 args.slow_s, floor)
+    if args.ragged_max_tokens is not None and tokens > args.ragged_max_tokens:
+        rec = dict(base, impl="ragged_dot", skipped=f"tokens > --ragged-max-tokens "
+                   f"{args.ragged_max_tokens}")
+        print(f"{model} tokens={tokens} ragged_dot: skipped ({rec['skipped']})", flush=True)
+    else:
+        rec = record(base, "ragged_dot", None, op("ragged_dot", None, False), operands,
+                     args.slow_s, floor)
     doc["records"].append(rec)
     ref = None
     if "ms" in rec and rec["ms"] < args.slow_s * 1e3:
@@ -143,6 +148,9 @@ def main(argv=None):
     ap.add_argument("--slow-s", type=float, default=2.0,
                     help="one call slower than this is timed once, not in a chain")
     ap.add_argument("--sweep-min-tokens", type=int, default=8192)
+    ap.add_argument("--ragged-max-tokens", type=int, default=None,
+                    help="skip ragged_dot above this many tokens (XLA's dense form on NVIDIA "
+                         "GPUs takes tens of seconds per call at 8192)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     args = ap.parse_args(argv)
     models = SMOKE_MODELS if args.smoke else {n: MODELS[n] for n in args.models.split(",")}
