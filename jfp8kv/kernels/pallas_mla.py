@@ -82,8 +82,12 @@ class MLATuning:
 
 
 def default_tuning(cfg: CacheConfig) -> MLATuning:
-    """Untuned starting point (no GPU measurement yet): page prefetch, PTX upcast for fp8."""
-    return MLATuning(variant=Variant(page_prefetch=True, asm=cfg.is_fp8))
+    """The H200 sweep's best at 16 heads, B = 64, ctx 4096 (bench/results/mla-kernels-h200.json):
+    4 warps; 64-token tiles, 2 stages for bf16 and token-scaled rows; 32-token tiles, 3 stages
+    for block scales. Page prefetch; PTX upcast for fp8."""
+    block = cfg.scale_mode == "block"
+    return MLATuning(block_k=32 if block else 64, num_warps=4, num_stages=3 if block else 2,
+                     variant=Variant(page_prefetch=True, asm=cfg.is_fp8))
 
 
 def check_shapes(cfg: CacheConfig, width: int, value_dim: int) -> None:
