@@ -102,7 +102,8 @@ def _gmm_kernel(group_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, tm, tn, tk, n
     n_mask = None if n_total % tn == 0 else n_ok[None, :]
     src = jnp.maximum(rows, 0)
     ge = jnp.minimum(g, num_groups - 1)
-    n_iter = (g < num_groups).astype(jnp.int32) * pl.cdiv(k_total, tk)  # zero tail: none
+    # No K loop for the zero tail (g == E) or a tile past the end (g == -1).
+    n_iter = ((g >= 0) & (g < num_groups)).astype(jnp.int32) * pl.cdiv(k_total, tk)
 
     def body(i, acc):
         k_idx = i * tk + jnp.arange(tk, dtype=jnp.int32)
