@@ -53,9 +53,21 @@ def test_generated_logprobs_match_teacher_forcing(llm):
     assert llm.generate(ids, GREEDY)[0].logprobs is None
 
 
+def _repeating_prompt(llm, n, max_tokens, tries=20):
+    """A fresh random prompt whose plain greedy output repeats a token, so that presence,
+    frequency and repetition penalties have something to act on (on a prompt whose output
+    never repeats, the penalized argmax can equal the plain one at every step)."""
+    rng = np.random.default_rng()
+    for _ in range(tries):
+        ids = rng.integers(3, llm.config.vocab_size, n).tolist()
+        plain = llm.generate(ids, dataclasses.replace(GREEDY, max_tokens=max_tokens))[0]
+        if len(set(plain.token_ids)) < len(plain.token_ids):
+            return ids, plain
+    pytest.fail(f"no prompt in {tries} made greedy decoding repeat a token")
+
+
 def test_penalized_greedy_is_argmax_of_reference_penalties(llm):
-    ids = _prompt(llm, 6)
-    plain = llm.generate(ids, dataclasses.replace(GREEDY, max_tokens=16))[0]
+    ids, plain = _repeating_prompt(llm, 6, 16)
     sp = dataclasses.replace(GREEDY, max_tokens=16, presence_penalty=1.5, frequency_penalty=0.5,
                              repetition_penalty=1.3)
     # batched with an unpenalized request, whose output must not change
