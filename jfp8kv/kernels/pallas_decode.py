@@ -41,9 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_head_dim, cols,
-                                  dequant_kv, init_state, k_variant, key_loop, load_kv_raw,
-                                  next_pow2, normalize, prepare_q, scale_output, softmax_step)
+from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_dot_tile,
+                                  check_head_dim, cols, dequant_kv, init_state, k_variant,
+                                  key_loop, load_kv_raw, next_pow2, normalize, prepare_q,
+                                  scale_output, softmax_step)
 from jfp8kv.kvcache.cache import LayerKV
 
 NUM_SMS_H200 = 132
@@ -159,8 +160,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     hkv, s = cfg.num_kv_heads, cfg.page_size
     g = nh // hkv
     max_pages = page_tables.shape[1]
-    if tuning.block_k < 16 or tuning.block_k & (tuning.block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= 16, got {tuning.block_k}")
+    check_dot_tile("block_k", tuning.block_k)
     check_head_dim(d)
     kv = KVLayout.of(cfg)
     ns = choose_splits(b, hkv, max_pages * s, tuning)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jfp8kv.kernels.tiles import dot_nn, next_pow2
+from jfp8kv.kernels.tiles import check_dot_tile, dot_nn, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +128,6 @@ def _gmm_kernel(group_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, tm, tn, tk, n
                     mask=row_ok[:, None] & n_ok[None, :])
 
 
-def check_tiles(tm: int, tn: int, tk: int) -> None:
-    for name, v in (("tm", tm), ("tn", tn), ("tk", tk)):
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"gmm tile {name} must be a power of two >= 16, got {v}")
-
-
 @functools.partial(jax.jit,
                    static_argnames=("preferred_element_type", "tuning", "interpret"))
 def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None,
@@ -151,7 +145,8 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None,
     if min(m, n, k, e) == 0:
         return jnp.zeros((m, n), out_dtype)
     tm = tuning.tm or choose_tm(m, e)
-    check_tiles(tm, tuning.tn, tuning.tk)
+    for name, v in (("tm", tm), ("tn", tuning.tn), ("tk", tuning.tk)):
+        check_dot_tile(f"gmm tile {name}", v)
     tile_group, rows = tile_maps(group_sizes, m, tm)
     spill = m if interpret else 0
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tuning.tn, tk=tuning.tk,

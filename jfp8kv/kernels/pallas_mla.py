@@ -51,9 +51,9 @@ from jax.experimental.pallas import triton as plgpu
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
-from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, cols, dequant_kv,
-                                  init_state, k_variant, key_loop, load_kv_raw, next_pow2,
-                                  normalize, softmax_step)
+from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_dot_tile, cols,
+                                  dequant_kv, init_state, k_variant, key_loop, load_kv_raw,
+                                  next_pow2, normalize, softmax_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +163,9 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     tuning = tuning or default_tuning(cfg)
     b, t, nh, width = q.shape
     check_shapes(cfg, width, value_dim)
-    if tuning.block_k < 16 or tuning.block_k & (tuning.block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= 16, got {tuning.block_k}")
+    check_dot_tile("block_k", tuning.block_k)
     bm = tuning.rows(t * nh, value_dim)
-    if bm < 16 or bm & (bm - 1):
-        raise ValueError(f"block_m must be a power of two >= 16, got {bm}")
+    check_dot_tile("block_m", bm)
     nmb = -(-(t * nh) // bm)
     kv = KVLayout.of(cfg)
     ns = choose_splits(b, nmb, page_tables.shape[1] * cfg.page_size, DecodeTuning(

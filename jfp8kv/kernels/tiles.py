@@ -100,6 +100,13 @@ def cols(n: int):
     return jnp.arange(n, dtype=jnp.int32)[None, :]
 
 
+def check_dot_tile(name: str, v: int) -> None:
+    """ValueError unless ``v`` can be a block dimension of a Triton dot: a power of two
+    >= 16."""
+    if v < 16 or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+
+
 def check_head_dim(d: int) -> None:
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for the Pallas kernels, got {d}")
