@@ -57,9 +57,8 @@ def _repeating_prompt(llm, n, max_tokens, tries=20):
     """A fresh random prompt whose plain greedy output repeats a token, so that presence,
     frequency and repetition penalties have something to act on (on a prompt whose output
     never repeats, the penalized argmax can equal the plain one at every step)."""
-    rng = np.random.default_rng()
     for _ in range(tries):
-        ids = rng.integers(3, llm.config.vocab_size, n).tolist()
+        ids = _prompt(llm, n)
         plain = llm.generate(ids, dataclasses.replace(GREEDY, max_tokens=max_tokens))[0]
         if len(set(plain.token_ids)) < len(plain.token_ids):
             return ids, plain

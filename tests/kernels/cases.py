@@ -165,6 +165,18 @@ def attention_case(rng, cfg: CacheConfig, seq_lens, max_pages: int) -> AttnCase:
     return AttnCase(cfg, clean, poisoned, jnp.asarray(pt), jnp.asarray(seq_lens, jnp.int32))
 
 
+def prefill_layout(rng, lens, page: int, num_pages: int, max_pages: int):
+    """A batch's prefill over shuffled pages: (page tables int32[B, max_pages], positions
+    int32[B, T], slots int32[B, T]) for sequence lengths ``lens``; T = max(lens), positions
+    past a length repeat its last one and their slots point at the null page 0."""
+    b, t, mp = len(lens), int(lens.max()), max_pages
+    pt = rng.permutation(np.arange(1, num_pages))[:b * mp].reshape(b, mp).astype(np.int32)
+    pos = np.minimum(np.arange(t)[None, :], lens[:, None] - 1).astype(np.int32)
+    slots = np.take_along_axis(pt, pos // page, 1) * page + pos % page
+    slots = np.where(np.arange(t)[None, :] < lens[:, None], slots, 0).astype(np.int32)
+    return pt, pos, slots
+
+
 def assert_close(out, ref, *, exact_f32: bool = False):
     """No NaN/inf anywhere, then closeness to the oracle (relative to the oracle's scale)."""
     out = np.asarray(out, np.float32)

@@ -22,7 +22,7 @@ import pytest
 
 from jfp8kv.kernels import grouped_matmul, pallas_gmm
 
-from .cases import assert_close, make_cfg, on_cpu, on_exec, sweep
+from .cases import assert_close, make_cfg, on_cpu, on_exec, prefill_layout, sweep
 
 # (M, K, N, E, dtype, result dtype, sizes kind, tm, tn, tk)
 CASES = [
@@ -132,12 +132,8 @@ def test_moe_tiny_pallas_interpret_matches_reference_backend(preset):
         ccfg = make_cfg("float32", None, heads_kv=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
                         page_size=page, num_pages=num_pages)
     ccfg = dataclasses.replace(ccfg, num_layers=mcfg.num_layers)
-    pt = rng.permutation(np.arange(1, num_pages))[:6].reshape(2, 3).astype(np.int32)
-    t = int(lens.max())
-    pos = np.minimum(np.arange(t)[None, :], lens[:, None] - 1).astype(np.int32)
-    slots = np.take_along_axis(pt, pos // page, 1) * page + pos % page
-    slots = np.where(np.arange(t)[None, :] < lens[:, None], slots, 0).astype(np.int32)
-    tok = rng.integers(0, mcfg.vocab_size, (2, t)).astype(np.int32)
+    pt, pos, slots = prefill_layout(rng, lens, page, num_pages, max_pages=3)
+    tok = rng.integers(0, mcfg.vocab_size, pos.shape).astype(np.int32)
     got = {b: np.asarray(_logits(loaded.params, KVCache.init(ccfg), tok, pos, slots, pt, lens,
                                  cfg=mcfg, backend=b))
            for b in ("reference", "pallas_interpret")}

@@ -23,7 +23,8 @@ import pytest
 from jfp8kv.kernels import (BACKENDS, check_latent_cache, latent_attention, mla_reference,
                             pallas_mla)
 
-from .cases import assert_close, attention_case, make_cfg, on_cpu, on_exec, sweep
+from .cases import (assert_close, attention_case, make_cfg, on_cpu, on_exec, prefill_layout,
+                    sweep)
 
 ref_latent = jax.jit(mla_reference.latent_attention, static_argnums=(6, 7, 8))
 
@@ -142,12 +143,8 @@ def test_deepseek_tiny_pallas_interpret_matches_reference_backend():
     ccfg = make_cfg("float8_e4m3fn", "block", heads_kv=1, head_dim=mcfg.latent_dim,
                     page_size=page, num_pages=num_pages)
     ccfg = dataclasses.replace(ccfg, num_layers=mcfg.num_layers, layout="latent")
-    pt = rng.permutation(np.arange(1, num_pages))[:6].reshape(2, 3).astype(np.int32)
-    t = int(lens.max())
-    pos = np.minimum(np.arange(t)[None, :], lens[:, None] - 1).astype(np.int32)
-    slots = np.take_along_axis(pt, pos // page, 1) * page + pos % page
-    slots = np.where(np.arange(t)[None, :] < lens[:, None], slots, 0).astype(np.int32)
-    tok = rng.integers(0, mcfg.vocab_size, (2, t)).astype(np.int32)
+    pt, pos, slots = prefill_layout(rng, lens, page, num_pages, max_pages=3)
+    tok = rng.integers(0, mcfg.vocab_size, pos.shape).astype(np.int32)
     step = (tok[:, :1], lens[:, None], np.take_along_axis(pt, lens[:, None] // page, 1) * page
             + lens[:, None] % page, lens + 1)
     got = {}
