@@ -19,6 +19,7 @@ slow). A config that errors is recorded; configs past ``--budget-s`` are skipped
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import time
@@ -70,8 +71,7 @@ def measure(fn, args, slow_s: float):
 
 
 def record(base: dict, impl: str, tuning, fn, args, slow_s: float, floor: dict, ref=None):
-    rec = dict(base, impl=impl, tuning=None if tuning is None else {
-        f: getattr(tuning, f) for f in ("tm", "tn", "tk", "num_warps", "num_stages")})
+    rec = dict(base, impl=impl, tuning=None if tuning is None else dataclasses.asdict(tuning))
     try:
         ms, reps, samples = measure(fn, args, slow_s)
         rec.update(ms=round(ms, 4), reps=reps, samples=samples,
