@@ -26,8 +26,9 @@ stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprov
 # Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher
 # (kernels.store_kv / paged_attention, where the transform runs), e4m3 token/block/tensor,
 # kv_rotation none vs hadamard, smooth and smooth+hadamard side by side on the same data
-# (decode, then prefill, then the store; head dims 128 and 64); rows under "rotation" and
-# the verdict against the < 3% target under "rotation_summary" in kernels-h200.json.
+# (decode, then prefill, then the store; head dims 128 and 64); rows under "rotation", per op
+# under "rotation_summary", and the verdict against the < 3% target (store of the step's rows
+# + attention, vs attention, per phase) under "rotation_phase_summary" in kernels-h200.json.
 stage rotation ${ROTATION_LIMIT:-540} python3 -m bench.kernels --kv-rotation all \
   --rotation-ops decode,prefill,store --budget-s $(( ${ROTATION_LIMIT:-540} - 90 )) \
   --out "$OUT/kernels-h200.json"

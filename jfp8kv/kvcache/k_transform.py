@@ -13,9 +13,11 @@ fp8 error in the cache is dominated by K. Two transforms shrink it, each exact f
   which is what smoothing removes first).
 * ``"smooth+hadamard"``: subtract, then rotate.
 
-Stored K is ``rotate(k - shift)`` in ``promote_types(k.dtype, float32)`` (float64 stays
-float64), then quantized by the scale mode as usual; static scales must be measured in that
-basis (``engine.calibrate``). V is never transformed. The kernels see only the stored rows
+Stored K is ``rotate(k - shift)`` (the butterfly, bit-exact with the numpy twin and the fake
+quantization) in ``promote_types(k.dtype, float32)`` (float64 stays float64); the queries are
+``rotate_dense(q)`` (the same R as one matmul) cast back to q's dtype. K is then quantized
+by the scale mode as usual; static scales must be measured in that basis
+(``engine.calibrate``). V is never transformed. The kernels see only the stored rows
 and the rotated queries (``kernels.store_kv`` / ``kernels.paged_attention`` call
 ``store_rows`` / ``query_rows``), so every backend and scale mode gets the same numbers.
 """
@@ -80,7 +82,10 @@ def store_rows(k_new, k_shift, cfg: CacheConfig):
 
 def query_rows(q, cfg: CacheConfig):
     """Queries [..., head_dim] in the basis K is stored in: rotated (back in q's dtype) when
-    the transform rotates, unchanged otherwise (smoothing leaves queries alone)."""
+    the transform rotates, unchanged otherwise (smoothing leaves queries alone). The same R
+    as ``store_rows`` but as one matmul (``rotation.rotate_dense``: a single tensor-core pass
+    where the butterfly is log2(head_dim) passes); queries are not quantized, so its rounding
+    differs from the butterfly's only in the last bits."""
     if not rotates(cfg.kv_rotation):
         return q
-    return rotation.rotate(q).astype(q.dtype)
+    return rotation.rotate_dense(q).astype(q.dtype)

@@ -15,11 +15,20 @@ block size (``block_size(D)``: D itself when D is a power of two, else the large
 two dividing D, at least ``MIN_BLOCK``), and s in {-1, +1}^D the fixed sign vector
 ``signs(D, seed)``. R R^T = I.
 
-Computation: a fast Walsh-Hadamard transform (log2(b) butterfly passes of adds and
-subtracts in a fixed order), then one multiply by the float constant fl(1/sqrt(b)). The
-numpy twin (``rotate_np``) performs the same IEEE operations in the same order, so the jnp
-and numpy versions agree bit for bit in float32 and float64; that is what lets the float64
-check mode compare the engine with the independent fake quantization exactly.
+Two computations of the same R, which differ only in rounding:
+
+* ``rotate`` (K, before it is stored): a fast Walsh-Hadamard transform (log2(b) butterfly
+  passes of adds and subtracts in a fixed order), then one multiply by the float constant
+  fl(1/sqrt(b)). The numpy twin (``rotate_np``) performs the same IEEE operations in the same
+  order, so the jnp and numpy versions agree bit for bit in float32 and float64; that is what
+  lets the float64 check mode compare the engine's stored K with the independent fake
+  quantization exactly (the stored rows are what fp8 rounds, so they must be identical).
+* ``rotate_dense`` (the queries, before attention): one matmul ``x @ (diag(s) H)`` by the
+  [D, D] block-diagonal +-1 matrix, float32 accumulation, then the same fl(1/sqrt(b)). XLA
+  runs the butterfly as log2(b) separate passes over the query tensor (on an H200, ~0.13 ms
+  for 2048 queries x 32 heads x 128, a quarter of that prefill step's attention); the matmul
+  is one tensor-core pass. Queries are not quantized, so a last-bit difference from the
+  butterfly only moves scores by float rounding (float64 check mode: ~1e-16 relative).
 
 Dtypes: inputs are computed in ``promote_types(x.dtype, float32)`` (bfloat16/float16 go up
 to float32; float64 stays float64) and returned in that dtype; callers cast. The signs come
@@ -140,6 +149,37 @@ def unrotate(y, seed: int = DEFAULT_SEED):
     ct = _compute_dtype(y.dtype)
     x = _fwht(y.astype(ct), jnp, block_size(d)) * jnp.asarray(_scale(d), ct)
     return x * jnp.asarray(signs(d, seed), ct)
+
+
+@functools.lru_cache(maxsize=None)
+def _signed_blocks(head_dim: int, seed: int) -> np.ndarray:
+    """diag(s) @ blockdiag(H_b, ...): float32 [head_dim, head_dim] of 0 and +-1 (exact in
+    every float dtype, bfloat16 included)."""
+    b = block_size(head_dim)
+    blocks = np.kron(np.eye(head_dim // b, dtype=np.int64), hadamard(b))
+    out = (signs(head_dim, seed)[:, None] * blocks).astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+@functools.partial(jax.jit, static_argnames="seed")
+def rotate_dense(x, seed: int = DEFAULT_SEED):
+    """x [..., D] -> x @ R as ONE matmul, ``(x @ (diag(s) H)) * fl(1/sqrt(b))``, returned in
+    ``promote_types(x.dtype, float32)`` like ``rotate`` (the same R; only rounding differs).
+
+    bfloat16/float16 x: the operands stay in x's dtype (the +-1 entries are exact, and
+    x_i * (s_i H_ij) == (x_i s_i) H_ij exactly) and the products are accumulated in float32
+    (``preferred_element_type``), so it runs on tensor cores. float32/float64 x: computed in
+    that dtype with ``precision=HIGHEST`` (no TF32 truncation of x). Used for the queries;
+    K keeps the bit-exact butterfly (module docstring). Jitted; ``seed`` is static."""
+    d = x.shape[-1]
+    ct = _compute_dtype(x.dtype)
+    x = jnp.asarray(x)
+    low = x.dtype in (jnp.bfloat16, jnp.float16)
+    m = jnp.asarray(_signed_blocks(d, seed), x.dtype if low else ct)
+    y = jnp.matmul(x if low else x.astype(ct), m, preferred_element_type=ct,
+                   precision=None if low else jax.lax.Precision.HIGHEST)
+    return y.astype(ct) * jnp.asarray(_scale(d), ct)
 
 
 def rotate_np(x: np.ndarray, seed: int = DEFAULT_SEED) -> np.ndarray:

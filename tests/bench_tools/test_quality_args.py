@@ -131,3 +131,38 @@ def test_kernels_rotation_summary_against_the_target():
     assert s[("prefill_attention", "hadamard")]["resolved"] is True
     assert s[("decode_attention", "hadamard")]["noise_pct_max"] is None
     assert s[("decode_attention", "hadamard")]["resolved"] is False
+
+
+def test_kernels_rotation_phase_adds_the_matched_store():
+    """Per phase: (attention extra + the step's store extra) / attention "none" ms, each from
+    the medians of the matched rows; stores matched by mode, head shape and the step's rows;
+    an unmatched store is reported, not invented."""
+    shapes = kernels.rotation_shapes("store", smoke=False)
+    for b, c, _, _, hkv, d in kernels.rotation_shapes("prefill", smoke=False):
+        assert (b * c, hkv, d) in shapes
+    for b, _, _, hkv, d in kernels.rotation_shapes("decode", smoke=False):
+        assert (b, hkv, d) in shapes
+    pre = dict(op="prefill_attention", kv_scale_mode="token", batch=1, tokens=2048,
+               context=4096, num_heads=32, num_kv_heads=8, head_dim=128)
+    dec = dict(op="decode_attention", kv_scale_mode="token", batch=64, context=8192,
+               num_heads=32, num_kv_heads=8, head_dim=128)
+    st = dict(op="store", kv_scale_mode="token", batch=1, num_kv_heads=8, head_dim=128)
+    rows = [{**pre, "kv_rotation": r, "ms": ms} for r, ms in
+            (("none", 0.50), ("hadamard", 0.51), ("none", 0.52))]
+    rows += [{**st, "tokens": 2048, "kv_rotation": r, "ms": ms} for r, ms in
+             (("none", 0.013), ("hadamard", 0.016), ("none", 0.013))]
+    rows += [{**st, "tokens": 8192, "kv_rotation": "hadamard", "ms": 9.0}]  # not this step's
+    rows += [{**dec, "kv_rotation": r, "ms": ms} for r, ms in
+             (("none", 0.40), ("hadamard", 0.40), ("none", 0.40))]
+    phase = {(x["phase"], x["kv_rotation"]): x for x in kernels.rotation_phase_rows(rows)}
+    p = phase[("prefill", "hadamard")]
+    assert p["attention_none_ms"] == pytest.approx(0.51)
+    assert p["store_extra_ms"] == pytest.approx(0.003)
+    assert p["cost_pct"] == pytest.approx(100 * (0.0 + 0.003) / 0.51, abs=0.01)
+    assert p["noise_pct"] == pytest.approx(100 * 0.02 / 0.51, abs=0.01)
+    d = phase[("decode", "hadamard")]
+    assert d["store_rows"] == 64 and d["store_extra_ms"] is None and d["cost_pct"] == 0.0
+    s = {x["phase"]: x for x in kernels.rotation_phase_summary(list(phase.values()))}
+    assert s["prefill"]["under_target"] is True and s["prefill"]["store_included"] is True
+    assert s["prefill"]["resolved"] is False  # 3.9% noise: no verdict to trust
+    assert s["decode"]["store_included"] is False

@@ -4,7 +4,8 @@ Oracles: attention through an unquantized (float32) cache without any transform 
 transforms are exact for attention: rotation keeps q.k, smoothing moves every score of a
 query by the same q.shift), and the independent fake quantization ``bench.fakequant`` in
 transformers, which the engine must equal in the float64 check mode (same stored numbers,
-so the same fp8 roundings: logits agree to ~1e-12).
+so the same fp8 roundings: logits agree to ~1e-12; the queries are rotated by a matmul in the
+engine and by the butterfly in the fake quantization, the same R up to float64 rounding).
 """
 
 from __future__ import annotations
@@ -92,6 +93,30 @@ def test_stored_rows_are_rotate_of_k_minus_shift_bitwise(backend):
     got = np.asarray(layer.k[:, 1:]).reshape(h, n, d)
     want = fq.hadamard_rotate(np.moveaxis(np.asarray(k, np.float32), 0, 1) - shift[0][:, None])
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float32))
+def test_query_rows_use_the_one_matmul_rotation(dtype):
+    """Queries: ``rotation.rotate_dense`` (one matmul) cast back to q's dtype, for both
+    rotating transforms; the same R as the stored K's butterfly up to rounding; smoothing
+    and "none" leave them alone."""
+    from jfp8kv.kvcache import rotation
+
+    rng = np.random.default_rng(17)
+    q = jnp.asarray(k_like(rng, (2, 5, 4, 64))).astype(dtype)
+    for name in ("hadamard", "smooth+hadamard"):
+        got = k_transform.query_rows(q, CacheConfig(1, 2, 64, 3, 16, "float32",
+                                                    kv_rotation=name))
+        assert got.dtype == dtype
+        want = rotation.rotate_dense(q).astype(dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        butterfly = np.asarray(rotation.rotate(q).astype(dtype), np.float32)
+        tol = (2.0 ** -7 * np.abs(butterfly).max() if dtype == jnp.bfloat16  # one bf16 ulp
+               else 1e-6 * np.abs(np.asarray(q)).max())  # float32 rounding of the sums
+        np.testing.assert_allclose(np.asarray(got, np.float32), butterfly, rtol=0, atol=tol)
+    for name in ("none", "smooth"):
+        assert k_transform.query_rows(q, CacheConfig(1, 2, 64, 3, 16, "float32",
+                                                     kv_rotation=name)) is q
 
 
 # -- the engine against the independent fake quantization, float64 ----------------------------

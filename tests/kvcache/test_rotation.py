@@ -2,7 +2,8 @@
 
 Oracles: the explicit matrix R = diag(s) blockdiag(H_b) / sqrt(b) built in float64 from a
 Hadamard matrix checked here entry by entry (H H^T = n I), numpy's float64 matmul, and the
-numpy twin (bitwise). Inputs are fresh random rows with K-like outlier channels.
+numpy twin (bitwise for the butterfly ``rotate``; to rounding for the queries' one-matmul
+``rotate_dense``). Inputs are fresh random rows with K-like outlier channels.
 """
 
 from __future__ import annotations
@@ -100,6 +101,37 @@ def test_low_precision_inputs_compute_in_float32():
     assert rot.rotate_np(x.astype(ml_dtypes.bfloat16)).dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype", (np.float32, np.float64))
+@pytest.mark.parametrize("d", (64, 128, 96, 80))
+def test_rotate_dense_is_the_same_rotation(d, dtype):
+    """The queries' one-matmul form equals the butterfly and x @ R up to rounding, returns
+    the same dtype, and stays exact under jit and with another seed."""
+    x = rows(np.random.default_rng([31, d, np.dtype(dtype).itemsize]), (4, 3, 17, d), dtype)
+    tol = (4e-15 if dtype == np.float64 else 1e-6) * np.abs(x).max()
+    with jax.enable_x64(True):
+        want = x.astype(np.float64) @ rot.matrix(d)
+        for seed in (rot.DEFAULT_SEED, 7):
+            got = np.asarray(rot.rotate_dense(jnp.asarray(x), seed=seed))
+            assert got.dtype == dtype
+            np.testing.assert_allclose(got, rot.rotate_np(x, seed), rtol=0, atol=tol)
+        np.testing.assert_allclose(np.asarray(rot.rotate_dense(x)), want, rtol=0, atol=tol)
+        inside = jax.jit(lambda a: rot.unrotate(rot.rotate_dense(a)))(jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(inside), x, rtol=0, atol=2 * tol)
+
+
+@pytest.mark.parametrize("dt", (jnp.bfloat16, jnp.float16))
+@pytest.mark.parametrize("d", (64, 128, 96))
+def test_rotate_dense_low_precision_accumulates_in_float32(d, dt):
+    """bf16/f16 operands are exact (+-1 matrix), the sums float32: the result is the float32
+    rotation of the upcast input to float32 rounding, returned in float32."""
+    x = rows(np.random.default_rng([37, d]), (9, 4, d), np.float32) / 8
+    xl = jnp.asarray(x).astype(dt)
+    got = rot.rotate_dense(xl)
+    assert got.dtype == jnp.float32
+    want = rot.rotate_np(np.asarray(xl.astype(jnp.float32)).astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
 def test_deterministic_and_seeded():
     s1, s2 = rot.signs(128), rot.signs(128)
     assert s1 is s2 or np.array_equal(s1, s2)
@@ -128,6 +160,8 @@ def test_bad_head_dim_is_a_clear_error(d):
     if d > 0:
         with pytest.raises(ValueError, match="64, 128, 256"):
             rot.rotate(np.zeros((2, d), np.float32))
+        with pytest.raises(ValueError, match="64, 128, 256"):
+            rot.rotate_dense(np.zeros((2, d), np.float32))
 
 
 PINNED_SIGNS_16 = "----+++--+----++"
