@@ -16,7 +16,7 @@ import numpy as np
 from jfp8kv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.overlap import InFlight, feed
-from jfp8kv.engine.overlap import host_outputs as _host, pick_logprob as _pick
+from jfp8kv.engine.overlap import host_outputs as _host, host_parts, pick_logprob as _pick
 from jfp8kv.engine.runner import ModelRunner, SamplingArrays, bucket
 from jfp8kv.engine.sampler import PenaltyArrays, SamplingExtras, top_logprobs
 from jfp8kv.engine.scheduler import ScheduledStep, Scheduler, Sequence
@@ -180,7 +180,7 @@ class LLMEngine:
             chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages)
                       for c in plan.prefill]
             f.completes = [c.completes for c in plan.prefill]
-            f.prefill_out = self.runner.prefill(chunks, self._sampling(seqs), self._greedy(seqs))
+            f.prefill_out = self.runner.prefill(chunks, self._sampling(seqs))
             for i, c in enumerate(plan.prefill):
                 c.seq.num_cached += c.length
                 if f.completes[i]:
@@ -202,7 +202,7 @@ class LLMEngine:
                     self._take(seq, toks[i, :row.steps], lps, i, f.decode_base[i])
                     changed[seq.request_id] = seq
         if f.prefill_out is not None:
-            toks, lps = _host(f.prefill_out)
+            toks, lps = host_parts(f.prefill_out)
             lps = None if lps is None else tuple(x[:, None] for x in lps)
             for i, chunk in enumerate(f.plan.prefill):
                 seq = chunk.seq

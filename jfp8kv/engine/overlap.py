@@ -53,8 +53,9 @@ class InFlight:
     """A dispatched step whose samples the host has not read yet.
 
     ``decode_base[i]``: decode row i's ``num_cached`` after its first token (the serialized
-    value once token 0 is appended); ``completes[i]``: prefill chunk i samples a token;
-    ``mailbox``: see the module docstring (None when not overlapping)."""
+    value once token 0 is appended); ``prefill_out``: ``ModelRunner.prefill``'s [(rows,
+    output)] parts; ``completes[i]``: prefill chunk i samples a token; ``mailbox``: see the
+    module docstring (None when not overlapping)."""
 
     plan: Any
     decode_out: Any = None
@@ -76,17 +77,11 @@ class InFlight:
             last[:nd] = [r.steps - 1 for r in self.plan.decode]
             box = decode_mailbox(tokens_of(self.decode_out), last, size=size)
         if self.prefill_out is not None and any(self.completes):
-            box = prefill_mailbox(box, _pow2_rows(tokens_of(self.prefill_out)), np.int32(nd))
+            offset = nd  # parts in order: each overwrites the padding rows of the one before
+            for rows, out in self.prefill_out:
+                box = prefill_mailbox(box, tokens_of(out), np.int32(offset))
+                offset += rows
         self.mailbox = box
-
-
-def _pow2_rows(tokens):
-    """Host tokens (one-row prefill) padded to a power-of-two length: one compile of
-    ``prefill_mailbox`` per power of two, as for device (bucketed) outputs."""
-    if not isinstance(tokens, np.ndarray):
-        return tokens
-    n = len(tokens)
-    return np.pad(tokens, (0, (1 << max(0, (n - 1).bit_length())) - n))
 
 
 def warm_helpers(size: int, decode_batches, num_steps: int, max_prefill_rows: int) -> None:
@@ -110,6 +105,16 @@ def host_outputs(out):
         toks, (lp, vals, ids) = out
         return np.asarray(toks), (np.asarray(lp), np.asarray(vals), np.asarray(ids))
     return np.asarray(out), None
+
+
+def host_parts(parts):
+    """``ModelRunner.prefill``'s [(rows, output)] -> (tokens, log-prob arrays or None) on the
+    host, each part's real rows in order."""
+    outs = [(rows, *host_outputs(out)) for rows, out in parts]
+    toks = np.concatenate([t[:n] for n, t, _ in outs])
+    if outs[0][2] is None:
+        return toks, None
+    return toks, tuple(np.concatenate([lp[i][:n] for n, _, lp in outs]) for i in range(3))
 
 
 def pick_logprob(lps, *index) -> TokenLogprob | None:

@@ -10,7 +10,11 @@ function jitted once per bucket with the cache donated:
 * ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
 
 Buckets: batch sizes and chunk lengths are padded to powers of two (or the given decode
-buckets). The decode page-table width is fixed (max_model_len / page_size) unless
+buckets). A prefill dispatch is at most ``prefill_area`` padded tokens (the bucket of one
+full-budget chunk): a step's chunks are cut into consecutive groups that fit
+(``prefill_groups``), so the (batch, chunk) shapes are finite and ``warmup_shapes`` lists them
+all; prefill takes the sampler's greedy/sampled branch on the device (one executable per
+shape), decode compiles one per mode. The decode page-table width is fixed (max_model_len / page_size) unless
 ``page_widths`` is given: then it is the smallest of those widths that holds every row's
 pages, so a short sequence attends over a short table whatever max_model_len is (the
 reference backend reads every page in the table; the Pallas decode kernel stops at each
@@ -191,7 +195,7 @@ class ModelRunner:
         self.prefill_one_row = prefill_one_row
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
-        self.greedy_modes = (None,) if on_cpu else (True, False)  # all_greedy values
+        self.greedy_modes = (None,) if on_cpu else (True, False)  # decode's all_greedy values
         self.tp = tp
 
     def decode_bucket(self, n: int) -> int:
@@ -210,19 +214,46 @@ class ModelRunner:
     def _mode(self, all_greedy: bool):
         return all_greedy if None not in self.greedy_modes else None
 
+    def prefill_area(self) -> int | None:
+        """The most padded tokens (rows x chunk bucket) one prefill dispatch holds: the
+        bucket of a single full-budget chunk (None without ``max_chunk``: no cap)."""
+        return self.chunk_bucket(self.max_chunk) if self.max_chunk else None
+
+    def prefill_groups(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """Consecutive [start, end) ranges of chunks (by their token counts), each one padded
+        [bucket(rows), chunk_bucket(longest)] dispatch within ``prefill_area``; one range
+        per chunk with one-row prefill."""
+        if self.prefill_one_row:
+            return [(i, i + 1) for i in range(len(lengths))]
+        area, groups, start, longest = self.prefill_area(), [], 0, 0
+        for i, n in enumerate(lengths):
+            wider = max(longest, n)
+            if area and i > start and bucket(i + 1 - start) * self.chunk_bucket(wider) > area:
+                groups.append((start, i))
+                start, wider = i, n
+            longest = wider
+        return groups + [(start, len(lengths))]
+
     def page_width(self, num_pages: int) -> int:
         """The decode page-table width for rows owning at most ``num_pages`` pages."""
         return next(w for w in self.page_widths if w >= num_pages)
 
     def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int):
         """(kind, batch, length, page-table width) of every shape ``decode`` and ``prefill``
-        can dispatch: each decode bucket up to max_num_seqs at each page width, and prefill
-        chunks of every length bucket (batch 1; batched prefill only with one-row prefill
-        off, where wider prefill batches compile on first use)."""
+        can dispatch: each decode bucket up to max_num_seqs at each page width, and each
+        prefill (rows bucket, chunk bucket) within ``prefill_area`` (rows 1 with one-row
+        prefill, or with no area cap, where wider batches compile on first use)."""
         dec = sorted({self.decode_bucket(n) for n in range(1, max_num_seqs + 1)})
         lens = sorted({self.chunk_bucket(n) for n in range(1, max_num_batched_tokens + 1)})
+        area = None if self.prefill_one_row else self.prefill_area()
+        rows = [1 << i for i in range(bucket(max_num_seqs).bit_length())] if area else [1]
         return ([("decode", b, 1, w) for b in dec for w in self.page_widths]
-                + [("prefill", 1, t, self.max_pages_per_seq) for t in lens])
+                + [("prefill", b, t, self.max_pages_per_seq) for t in lens for b in rows
+                   if b == 1 or b * t <= area])
+
+    def modes(self, kind: str):
+        """The ``all_greedy`` values ``kind`` ("decode" or "prefill") compiles for."""
+        return self.greedy_modes if kind == "decode" else (None,)
 
     def first_shapes(self, shapes, max_prefill_tokens: int = 64):
         """The part of ``shapes`` a first short request uses: decode at the smallest batch
@@ -251,7 +282,7 @@ class ModelRunner:
         from tqdm import tqdm
 
         for shape in tqdm(shapes, desc="compiling buckets", disable=not progress):
-            for greedy in self.greedy_modes:
+            for greedy in self.modes(shape[0]):
                 fn, args, kw = self._warm_call(*shape, num_steps, greedy, self.cache)
                 toks, self.cache = fn(*args, **kw)
             jax.block_until_ready(toks)
@@ -270,13 +301,24 @@ class ModelRunner:
         number of shapes compiled."""
         done = 0
         for shape in shapes:
-            for greedy in self.greedy_modes:
+            for greedy in self.modes(shape[0]):
                 if stop is not None and stop.is_set():
                     return done
                 fn, args, kw = self._warm_call(*shape, num_steps, greedy, abstract)
                 fn.lower(*args, **kw).compile()
             done += 1
         return done
+
+    def precompile(self, shapes, num_steps: int, workers: int) -> int:
+        """Compile ``shapes`` on ``workers`` threads (XLA compiles outside the GIL) without
+        running them. Lowered from the live cache arrays, they are the executables the jitted
+        calls look up, so a following ``warmup`` (or first use) compiles nothing (and the
+        persistent cache, when on, gets them too). Returns the number of shapes compiled."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        cache = self.cache  # lowered from the live arrays (read, not donated: nothing runs)
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="jfp8kv-precompile") as ex:
+            return sum(ex.map(lambda x: self.compile_only([x], num_steps, cache), shapes))
 
     def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
         # Prefill keeps the fixed width (one compile per (batch, chunk) bucket, not one per
@@ -306,21 +348,22 @@ class ModelRunner:
         pt = self._page_table([c[2] for c in chunks], b)
         return tokens, positions, slots, pt, seq_lens, last_idx
 
-    def prefill(self, chunks, sampling: SamplingArrays, all_greedy: bool):
-        """Returns int32[>= len(chunks)] sampled tokens (row i <-> chunks[i]): a device array,
-        or with one-row prefill a host array (one dispatch per chunk)."""
-        if self.prefill_one_row and len(chunks) > 1:
-            outs = [self.prefill([c], _pick(sampling, i), all_greedy)
-                    for i, c in enumerate(chunks)]
-            return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *outs)
-        b = bucket(len(chunks))
-        t = self.chunk_bucket(max(len(c[0]) for c in chunks))
-        tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
-        toks, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
-                                    seq_lens, last_idx, *_pad_sampling(sampling, b).args(),
-                                    cfg=self.cfg, backend=self.backend,
-                                    all_greedy=self._mode(all_greedy), tp=self.tp)
-        return toks
+    def prefill(self, chunks, sampling: SamplingArrays) -> list[tuple[int, object]]:
+        """One dispatch per ``prefill_groups`` range, in chunk order. Returns [(rows, out)]:
+        ``out`` the dispatch's device output (int32[>= rows] sampled tokens, or (tokens,
+        log-probs)), whose first ``rows`` rows belong to the range's chunks."""
+        parts = []
+        for start, end in self.prefill_groups([len(c[0]) for c in chunks]):
+            part = chunks[start:end]
+            b = bucket(len(part))
+            t = self.chunk_bucket(max(len(c[0]) for c in part))
+            tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(part, b, t)
+            sub = _pad_sampling(_rows(sampling, start, end), b)
+            out, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
+                                       seq_lens, last_idx, *sub.args(), cfg=self.cfg,
+                                       backend=self.backend, all_greedy=None, tp=self.tp)
+            parts.append((len(part), out))
+        return parts
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
                input_tokens=None):
@@ -358,10 +401,12 @@ class ModelRunner:
         return nll[0], logits[0]
 
 
-def _pick(s: SamplingArrays, i: int) -> SamplingArrays:
-    """Row i of ``s`` alone (a batch of one)."""
-    rows = [getattr(s, f.name)[i:i + 1] for f in dataclasses.fields(s) if f.name != "extras"]
-    return SamplingArrays(*rows, extras=None if s.extras is None else s.extras.row(i))
+def _rows(s: SamplingArrays, start: int, end: int) -> SamplingArrays:
+    """Rows [start, end) of ``s``."""
+    if (start, end) == (0, len(s.temperature)):
+        return s
+    rows = [getattr(s, f.name)[start:end] for f in dataclasses.fields(s) if f.name != "extras"]
+    return SamplingArrays(*rows, extras=None if s.extras is None else s.extras.rows(start, end))
 
 
 def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:

@@ -103,12 +103,12 @@ class SamplingExtras:
     def pad(self, b: int) -> "SamplingExtras":
         return SamplingExtras(None if self.penalty is None else self.penalty.pad(b), self.logprobs)
 
-    def row(self, i: int) -> "SamplingExtras":
-        """Row i alone (a batch of one)."""
+    def rows(self, start: int, end: int) -> "SamplingExtras":
+        """Rows [start, end)."""
         if self.penalty is None:
             return self
         p = self.penalty
-        return SamplingExtras(PenaltyArrays(*(getattr(p, f.name)[i:i + 1]
+        return SamplingExtras(PenaltyArrays(*(getattr(p, f.name)[start:end]
                                               for f in dataclasses.fields(p))), self.logprobs)
 
 

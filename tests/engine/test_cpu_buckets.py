@@ -33,8 +33,49 @@ def test_short_sequences_decode_the_same_at_any_max_model_len(llama_bf16, kv):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
-def test_no_compile_after_warmup(llama_bf16):
+def batched_prefill(llm):
+    """Switch ``llm`` to the GPU's prefill policy (several chunks per dispatch, cut into
+    groups within ``prefill_area``) before anything compiles."""
+    llm.engine.runner.prefill_one_row = False
+    return llm
+
+
+def test_prefill_groups_stay_within_the_area(llama_bf16):
+    runner = batched_prefill(make(llama_bf16, max_model_len=1024)).engine.runner
+    area = runner.prefill_area()
+    assert area == runner.chunk_bucket(64)
+    rng = np.random.default_rng()
+    for _ in range(200):
+        lengths = rng.integers(1, 65, rng.integers(1, 9)).tolist()
+        groups = runner.prefill_groups(lengths)
+        assert [i for a, b in groups for i in range(a, b)] == list(range(len(lengths)))
+        for a, b in groups:
+            from jfp8kv.engine.runner import bucket
+
+            assert b > a
+            assert bucket(b - a) * runner.chunk_bucket(max(lengths[a:b])) <= area
+            if b < len(lengths):  # a group ends only where the next chunk would not fit
+                assert bucket(b + 1 - a) * runner.chunk_bucket(max(lengths[a:b + 1])) > area
+    shapes = runner.warmup_shapes(8, 64)
+    assert {(b, t) for k, b, t, _ in shapes if k == "prefill"} == {
+        (b, t) for b in (1, 2, 4, 8) for t in (16, 64) if b * t <= area}
+
+
+def test_grouped_prefill_gives_one_row_tokens(llama_bf16):
+    rng = np.random.default_rng()
+    vocab = llama_bf16.config.vocab_size
+    ps = [rng.integers(3, vocab, n).tolist() for n in (40, 5, 7, 3, 60, 9, 2, 11)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    one = make(llama_bf16, dtype="float32", max_model_len=256).generate(ps, sp)
+    grouped = batched_prefill(make(llama_bf16, dtype="float32", max_model_len=256))
+    assert [o.token_ids for o in grouped.generate(ps, sp)] == [o.token_ids for o in one]
+
+
+@pytest.mark.parametrize("one_row", [True, False])
+def test_no_compile_after_warmup(llama_bf16, one_row):
     llm = make(llama_bf16, max_model_len=1024)
+    if not one_row:
+        batched_prefill(llm)
     llm.warmup(progress=False)
     compiles = []
 
@@ -53,6 +94,28 @@ def test_no_compile_after_warmup(llama_bf16):
                    for t in ([0] * n_req if n_req % 2 else [0.8] * n_req)]
             outs = llm.generate(ps, sps)
             assert all(len(o.token_ids) == max_tokens for o in outs)
+    finally:
+        from jax._src import monitoring
+
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
+def test_precompile_leaves_nothing_for_warmup_to_compile(llama_bf16):
+    """``precompile`` compiles shapes on threads without running them; the warm-up after it
+    (and the engine) find those executables and compile nothing."""
+    llm = batched_prefill(make(llama_bf16, max_model_len=256))
+    shapes = llm._shapes()
+    assert llm.engine.runner.precompile(shapes, 1, workers=2) == len(shapes)
+    compiles = []
+
+    def listen(event, duration, **kw):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        llm.engine.runner.warmup(shapes, 1, progress=False)
     finally:
         from jax._src import monitoring
 
