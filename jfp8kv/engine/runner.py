@@ -289,9 +289,15 @@ class ModelRunner:
 
     def cache_spec(self):
         """The cache as shapes and dtypes (for ``compile_only``; take it before the engine
-        runs: a donated cache may be gone by the time another thread looks)."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), self.cache)
+        runs: a donated cache may be gone by the time another thread looks). A sharding is
+        kept only across devices (tensor parallelism): on one device a spec that names its
+        device lowers with a sharding annotation the real call does not have, and the
+        persistent cache would then never find what ``compile_only`` stored."""
+        def spec(x):
+            multi = len(x.sharding.device_set) > 1
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if multi else None)
+
+        return jax.tree.map(spec, self.cache)
 
     def compile_only(self, shapes, num_steps: int, abstract, stop=None) -> int:
         """Compile each shape without running it or touching the cache (safe beside a

@@ -121,3 +121,36 @@ def test_precompile_leaves_nothing_for_warmup_to_compile(llama_bf16):
 
         monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
+
+
+def test_compile_only_entries_are_what_first_use_loads(llama_bf16, tmp_path):
+    """``compile_only`` (``LLM.compile_rest``'s background compiles, from ``cache_spec``)
+    stores executables under the persistent-cache keys the real calls look up: a warm-up in
+    a fresh in-memory state then loads each one instead of compiling it."""
+    llm = make(llama_bf16, max_model_len=256)
+    runner = llm.engine.runner
+    shapes = llm._shapes()[:2]
+    old = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", True)  # tests/conftest.py turns it off
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    events = []
+
+    def listen(event, **kw):
+        events.append(event)
+
+    from jax._src import compilation_cache, monitoring
+
+    try:
+        compilation_cache.reset_cache()
+        jax.clear_caches()  # executables earlier tests compiled in memory would not be stored
+        assert runner.compile_only(shapes, 1, runner.cache_spec()) == len(shapes)
+        jax.clear_caches()  # what a later first use in this process would not have in memory
+        monitoring.register_event_listener(listen)
+        runner.warmup(shapes, 1, progress=False)
+    finally:
+        monitoring.unregister_event_listener(listen)
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_enable_compilation_cache", old[1])
+        compilation_cache.reset_cache()
+    assert events.count("/jax/compilation_cache/cache_hits") >= len(shapes)
