@@ -34,7 +34,7 @@ def step_stats(llm):
 def decode_dispatch(llm, rows, num_steps: int, greedy: bool = True):
     """One decode dispatch of ``num_steps`` steps. rows: (last_token, position, pages, limit).
     Returns the device array of tokens [B_bucket, num_steps] (not waited for)."""
-    from jfp8kv.engine.runner import SamplingArrays
+    from jfp8kv.engine.sampler import SamplingArrays
 
     return llm.engine.runner.decode(rows, SamplingArrays.empty(len(rows)), greedy, num_steps)
 

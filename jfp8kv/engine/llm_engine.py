@@ -17,8 +17,8 @@ from jfp8kv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.overlap import InFlight, feed
 from jfp8kv.engine.overlap import host_outputs as _host, host_parts, pick_logprob as _pick
-from jfp8kv.engine.runner import ModelRunner, SamplingArrays, bucket
-from jfp8kv.engine.sampler import PenaltyArrays, SamplingExtras, top_logprobs
+from jfp8kv.engine.runner import ModelRunner, bucket
+from jfp8kv.engine.sampler import PenaltyArrays, SamplingArrays, SamplingExtras, top_logprobs
 from jfp8kv.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from jfp8kv.engine.stats import StepStats
 from jfp8kv.engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob

@@ -14,8 +14,8 @@ buckets). A prefill dispatch is at most ``prefill_area`` padded tokens (the buck
 full-budget chunk): a step's chunks are cut into consecutive groups that fit
 (``prefill_groups``), so the (batch, chunk) shapes are finite and ``warmup_shapes`` lists them
 all; prefill takes the sampler's greedy/sampled branch on the device (one executable per
-shape), decode compiles one per mode. The decode page-table width is fixed (max_model_len / page_size) unless
-``page_widths`` is given: then it is the smallest of those widths that holds every row's
+shape), decode compiles one per mode. The decode page-table width is fixed (max_model_len /
+page_size) unless ``page_widths`` is given: then it is the smallest of those widths that holds every row's
 pages, so a short sequence attends over a short table whatever max_model_len is (the
 reference backend reads every page in the table; the Pallas decode kernel stops at each
 row's length and keeps the fixed width). ``warmup_shapes`` lists every shape the engine can
@@ -33,7 +33,6 @@ params and cache arrive already placed on the mesh, host arrays are replicated b
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
-from jfp8kv.engine.sampler import SamplingExtras, init_state, sample_step
+from jfp8kv.engine.sampler import SamplingArrays, init_state, sample_step
 from jfp8kv.kvcache.cache import KVCache
 from jfp8kv.models import transformer
 
@@ -74,24 +73,6 @@ def page_widths_from(floor: int, max_pages: int, factor: int = 4) -> tuple[int, 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
     return b if maximum is None else min(b, max(maximum, n))
-
-
-@dataclasses.dataclass
-class SamplingArrays:
-    temperature: np.ndarray  # float32[B]
-    top_k: np.ndarray  # int32[B]
-    top_p: np.ndarray  # float32[B]
-    seeds: np.ndarray  # uint32[B]
-    counters: np.ndarray  # int32[B]
-    extras: SamplingExtras | None = None  # penalties / log-probs; None compiles them out
-
-    @classmethod
-    def empty(cls, b: int) -> "SamplingArrays":
-        return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
-                   np.zeros(b, np.uint32), np.zeros(b, np.int32))
-
-    def args(self):
-        return (self.temperature, self.top_k, self.top_p, self.seeds, self.counters, self.extras)
 
 
 def _attend(tp):
@@ -364,7 +345,7 @@ class ModelRunner:
             b = bucket(len(part))
             t = self.chunk_bucket(max(len(c[0]) for c in part))
             tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(part, b, t)
-            sub = _pad_sampling(_rows(sampling, start, end), b)
+            sub = sampling.rows(start, end).padded(b)
             out, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, last_idx, *sub.args(), cfg=self.cfg,
                                        backend=self.backend, all_greedy=None, tp=self.tp)
@@ -388,7 +369,7 @@ class ModelRunner:
         if self.tp is not None:  # one input placement, whether host- or device-made
             tokens = self.tp.replicate(tokens)
         toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
-                                   *_pad_sampling(sampling, b).args(), cfg=self.cfg,
+                                   *sampling.padded(b).args(), cfg=self.cfg,
                                    backend=self.backend, all_greedy=self._mode(all_greedy),
                                    tp=self.tp,
                                    num_steps=num_steps)
@@ -405,21 +386,3 @@ class ModelRunner:
                                        seq_lens, tgt, cfg=self.cfg, backend=self.backend,
                                        tp=self.tp)
         return nll[0], logits[0]
-
-
-def _rows(s: SamplingArrays, start: int, end: int) -> SamplingArrays:
-    """Rows [start, end) of ``s``."""
-    if (start, end) == (0, len(s.temperature)):
-        return s
-    rows = [getattr(s, f.name)[start:end] for f in dataclasses.fields(s) if f.name != "extras"]
-    return SamplingArrays(*rows, extras=None if s.extras is None else s.extras.rows(start, end))
-
-
-def _pad_sampling(s: SamplingArrays, b: int) -> SamplingArrays:
-    n = len(s.temperature)
-    pad = SamplingArrays.empty(b)
-    for f in dataclasses.fields(SamplingArrays):
-        if f.name != "extras":
-            getattr(pad, f.name)[:n] = getattr(s, f.name)
-    pad.extras = None if s.extras is None else s.extras.pad(b)
-    return pad

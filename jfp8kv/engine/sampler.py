@@ -112,6 +112,45 @@ class SamplingExtras:
                                               for f in dataclasses.fields(p))), self.logprobs)
 
 
+@dataclasses.dataclass
+class SamplingArrays:
+    """A batch's host-side sampling parameters, one row per sequence."""
+
+    temperature: np.ndarray  # float32[B]
+    top_k: np.ndarray  # int32[B]
+    top_p: np.ndarray  # float32[B]
+    seeds: np.ndarray  # uint32[B]
+    counters: np.ndarray  # int32[B]
+    extras: SamplingExtras | None = None  # penalties / log-probs; None compiles them out
+
+    @classmethod
+    def empty(cls, b: int) -> "SamplingArrays":
+        return cls(np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
+                   np.zeros(b, np.uint32), np.zeros(b, np.int32))
+
+    def args(self):
+        return (self.temperature, self.top_k, self.top_p, self.seeds, self.counters, self.extras)
+
+    def rows(self, start: int, end: int) -> "SamplingArrays":
+        """Rows [start, end)."""
+        if (start, end) == (0, len(self.temperature)):
+            return self
+        rows = [getattr(self, f.name)[start:end] for f in dataclasses.fields(self)
+                if f.name != "extras"]
+        return SamplingArrays(*rows, extras=None if self.extras is None
+                              else self.extras.rows(start, end))
+
+    def padded(self, b: int) -> "SamplingArrays":
+        """``b`` >= len rows: the rows, then neutral ones (greedy, no top-k/top-p)."""
+        n = len(self.temperature)
+        pad = SamplingArrays.empty(b)
+        for f in dataclasses.fields(SamplingArrays):
+            if f.name != "extras":
+                getattr(pad, f.name)[:n] = getattr(self, f.name)
+        pad.extras = None if self.extras is None else self.extras.pad(b)
+        return pad
+
+
 def history_counts(history, num_prompt, vocab: int):
     """-> (counts int32[B, V]: occurrences in the generated part; seen bool[B, V]: in the
     prompt or the generated part). Padding (-1) is dropped."""
