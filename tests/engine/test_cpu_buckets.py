@@ -1,17 +1,38 @@
 """CPU shape policy: page-table width buckets and a warm-up that covers every dispatch."""
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
 
 from jfp8kv import SamplingParams
 from jfp8kv.engine.llm import LLM
+from jfp8kv.engine.runner import bucket
 from jfp8kv.models.loader import load_model
 
 
 @pytest.fixture(scope="module")
 def llama_bf16(tiny_hf_checkpoint):
     return load_model(str(tiny_hf_checkpoint("llama")), "bfloat16")
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """A list that collects the XLA compiles made inside the ``with`` block."""
+    from jax._src import monitoring
+
+    compiles = []
+
+    def listen(event, duration, **kw):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
 
 
 def make(loaded, **kw):
@@ -50,8 +71,6 @@ def test_prefill_groups_stay_within_the_area(llama_bf16):
         groups = runner.prefill_groups(lengths)
         assert [i for a, b in groups for i in range(a, b)] == list(range(len(lengths)))
         for a, b in groups:
-            from jfp8kv.engine.runner import bucket
-
             assert b > a
             assert bucket(b - a) * runner.chunk_bucket(max(lengths[a:b])) <= area
             if b < len(lengths):  # a group ends only where the next chunk would not fit
@@ -77,14 +96,7 @@ def test_no_compile_after_warmup(llama_bf16, one_row):
     if not one_row:
         batched_prefill(llm)
     llm.warmup(progress=False)
-    compiles = []
-
-    def listen(event, duration, **kw):
-        if "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with backend_compiles() as compiles:
         rng = np.random.default_rng()
         vocab = llama_bf16.config.vocab_size
         for n_req, plen, max_tokens in [(1, 3, 5), (3, 17, 30), (5, 60, 12), (8, 40, 300),
@@ -94,10 +106,6 @@ def test_no_compile_after_warmup(llama_bf16, one_row):
                    for t in ([0] * n_req if n_req % 2 else [0.8] * n_req)]
             outs = llm.generate(ps, sps)
             assert all(len(o.token_ids) == max_tokens for o in outs)
-    finally:
-        from jax._src import monitoring
-
-        monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
 
 
@@ -107,19 +115,8 @@ def test_precompile_leaves_nothing_for_warmup_to_compile(llama_bf16):
     llm = batched_prefill(make(llama_bf16, max_model_len=256))
     shapes = llm._shapes()
     assert llm.engine.runner.precompile(shapes, 1, workers=2) == len(shapes)
-    compiles = []
-
-    def listen(event, duration, **kw):
-        if "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with backend_compiles() as compiles:
         llm.engine.runner.warmup(shapes, 1, progress=False)
-    finally:
-        from jax._src import monitoring
-
-        monitoring.unregister_event_duration_listener(listen)
     assert compiles == []
 
 
