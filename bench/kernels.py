@@ -627,9 +627,14 @@ def rotation_summary(rows) -> list:
 ROTATION_PHASES = {"prefill": "prefill_attention", "decode": "decode_attention"}
 
 
+def _times_ms(rows, op, rot, key):
+    """The timed ms of one (op, kv_rotation, group) in ``rows``."""
+    return [r["ms"] for r in rows if r["op"] == op and r["kv_rotation"] == rot and "ms" in r
+            and _group_key(r) == key]
+
+
 def _median_ms(rows, op, rot, key):
-    ms = [r["ms"] for r in rows if r["op"] == op and r["kv_rotation"] == rot and "ms" in r
-          and _group_key(r) == key]
+    ms = _times_ms(rows, op, rot, key)
     return float(np.median(ms)) if ms else None
 
 
@@ -640,8 +645,7 @@ def _group_key(r):
 
 def _spread_ms(rows, op, key):
     """max - min of the "none" rows of one group (its two repeats): the timing noise."""
-    ms = [r["ms"] for r in rows if r["op"] == op and r["kv_rotation"] == "none" and "ms" in r
-          and _group_key(r) == key]
+    ms = _times_ms(rows, op, "none", key)
     return max(ms) - min(ms) if len(ms) > 1 else None
 
 

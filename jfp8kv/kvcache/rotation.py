@@ -107,11 +107,20 @@ def hadamard(n: int) -> np.ndarray:
     return h
 
 
-def matrix(head_dim: int, seed: int = DEFAULT_SEED, dtype=np.float64) -> np.ndarray:
-    """R [head_dim, head_dim] with ``rotate(x) == x @ R`` up to rounding; R R^T = I."""
+@functools.lru_cache(maxsize=None)
+def signed_blocks(head_dim: int, seed: int = DEFAULT_SEED) -> np.ndarray:
+    """diag(s) @ blockdiag(H_b, ...): int64 [head_dim, head_dim] of 0 and +-1, so R is this
+    times 1/sqrt(b) (exact in every float dtype, bfloat16 included). Read-only."""
     b = block_size(head_dim)
     blocks = np.kron(np.eye(head_dim // b, dtype=np.int64), hadamard(b))
-    return (signs(head_dim, seed)[:, None] * blocks / math.sqrt(b)).astype(dtype)
+    out = signs(head_dim, seed)[:, None] * blocks
+    out.flags.writeable = False
+    return out
+
+
+def matrix(head_dim: int, seed: int = DEFAULT_SEED, dtype=np.float64) -> np.ndarray:
+    """R [head_dim, head_dim] with ``rotate(x) == x @ R`` up to rounding; R R^T = I."""
+    return (signed_blocks(head_dim, seed) / math.sqrt(block_size(head_dim))).astype(dtype)
 
 
 def _fwht(x, xp, b: int):
@@ -151,17 +160,6 @@ def unrotate(y, seed: int = DEFAULT_SEED):
     return x * jnp.asarray(signs(d, seed), ct)
 
 
-@functools.lru_cache(maxsize=None)
-def _signed_blocks(head_dim: int, seed: int) -> np.ndarray:
-    """diag(s) @ blockdiag(H_b, ...): float32 [head_dim, head_dim] of 0 and +-1 (exact in
-    every float dtype, bfloat16 included)."""
-    b = block_size(head_dim)
-    blocks = np.kron(np.eye(head_dim // b, dtype=np.int64), hadamard(b))
-    out = (signs(head_dim, seed)[:, None] * blocks).astype(np.float32)
-    out.flags.writeable = False
-    return out
-
-
 @functools.partial(jax.jit, static_argnames="seed")
 def rotate_dense(x, seed: int = DEFAULT_SEED):
     """x [..., D] -> x @ R as ONE matmul, ``(x @ (diag(s) H)) * fl(1/sqrt(b))``, returned in
@@ -176,10 +174,10 @@ def rotate_dense(x, seed: int = DEFAULT_SEED):
     ct = _compute_dtype(x.dtype)
     x = jnp.asarray(x)
     low = x.dtype in (jnp.bfloat16, jnp.float16)
-    m = jnp.asarray(_signed_blocks(d, seed), x.dtype if low else ct)
+    m = jnp.asarray(signed_blocks(d, seed), x.dtype if low else ct)
     y = jnp.matmul(x if low else x.astype(ct), m, preferred_element_type=ct,
                    precision=None if low else jax.lax.Precision.HIGHEST)
-    return y.astype(ct) * jnp.asarray(_scale(d), ct)
+    return y * jnp.asarray(_scale(d), ct)
 
 
 def rotate_np(x: np.ndarray, seed: int = DEFAULT_SEED) -> np.ndarray:
