@@ -20,12 +20,12 @@ import time
 import jax
 import numpy as np
 
-from bench import internals
+from bench import internals, profile_trace
 from bench.common import command_line, copy_bandwidth_tbps, machine_info, write_result
 from jfp8kv import LLM
 
 
-def measure(model, kv, mode, batch, context, steps, reps, dtype):
+def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
     max_len = context + steps + 16
     probe = dict(model=model, dtype=dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
                  kv_scales=0.05 if mode in ("tensor", "channel") else None,
@@ -52,6 +52,11 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype):
         jax.block_until_ready(internals.decode_dispatch(llm, rows, steps))
         times.append(time.perf_counter() - t0)
     step_ms = float(np.median(times)) / steps * 1e3
+    kernels = None
+    if profile:  # one more dispatch under the profiler, per decode step
+        kernels = profile_trace.profile(
+            lambda: jax.block_until_ready(internals.decode_dispatch(llm, rows, steps)),
+            per=steps)
     weight_bytes = internals.weight_bytes(llm)
     kv_bytes = batch * (context + steps / 2) * bpt
     del llm, loaded
@@ -59,7 +64,8 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype):
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, batch=batch, context=context,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),
                 bytes_per_token=bpt, decode_steps=steps, reps=reps,
-                step_ms_all=[t / steps * 1e3 for t in times])
+                step_ms_all=[t / steps * 1e3 for t in times],
+                **({"kernels_per_step": kernels} if kernels else {}))
 
 
 def main(argv=None) -> int:
@@ -71,6 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--configs", default="bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace one dispatch and summarize its kernels per decode step "
+                        "(count, busy vs span, by kind, costliest: bench.profile_trace)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")
     args = p.parse_args(argv)
     copy = copy_bandwidth_tbps()
@@ -78,7 +87,7 @@ def main(argv=None) -> int:
     for item in args.configs.split(","):
         kv, mode = item.split(":")
         r = measure(args.model, kv, mode or None, args.batch, args.context, args.steps,
-                    args.reps, args.dtype)
+                    args.reps, args.dtype, args.profile)
         r["model_shape"] = args.model
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
@@ -86,6 +95,12 @@ def main(argv=None) -> int:
         print(f"{args.model} {kv:9s} {mode or '-':7s} B={args.batch} ctx={args.context}: "
               f"step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({r['step_over_floor']:.2f}x)", flush=True)
+        k = r.get("kernels_per_step")
+        if k and k.get("kernels"):
+            print(f"  per step: {k['kernels']:.0f} kernels, busy {k['busy_us']:.0f} us of "
+                  f"{k['span_us']:.0f} us span; " + ", ".join(
+                      f"{n} {v['kernels']:.0f}/{v['us']:.0f} us" for n, v in k["by_kind"].items()),
+                  flush=True)
     doc = dict(machine=machine_info(), command=command_line(),
                copy_tbps=copy, floor=records)
     write_result(args.out, doc)
