@@ -49,6 +49,11 @@ CPU_DEFAULT_CACHE_MEMORY = 1 << 30
 GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
 GPU_MIN_CHUNK = 128
 GPU_DECODE_STEPS = 8
+# Tokens per step: a prefill chunk long enough for full-rate matmuls, and so few prefill
+# steps that decode rows interleaved with them stay few (each step reads every weight).
+# On an H200, 8B shape, 64 x 4096 in / 256 out: see README's offline table.
+GPU_BATCHED_TOKENS = 8192
+CPU_BATCHED_TOKENS = 2048
 GPU_CACHE_FRACTION = 0.85
 CPU_MIN_CHUNK = 16
 # CPU shape policy (reference attention reads every page in its table): decode page tables
@@ -147,7 +152,9 @@ def device_defaults(engine: EngineConfig, device) -> EngineConfig:
         decode_steps=engine.decode_steps or (GPU_DECODE_STEPS if on_gpu else 1),
         decode_buckets=engine.decode_buckets or (GPU_DECODE_BUCKETS if on_gpu
                                                  else CPU_DECODE_BUCKETS),
-        min_prefill_chunk=engine.min_prefill_chunk or (GPU_MIN_CHUNK if on_gpu else CPU_MIN_CHUNK))
+        min_prefill_chunk=engine.min_prefill_chunk or (GPU_MIN_CHUNK if on_gpu else CPU_MIN_CHUNK),
+        max_num_batched_tokens=engine.max_num_batched_tokens or (
+            GPU_BATCHED_TOKENS if on_gpu else CPU_BATCHED_TOKENS))
 
 
 def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int) -> int:
