@@ -69,7 +69,8 @@ class LLM:
 
     def _shapes(self):
         sched = self.engine.scheduler
-        return self.engine.runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens)
+        return self.engine.runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                                sched.step_counts)
 
     def warmup(self, progress: bool = True, first_only: bool = False) -> None:
         """Compile the decode and prefill buckets now, and the overlap scheduler's helpers
@@ -82,10 +83,10 @@ class LLM:
         todo = runner.first_shapes(shapes) if first_only else shapes
         if jax.default_backend() != "cpu":  # CPU CI: too few cores for threads to pay
             self._precompile(todo)
-        runner.warmup(todo, sched.decode_steps, progress)
+        runner.warmup(todo, progress)
         if self.engine.overlap_scheduling:
             batches = sorted({runner.decode_bucket(n) for n in range(1, sched.max_num_seqs + 1)})
-            warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches, sched.decode_steps,
+            warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches, sched.step_counts,
                          sched.max_num_seqs)
 
     def _precompile(self, shapes) -> None:
@@ -94,8 +95,7 @@ class LLM:
         time: warmup then compiles what is missing itself."""
         t0 = time.perf_counter()
         try:
-            n = self.engine.runner.precompile(shapes, self.engine.scheduler.decode_steps,
-                                              min(8, os.cpu_count() or 1))
+            n = self.engine.runner.precompile(shapes, min(8, os.cpu_count() or 1))
         except Exception as e:  # noqa: BLE001
             log.warning("parallel precompile failed (%s: %s); compiling one shape at a time",
                         type(e).__name__, e)
@@ -106,7 +106,7 @@ class LLM:
         """Start a daemon thread that compiles the shapes ``warmup(first_only=True)`` left
         out into the persistent compilation cache (nothing runs; the engine may serve
         meanwhile), so their first use loads instead of compiling. Logs when done."""
-        runner, steps = self.engine.runner, self.engine.scheduler.decode_steps
+        runner = self.engine.runner
         shapes = self._shapes()
         first = runner.first_shapes(shapes)
         rest = [x for x in shapes if x not in first]
@@ -118,7 +118,7 @@ class LLM:
             except (AttributeError, OSError):
                 pass
             t0 = time.perf_counter()
-            n = runner.compile_only(rest, steps, spec, stop)
+            n = runner.compile_only(rest, spec, stop)
             log.info("compiled %d of %d more shapes in the background in %.0f s", n,
                      len(rest), time.perf_counter() - t0)
 

@@ -166,10 +166,10 @@ class LLMEngine:
                     src[i] = s.mail_slot if s.num_pending else -1
                     host[i] = rows[i][0] if not s.num_pending else 0
                 fed = feed(prev.mailbox, src, host)
-            # One scan length for every dispatch (one compile per batch bucket); rows that
-            # need fewer steps go inactive at their limit.
+            # The plan's scan length (one of Scheduler.step_counts: one compile each per
+            # batch bucket); rows that need fewer steps go inactive at their limit.
             f.decode_out = self.runner.decode(rows, self._sampling(seqs), self._greedy(seqs),
-                                              self.scheduler.decode_steps, fed)
+                                              plan.num_steps, fed)
             for i, (s, r) in enumerate(zip(seqs, plan.decode)):
                 f.decode_base.append(s.num_cached + 1)
                 s.num_cached += r.steps

@@ -84,13 +84,15 @@ class InFlight:
         self.mailbox = box
 
 
-def warm_helpers(size: int, decode_batches, num_steps: int, max_prefill_rows: int) -> None:
-    """Compile (and run on zeros) every helper above for these decode batch buckets and
-    prefill outputs of up to ``max_prefill_rows`` rows, so none compiles while serving."""
+def warm_helpers(size: int, decode_batches, step_counts, max_prefill_rows: int) -> None:
+    """Compile (and run on zeros) every helper above for these decode batch buckets and scan
+    lengths and prefill outputs of up to ``max_prefill_rows`` rows, so none compiles while
+    serving."""
     box = jnp.zeros(size, jnp.int32)
     for b in decode_batches:
         z = np.zeros(b, np.int32)
-        box = decode_mailbox(np.zeros((b, num_steps), np.int32), z, size=size)
+        for n in step_counts:
+            box = decode_mailbox(np.zeros((b, n), np.int32), z, size=size)
         feed(box, z, z)
     n = 1
     while n <= max(1, max_prefill_rows):

@@ -219,16 +219,18 @@ class ModelRunner:
         """The decode page-table width for rows owning at most ``num_pages`` pages."""
         return next(w for w in self.page_widths if w >= num_pages)
 
-    def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int):
+    def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
+                      step_counts: tuple[int, ...] = (1,)):
         """(kind, batch, length, page-table width) of every shape ``decode`` and ``prefill``
-        can dispatch: each decode bucket up to max_num_seqs at each page width, and each
-        prefill (rows bucket, chunk bucket) within ``prefill_area`` (rows 1 with one-row
-        prefill, or with no area cap, where wider batches compile on first use)."""
+        can dispatch: each decode bucket up to max_num_seqs at each page width and each
+        scan length in ``step_counts`` (decode's "length"), and each prefill (rows bucket,
+        chunk bucket) within ``prefill_area`` (rows 1 with one-row prefill, or with no area
+        cap, where wider batches compile on first use)."""
         dec = sorted({self.decode_bucket(n) for n in range(1, max_num_seqs + 1)})
         lens = sorted({self.chunk_bucket(n) for n in range(1, max_num_batched_tokens + 1)})
         area = None if self.prefill_one_row else self.prefill_area()
         rows = [1 << i for i in range(bucket(max_num_seqs).bit_length())] if area else [1]
-        return ([("decode", b, 1, w) for b in dec for w in self.page_widths]
+        return ([("decode", b, n, w) for b in dec for n in step_counts for w in self.page_widths]
                 + [("prefill", b, t, self.max_pages_per_seq) for t in lens for b in rows
                    if b == 1 or b * t <= area])
 
@@ -238,33 +240,34 @@ class ModelRunner:
 
     def first_shapes(self, shapes, max_prefill_tokens: int = 64):
         """The part of ``shapes`` a first short request uses: decode at the smallest batch
-        bucket and page width, prefill chunks of at most ``max_prefill_tokens``."""
+        bucket and page width (every scan length), prefill chunks of at most
+        ``max_prefill_tokens``."""
         dec = [x for x in shapes if x[0] == "decode"]
         b0, w0 = min(x[1] for x in dec), min(x[3] for x in dec)
         return [x for x in shapes if (x[0] == "decode" and x[1] == b0 and x[3] == w0)
                 or (x[0] == "prefill" and x[2] <= max(max_prefill_tokens, self.min_chunk))]
 
-    def _warm_call(self, kind, b, t, w, num_steps, greedy, cache):
-        """(jitted function, args, static kwargs) of one warm-up dispatch on zeros."""
+    def _warm_call(self, kind, b, t, w, greedy, cache):
+        """(jitted function, args, static kwargs) of one warm-up dispatch on zeros (a decode
+        shape's length ``t`` is its scan length)."""
         z = np.zeros(b, np.int32)
         pt = np.zeros((b, w), np.int32)
         zz = np.zeros((b, t), np.int32)
         sampling = SamplingArrays.empty(b).args()
         if kind == "decode":
             return _decode, (self.params, cache, z, z, pt, z, *sampling), dict(
-                cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=num_steps,
-                tp=self.tp)
+                cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp)
         return _prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling), dict(
             cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp)
 
-    def warmup(self, shapes, num_steps: int, progress: bool = True) -> None:
+    def warmup(self, shapes, progress: bool = True) -> None:
         """Compile (and run once, writing only to the sink page) each shape, in every
         sampler mode (``greedy_modes``)."""
         from tqdm import tqdm
 
         for shape in tqdm(shapes, desc="compiling buckets", disable=not progress):
             for greedy in self.modes(shape[0]):
-                fn, args, kw = self._warm_call(*shape, num_steps, greedy, self.cache)
+                fn, args, kw = self._warm_call(*shape, greedy, self.cache)
                 toks, self.cache = fn(*args, **kw)
             jax.block_until_ready(toks)
 
@@ -280,7 +283,7 @@ class ModelRunner:
 
         return jax.tree.map(spec, self.cache)
 
-    def compile_only(self, shapes, num_steps: int, abstract, stop=None) -> int:
+    def compile_only(self, shapes, abstract, stop=None) -> int:
         """Compile each shape without running it or touching the cache (safe beside a
         running engine): what it gains is the persistent compilation cache's entry, which
         the first real dispatch of the shape loads instead of compiling. ``abstract``:
@@ -291,12 +294,12 @@ class ModelRunner:
             for greedy in self.modes(shape[0]):
                 if stop is not None and stop.is_set():
                     return done
-                fn, args, kw = self._warm_call(*shape, num_steps, greedy, abstract)
+                fn, args, kw = self._warm_call(*shape, greedy, abstract)
                 fn.lower(*args, **kw).compile()
             done += 1
         return done
 
-    def precompile(self, shapes, num_steps: int, workers: int) -> int:
+    def precompile(self, shapes, workers: int) -> int:
         """Compile ``shapes`` on ``workers`` threads (XLA compiles outside the GIL) without
         running them. Lowered from the live cache arrays, they are the executables the jitted
         calls look up, so a following ``warmup`` (or first use) compiles nothing (and the
@@ -305,7 +308,7 @@ class ModelRunner:
 
         cache = self.cache  # lowered from the live arrays (read, not donated: nothing runs)
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="jfp8kv-precompile") as ex:
-            return sum(ex.map(lambda x: self.compile_only([x], num_steps, cache), shapes))
+            return sum(ex.map(lambda x: self.compile_only([x], cache), shapes))
 
     def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
         # Prefill keeps the fixed width (one compile per (batch, chunk) bucket, not one per

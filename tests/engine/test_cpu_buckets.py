@@ -92,7 +92,8 @@ def test_grouped_prefill_gives_one_row_tokens(llama_bf16):
 
 @pytest.mark.parametrize("one_row", [True, False])
 def test_no_compile_after_warmup(llama_bf16, one_row):
-    llm = make(llama_bf16, max_model_len=1024)
+    # Batched prefill with 4 decode steps: both scan lengths (1 beside prefill, 4 alone)
+    llm = make(llama_bf16, max_model_len=1024, decode_steps=1 if one_row else 4)
     if not one_row:
         batched_prefill(llm)
     llm.warmup(progress=False)
@@ -114,9 +115,9 @@ def test_precompile_leaves_nothing_for_warmup_to_compile(llama_bf16):
     (and the engine) find those executables and compile nothing."""
     llm = batched_prefill(make(llama_bf16, max_model_len=256))
     shapes = llm._shapes()
-    assert llm.engine.runner.precompile(shapes, 1, workers=2) == len(shapes)
+    assert llm.engine.runner.precompile(shapes, workers=2) == len(shapes)
     with backend_compiles() as compiles:
-        llm.engine.runner.warmup(shapes, 1, progress=False)
+        llm.engine.runner.warmup(shapes, progress=False)
     assert compiles == []
 
 
@@ -141,10 +142,10 @@ def test_compile_only_entries_are_what_first_use_loads(llama_bf16, tmp_path):
     try:
         compilation_cache.reset_cache()
         jax.clear_caches()  # executables earlier tests compiled in memory would not be stored
-        assert runner.compile_only(shapes, 1, runner.cache_spec()) == len(shapes)
+        assert runner.compile_only(shapes, runner.cache_spec()) == len(shapes)
         jax.clear_caches()  # what a later first use in this process would not have in memory
         monitoring.register_event_listener(listen)
-        runner.warmup(shapes, 1, progress=False)
+        runner.warmup(shapes, progress=False)
     finally:
         monitoring.unregister_event_listener(listen)
         jax.config.update("jax_compilation_cache_dir", old[0])

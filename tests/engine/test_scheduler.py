@@ -134,6 +134,29 @@ def test_multi_step_decode_is_capped_by_max_tokens_and_model_len():
     assert s2.schedule().decode[0].steps == 2  # 3 tokens total, 1 already sampled
 
 
+def test_decode_beside_prefill_takes_one_step_and_alone_takes_decode_steps():
+    s = make(num_pages=40, page_size=4, max_model_len=40, budget=8, steps=8)
+    assert s.step_counts == (1, 8)
+    a = seq("a", 5, max_tokens=20)
+    b = Sequence("b", list(range(100, 112)), SamplingParams(max_tokens=20), seed=0)
+    s.add(a)
+    plan = run_step(s)  # a's prompt alone: nothing decodes
+    assert plan.num_steps == 1 and not plan.decode
+    s.add(b)
+    plan = run_step(s)  # a decodes beside b's first chunk: one token
+    assert [(r.seq, r.steps) for r in plan.decode] == [(a, 1)] and plan.prefill
+    assert plan.num_steps == 1
+    plan = run_step(s)  # b's last chunk: still one
+    assert plan.prefill and plan.num_steps == 1 and plan.decode[0].steps == 1
+    plan = run_step(s)  # decode alone: the full dispatch
+    assert not plan.prefill and plan.num_steps == 8
+    assert sorted(r.steps for r in plan.decode) == [8, 8]
+    a.params = SamplingParams(max_tokens=len(a.output_ids) + 3)  # rows shorter than 8
+    plan = s.schedule()
+    assert plan.num_steps == 8 and sorted(r.steps for r in plan.decode) == [3, 8]
+    assert make(steps=1).step_counts == (1,)
+
+
 # -- prefix caching ---------------------------------------------------------------------
 
 def fake_model(tokens) -> int:
