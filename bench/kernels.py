@@ -334,6 +334,32 @@ def sweep_decode(b: Bench, shapes, storage, mode, base: pallas_decode.DecodeTuni
                    for batch, ctx in shapes], calls=6)
 
 
+SMALL_DECODE_SHAPES = ((32, 640), (8, 640), (64, 1024))  # Qwen3-0.6B engine runs
+
+
+def run_small_decode_sweep(b: Bench, smoke: bool) -> int:
+    """Decode at short contexts with Qwen3-0.6B's heads (16 query / 8 KV, dim 128), where a
+    step is latency- rather than bandwidth-bound: today's default per storage against finer
+    tiles and more splits (more programs, each with less of the loop). Records go to
+    'sweep'; the best per storage is printed and kept under 'small_decode_best'."""
+    shapes = SMALL_DECODE_SHAPES if not smoke else ((2, 64),)
+    b.doc["copy_tbps"] = round(copy_tbps(smoke), 4)
+    best = {}
+    for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
+        base = pallas_decode.default_tuning(cache_cfg(storage, mode, 8, 128, 2))
+        grid = [dict(block_k=bk, target_programs=tp) for bk in (base.block_k, 64, 32)
+                for tp in (base.target_programs, 1056, 2112)]
+        grid = list({tuple(g.items()): g for g in grid}.values())[: 2 if smoke else None]
+        t = pick_best(b, f"small decode {storage}", [dataclasses.replace(base, **g) for g in grid],
+                      lambda t: [b.decode("jfp8kv", storage, mode, batch, ctx, 16, 8, 128, t,
+                                          where="sweep") for batch, ctx in shapes],
+                      calls=3 if smoke else 10)
+        best[storage] = dataclasses.asdict(t)
+    b.doc["small_decode_best"] = best
+    b.save()
+    return 0
+
+
 def sweep_prefill(b: Bench, shapes, storage, mode, grid):
     """Time each PrefillTuning in ``grid`` on ``shapes`` ((batch, chunk, prefix)); return the
     best."""
@@ -748,6 +774,9 @@ def main(argv=None):
     ap.add_argument("--sweep-prefill", action="store_true",
                     help="time prefill launch knobs and fp8 upcast variants first; the "
                     "prefill section then uses the best per storage")
+    ap.add_argument("--sweep-small-decode", action="store_true",
+                    help="only: decode tunings at Qwen3-0.6B's short engine contexts "
+                    "(SMALL_DECODE_SHAPES), bf16 and e4m3 token")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
                     "decode,jax,store,prefill")
@@ -773,6 +802,8 @@ def main(argv=None):
         return run_rotation(b, args, rotations, ops)
     if args.compare:
         return run_compare(b, args)
+    if args.sweep_small_decode:
+        return run_small_decode_sweep(b, args.smoke)
     skip = set(filter(None, args.skip.split(",")))
     b.doc["copy_tbps"] = round(copy_tbps(args.smoke), 4)
     print("copy TB/s", b.doc["copy_tbps"], flush=True)

@@ -290,7 +290,9 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
     stats.enable()
     run = timed_generate(llm, prompts, out_lens)
     stats.enable(False)
-    info = dict(llm.cache_info(), max_num_seqs=llm.engine_config.max_num_seqs)
+    ec = llm.engine_config
+    info = dict(llm.cache_info(), max_num_seqs=ec.max_num_seqs,
+                max_num_batched_tokens=ec.max_num_batched_tokens, decode_steps=ec.decode_steps)
     rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3))
     del llm
@@ -321,7 +323,9 @@ def make_record(args, kv, info, run, stats, terms, rates) -> dict:
         num_prompts=len(outs), input_len=args.input_len,
         output_len=1 if args.prefill_only else args.output_len, range_ratio=args.range_ratio,
         prefill_only=args.prefill_only, dataset=args.dataset,
-        max_model_len=info["max_model_len"], kv_cache_memory=info["kv_cache_memory"],
+        max_model_len=info["max_model_len"], max_num_seqs=info["max_num_seqs"],
+        max_num_batched_tokens=info["max_num_batched_tokens"],
+        decode_steps=info["decode_steps"], kv_cache_memory=info["kv_cache_memory"],
         num_pages=info["num_pages"], max_tokens=info["max_tokens"],
         bytes_per_token=info["bytes_per_token"], attention_backend=info["attention_backend"],
         total_input_tokens=n_in, total_output_tokens=n_out, elapsed_s=el,
