@@ -25,6 +25,7 @@ CASES = [  # (storage, mode, page_size, head_dim, num_heads, kv_heads, T, block_
     ("float8_e4m3fn", "token", 8, 64, 9, 3, 13, 16, 32, "rowscale+vmask"),
     ("float8_e4m3fn", "channel", 16, 128, 4, 2, 20, 32, 32, ""),
     ("float8_e5m2", "block", 32, 64, 4, 1, 17, 16, 16, "vmask"),
+    ("float8_e4m3fn", "token", 16, 64, 4, 2, 20, 64, 128, ""),  # the fp8 default's key tile
     # GPU only ("asm": inline PTX upcast):
     ("float32", None, 16, 64, 2, 2, 20, 16, 16, ""),
     ("float8_e4m3fn", "tensor", 16, 128, 32, 8, 64, 128, 64, "asm"),
@@ -39,7 +40,7 @@ IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-bm{c[7]}-bk{c[8]}"
        + (f"-{c[9]}" if c[9] else "") for c in CASES]
 
 
-@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(4)))
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(5)))
 def test_prefill_matches_reference(case, exec_mode):
     storage, mode, s, d, nh, hkv, t, bm, bk, variant = case
     rng = np.random.default_rng()
