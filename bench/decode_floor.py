@@ -25,6 +25,12 @@ from bench.common import command_line, copy_bandwidth_tbps, machine_info, write_
 from jfp8kv import LLM
 
 
+def profile_dispatch(llm, rows, steps) -> dict:
+    """One more decode dispatch under the profiler: its kernels per decode step."""
+    return profile_trace.profile(
+        lambda: jax.block_until_ready(internals.decode_dispatch(llm, rows, steps)), per=steps)
+
+
 def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
     max_len = context + steps + 16
     probe = dict(model=model, dtype=dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
@@ -52,11 +58,7 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
         jax.block_until_ready(internals.decode_dispatch(llm, rows, steps))
         times.append(time.perf_counter() - t0)
     step_ms = float(np.median(times)) / steps * 1e3
-    kernels = None
-    if profile:  # one more dispatch under the profiler, per decode step
-        kernels = profile_trace.profile(
-            lambda: jax.block_until_ready(internals.decode_dispatch(llm, rows, steps)),
-            per=steps)
+    kernels = profile_dispatch(llm, rows, steps) if profile else None
     weight_bytes = internals.weight_bytes(llm)
     kv_bytes = batch * (context + steps / 2) * bpt
     del llm, loaded

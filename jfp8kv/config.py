@@ -322,9 +322,8 @@ class EngineConfig:
     ``None`` means "chosen by the builder": the model's context length for
     ``max_model_len``, free device memory for ``kv_cache_memory``, and the device's shape
     policy for ``decode_steps``, ``decode_buckets``, ``min_prefill_chunk`` and
-    ``max_num_batched_tokens``. The builder
-    returns the resolved copy (no ``None`` left but in ``decode_buckets``, where None means
-    powers of two).
+    ``max_num_batched_tokens``. The builder returns the resolved copy (no ``None`` left but
+    in ``decode_buckets``, where None means powers of two).
     """
 
     max_model_len: int | None = _knob(
@@ -333,9 +332,8 @@ class EngineConfig:
         None, "bytes for the KV cache pool (default: sized from free device memory)")
     page_size: int = _knob(16, "tokens per KV-cache page (a power of two in [8, 128])")
     max_num_seqs: int = _knob(64, "sequences running at once (decode batch limit)")
-    max_num_batched_tokens: int | None = _knob(
-        None, "tokens per engine step (prefill chunk budget, and the nll chunk; default: "
-              "8192 on GPU, 2048 on CPU)")
+    max_num_batched_tokens: int | None = _knob(None, "tokens per engine step (prefill chunk "
+                                                     "budget, nll chunk; 8192 GPU, 2048 CPU)")
     max_queue_len: int = _knob(
         1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
     attention_backend: str = _knob("auto", "attention kernels: auto = pallas on an NVIDIA GPU, "
