@@ -2,8 +2,10 @@
 # One device call: the GPU tests, then offline throughput against the ideal time
 # (bench.offline) on Qwen3-0.6B's and Qwen3-8B's shapes, bf16 vs fp8 in one invocation each.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_offline.sh
-# STAGES (default "tests small large") picks stages; each is bounded in time and a failing
-# stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png), $OUT/*.log.
+# STAGES (default "tests small large") picks stages ("capacity" runs capacity-fp8 and
+# capacity-bf16; "profile" the 0.6B decode step's kernel profile); each is bounded in time
+# and a failing stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png),
+# $OUT/*.log. The device tool returns at most 8 files from $OUT: pick few stages per call.
 # STAGES=moe (or moe-lite / moe-30b alone): random-weight DeepSeek-V2-Lite (MLA + MoE) and
 # Qwen3-30B-A3B (MoE, 61 GB of bf16 weights + the 8 GB pool fit one H200), bf16 vs fp8 KV at
 # a fixed KV budget sized so that bf16 holds about half the 64 sequences and fp8 all of them
@@ -29,9 +31,14 @@ stage small ${SMALL_LIMIT:-150} python3 -m bench.offline --model random:qwen3-0.
   --input-len 512 --output-len 128 --kv-cache-dtype bfloat16,fp8 --out "$json" --append
 stage large ${LARGE_LIMIT:-240} python3 -m bench.offline --model random:qwen3-8b --num-prompts 64 \
   --input-len 4096 --output-len 256 --kv-cache-dtype bfloat16,fp8 --out "$json" --append
-stage capacity ${CAP_LIMIT:-240} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
-  --input-len 4096 --output-len 256 --kv-cache-memory 16e9 --kv-cache-dtype bfloat16,fp8 \
-  --out "$json" --append
+# capacity: one KV dtype per stage (a bf16 run with its full warm-up took ~150 s on 2026-12-02)
+stage capacity-fp8 ${CAP_LIMIT:-200} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
+  --input-len 4096 --output-len 256 --kv-cache-memory 16e9 --kv-cache-dtype fp8 --out "$json" --append
+stage capacity-bf16 ${CAP_LIMIT:-200} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
+  --input-len 4096 --output-len 256 --kv-cache-memory 16e9 --kv-cache-dtype bfloat16 --out "$json" --append
+# decode step against its floor with kernels per step (docs/engine-notes.md)
+stage profile ${PROFILE_LIMIT:-120} python3 -m bench.decode_floor --model random:qwen3-0.6b --batch 32 \
+  --context 512 --configs bfloat16:,fp8_e4m3:token --profile --out "$OUT/decode-floor-06b-h200.json"
 moe_json="$OUT/offline-moe-h200.json"
 stage moe-lite ${MOE_LITE_LIMIT:-300} python3 -m bench.offline --model random:deepseek-v2-lite \
   --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_LITE_KV:-2.5e9} \
