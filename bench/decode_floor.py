@@ -37,14 +37,11 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
                  kv_scales=0.05 if mode in ("tensor", "channel") else None,
                  max_model_len=max_len, max_num_seqs=batch, decode_steps=steps)
     pages_per_seq = math.ceil(max_len / 16)
-    from jfp8kv.kvcache.cache import bytes_per_token
     from jfp8kv.models.loader import load_model
 
     loaded = load_model(model, dtype)
     cfg = loaded.config
-    storage = {"bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[kv]
-    bpt = bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, storage,
-                          mode if storage.startswith("float8") else None)
+    bpt = internals.kv_bytes_per_token(cfg, kv, mode, dtype)
     mem = (batch * pages_per_seq + 2) * 16 * bpt + (1 << 24)
     llm = LLM(loaded=loaded, **probe, kv_cache_memory=mem)
     internals.fill_cache_random(llm, jax.random.PRNGKey(1))

@@ -6,11 +6,14 @@ to follow. What each needs and why:
 * ``step_stats``: the engine's per-step recorder (``LLMEngine.stats``, off by default);
 * ``decode_dispatch``: one jitted multi-step decode on hand-made rows, to time the step
   alone against its memory floor (``bench.decode_floor``);
+* ``prefill_dispatch``: the prefill of hand-made chunks (``bench.prefill_profile``);
 * ``fill_cache_random``: random K/V pages and dynamic scales, so that timed attention reads
   realistic data;
 * ``default_fp8_scale_mode``: the scale mode ``kv_cache_dtype="fp8"`` gets when none is
   named (records and server command lines name it explicitly);
-* ``weight_bytes``: the parameters' bytes on the device.
+* ``weight_bytes``: the parameters' bytes on the device;
+* ``kv_bytes_per_token``: the pool's bytes per token for a KV dtype and scale mode (to size
+  a pool to what a benchmark needs).
 
 (Nothing here changes an engine's settings at run time: knobs such as the minimum prefill
 chunk are ``EngineConfig`` fields, given when the ``LLM`` is built.)
@@ -37,6 +40,15 @@ def decode_dispatch(llm, rows, num_steps: int, greedy: bool = True):
     from jfp8kv.engine.sampler import SamplingArrays
 
     return llm.engine.runner.decode(rows, SamplingArrays.empty(len(rows)), greedy, num_steps)
+
+
+def prefill_dispatch(llm, chunks):
+    """The prefill dispatches of ``chunks`` ((token_ids, start, pages) each, as the engine
+    makes them). Returns the device outputs (not waited for)."""
+    from jfp8kv.engine.sampler import SamplingArrays
+
+    parts = llm.engine.runner.prefill(chunks, SamplingArrays.empty(len(chunks)))
+    return [out for _, out in parts]
 
 
 def fill_cache_random(llm, key) -> None:
@@ -72,3 +84,14 @@ def weight_bytes(llm) -> int:
 
     leaves = jax.tree_util.tree_leaves(llm.engine.runner.params)
     return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
+
+def kv_bytes_per_token(cfg, kv_cache_dtype: str, mode: str | None, dtype: str = "bfloat16") -> int:
+    """Bytes per token of every layer's K, V and scales (``kvcache.cache.bytes_per_token``)
+    for a user KV dtype name (``bfloat16``, ``fp8_e4m3``, ...) and scale mode."""
+    from jfp8kv.kvcache.cache import bytes_per_token
+    from jfp8kv.kvcache.fp8 import storage_dtype_name
+
+    storage = storage_dtype_name(kv_cache_dtype, dtype)
+    return bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, storage,
+                           mode if storage.startswith("float8") else None)

@@ -3,7 +3,8 @@
 # (bench.offline) on Qwen3-0.6B's and Qwen3-8B's shapes, bf16 vs fp8 in one invocation each.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_offline.sh
 # STAGES (default "tests small large") picks stages ("capacity" runs capacity-fp8 and
-# capacity-bf16; "profile" the 0.6B decode step's kernel profile); each is bounded in time
+# capacity-bf16; "profile" the 0.6B decode step's kernel profile, "prefill" one 8B prefill
+# step's); each is bounded in time
 # and a failing stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png),
 # $OUT/*.log. The device tool returns at most 8 files from $OUT: pick few stages per call.
 # STAGES=moe (or moe-lite / moe-30b alone): random-weight DeepSeek-V2-Lite (MLA + MoE) and
@@ -39,6 +40,10 @@ stage capacity-bf16 ${CAP_LIMIT:-200} python3 -m bench.offline --model random:qw
 # decode step against its floor with kernels per step (docs/engine-notes.md)
 stage profile ${PROFILE_LIMIT:-120} python3 -m bench.decode_floor --model random:qwen3-0.6b --batch 32 \
   --context 512 --configs bfloat16:,fp8_e4m3:token --profile --out "$OUT/decode-floor-06b-h200.json"
+# one engine prefill step of the 8B shape (2 x 4096 tokens), kernels by kind (docs/engine-notes.md)
+stage prefill-profile ${PPROF_LIMIT:-150} python3 -m bench.prefill_profile --model random:qwen3-8b \
+  --rows 2 --chunk 4096 --configs bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor \
+  --out "$OUT/prefill-profile-h200.json"
 moe_json="$OUT/offline-moe-h200.json"
 stage moe-lite ${MOE_LITE_LIMIT:-300} python3 -m bench.offline --model random:deepseek-v2-lite \
   --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_LITE_KV:-2.5e9} \

@@ -1,0 +1,115 @@
+"""Where a prefill step's device time goes, bf16 vs fp8 KV, on a real architecture's shape.
+
+One engine prefill step (``rows`` prompts of ``chunk`` new tokens after ``prefix`` cached
+ones, the way ``LLMEngine`` dispatches it) is timed, then traced once with the profiler
+(``bench.profile_trace``): kernels by kind (GEMMs, the Pallas prefill and store kernels, XLA
+fusions), busy vs span, and the costliest kernels. The record also gives the step's FLOPs
+(matmuls, logits of the last rows, causal attention pairs) and the rates they imply, so a
+step can be set against its ideal at the matmul rate measured in the same run (the ideal
+``bench.offline`` charges prefill with).
+
+    python -m bench.prefill_profile --model random:qwen3-8b --rows 2 --chunk 4096 \\
+        --configs bfloat16:,fp8_e4m3:token --out bench/results/prefill-profile-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+
+import jax
+import numpy as np
+
+from bench import internals, profile_trace
+from bench.common import command_line, machine_info, matmul_tflops, write_result
+from bench.offline import model_terms
+
+
+def step_flops(terms: dict, rows: int, chunk: int, prefix: int) -> dict:
+    """FLOPs of one prefill step: matmuls over every token, logits of each row's last token,
+    and attention over the causal (query, key) pairs."""
+    pairs = rows * (chunk * prefix + chunk * (chunk + 1) // 2)
+    return dict(matmul=2 * terms["matmul_params"] * rows * chunk,
+                logits=2 * terms["logits_params"] * rows,
+                attention=terms["attn_flops_per_pair"] * pairs)
+
+
+def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
+    """Build an engine for ``kv``/``mode``, time ``args.reps`` prefill steps and profile one."""
+    from jfp8kv import LLM
+    from jfp8kv.models.loader import load_model
+
+    loaded = load_model(args.model, args.dtype)
+    cfg = loaded.config
+    ps, rows, total = 16, args.rows, args.prefix + args.chunk
+    pages = math.ceil(total / ps)
+    memory = (rows * pages + 2) * ps * internals.kv_bytes_per_token(cfg, kv, mode, args.dtype) + (1 << 24)
+    llm = LLM(loaded=loaded, dtype=args.dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
+              kv_scales=0.05 if mode in ("tensor", "channel") else None,
+              max_model_len=total + ps, max_num_seqs=rows,
+              max_num_batched_tokens=max(rows * args.chunk, 16), page_size=ps,
+              kv_cache_memory=memory)
+    internals.fill_cache_random(llm, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    chunks = [(rng.integers(3, cfg.vocab_size, args.chunk).tolist(), args.prefix,
+               list(range(1 + i * pages, 1 + (i + 1) * pages))) for i in range(rows)]
+    run = _step(llm, chunks)
+    run()  # compile
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    kernels = profile_trace.profile(run)
+    del run, llm, loaded
+    gc.collect()
+    ms = float(np.median(times)) * 1e3
+    flops = step_flops(model_terms(cfg, args.dtype), rows, args.chunk, args.prefix)
+    ideal_ms = sum(flops.values()) / (rate_tflops * 1e12) * 1e3
+    return dict(kv_cache_dtype=kv, kv_scale_mode=mode, rows=rows, chunk=args.chunk,
+                prefix=args.prefix, step_ms=ms, step_ms_all=[t * 1e3 for t in times],
+                flops=flops, tflops=sum(flops.values()) / ms / 1e9, ideal_ms=ideal_ms,
+                step_over_ideal=ms / ideal_ms, kernels=kernels)
+
+
+def _step(llm, chunks):
+    """The timed call: one engine prefill step of ``chunks``, waited for."""
+    return lambda: jax.block_until_ready(internals.prefill_dispatch(llm, chunks))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="random:qwen3-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--prefix", type=int, default=0)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--configs", default="bfloat16:,fp8_e4m3:token")
+    p.add_argument("--out", default="bench/results/prefill-profile-h200.json")
+    args = p.parse_args(argv)
+    rate = matmul_tflops()
+    records = []
+    for item in args.configs.split(","):
+        kv, mode = item.split(":")
+        r = measure(args, kv, mode or None, rate)
+        r["model_shape"] = args.model
+        records.append(r)
+        k = r["kernels"]
+        print(f"{args.model} {kv:9s} {mode or '-':6s} {args.rows}x{args.chunk} after "
+              f"{args.prefix}: {r['step_ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, "
+              f"{r['step_over_ideal']:.2f}x ideal", flush=True)
+        if k.get("kernels"):
+            print("  " + ", ".join(f"{n} {v['kernels']:.0f}/{v['us'] / 1e3:.2f} ms"
+                                   for n, v in k["by_kind"].items()), flush=True)
+    command = command_line("bench.prefill_profile", argv) if argv is not None else command_line()
+    write_result(args.out, dict(machine=machine_info(), command=command,
+                                matmul_tflops=rate, records=records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""bench.prefill_profile: one engine prefill step timed and profiled (CPU: no device kernels)."""
+
+import json
+
+from bench import prefill_profile
+
+
+def test_step_flops_counts_causal_pairs():
+    terms = {"matmul_params": 10, "logits_params": 3, "attn_flops_per_pair": 7}
+    f = prefill_profile.step_flops(terms, rows=2, chunk=4, prefix=5)
+    # each row: 4 queries over 5 cached keys + a causal 4x4 triangle (10 pairs)
+    assert f == {"matmul": 2 * 10 * 8, "logits": 2 * 3 * 2, "attention": 7 * 2 * (20 + 10)}
+
+
+def test_runs_on_a_tiny_model(tmp_path):
+    out = tmp_path / "p.json"
+    assert prefill_profile.main(["--model", "random:qwen3-tiny", "--rows", "2", "--chunk", "24",
+                                 "--prefix", "16", "--reps", "1", "--configs",
+                                 "bfloat16:,fp8_e4m3:token", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["kv_cache_dtype"] for r in doc["records"]] == ["bfloat16", "fp8_e4m3"]
+    for r in doc["records"]:
+        assert r["step_ms"] > 0 and r["flops"]["attention"] > 0 and r["ideal_ms"] > 0
+        assert r["kernels"]["kernels"] == 0  # no device trace on a CPU
+    assert doc["command"].startswith("python -m bench")
