@@ -196,15 +196,20 @@ def weight_bytes(terms: dict, rows: float) -> float:
     return (terms["static_params"] + terms["logits_params"] + experts) * terms["itemsize"]
 
 
+def prefill_flops(terms: dict, tokens: int, chunks: int, pairs: int) -> float:
+    """FLOPs of prefilling ``tokens`` in ``chunks`` chunks (one sampled logits row each) over
+    ``pairs`` causal (query, key) pairs."""
+    return (2 * terms["matmul_params"] * tokens + 2 * terms["logits_params"] * chunks
+            + terms["attn_flops_per_pair"] * pairs)
+
+
 def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: float) -> dict:
     """The ideal model over the engine's recorded steps (``StepRecord`` list)."""
     rate, bw = tflops * 1e12, tbps * 1e12
     pf = db = df = 0.0
     roof = 0.0
     for r in records:
-        f = (2 * terms["matmul_params"] * r.prefill_tokens
-             + 2 * terms["logits_params"] * r.prefill_chunks
-             + terms["attn_flops_per_pair"] * r.prefill_pairs)
+        f = prefill_flops(terms, r.prefill_tokens, r.prefill_chunks, r.prefill_pairs)
         rows = r.decode_tokens / r.decode_iterations if r.decode_iterations else 0
         b = (r.decode_iterations * weight_bytes(terms, rows)
              + r.decode_kv_tokens * bytes_per_token)

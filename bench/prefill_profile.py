@@ -25,16 +25,12 @@ import numpy as np
 
 from bench import internals, profile_trace
 from bench.common import command_line, machine_info, matmul_tflops, write_result
-from bench.offline import model_terms
+from bench.offline import model_terms, prefill_flops
 
 
-def step_flops(terms: dict, rows: int, chunk: int, prefix: int) -> dict:
-    """FLOPs of one prefill step: matmuls over every token, logits of each row's last token,
-    and attention over the causal (query, key) pairs."""
-    pairs = rows * (chunk * prefix + chunk * (chunk + 1) // 2)
-    return dict(matmul=2 * terms["matmul_params"] * rows * chunk,
-                logits=2 * terms["logits_params"] * rows,
-                attention=terms["attn_flops_per_pair"] * pairs)
+def causal_pairs(rows: int, chunk: int, prefix: int) -> int:
+    """(query, key) pairs of ``rows`` chunks of ``chunk`` queries after ``prefix`` keys."""
+    return rows * (chunk * prefix + chunk * (chunk + 1) // 2)
 
 
 def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
@@ -67,11 +63,12 @@ def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
     del run, llm, loaded
     gc.collect()
     ms = float(np.median(times)) * 1e3
-    flops = step_flops(model_terms(cfg, args.dtype), rows, args.chunk, args.prefix)
-    ideal_ms = sum(flops.values()) / (rate_tflops * 1e12) * 1e3
+    flops = prefill_flops(model_terms(cfg, args.dtype), rows * args.chunk, rows,
+                          causal_pairs(rows, args.chunk, args.prefix))
+    ideal_ms = flops / (rate_tflops * 1e12) * 1e3
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, rows=rows, chunk=args.chunk,
                 prefix=args.prefix, step_ms=ms, step_ms_all=[t * 1e3 for t in times],
-                flops=flops, tflops=sum(flops.values()) / ms / 1e9, ideal_ms=ideal_ms,
+                flops=flops, tflops=flops / ms / 1e9, ideal_ms=ideal_ms,
                 step_over_ideal=ms / ideal_ms, kernels=kernels)
 
 
