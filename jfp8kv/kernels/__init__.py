@@ -15,11 +15,13 @@ MoE experts: ``grouped_matmul`` (``jax.lax.ragged_dot``'s meaning; Pallas backen
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels import mla_reference, reference
+from jfp8kv.kernels import mla_reference, prologue, reference
 from jfp8kv.kernels.mla_reference import LatentPages, LatentQueries, LatentRows
+from jfp8kv.kernels.prologue import QKPrologue
 from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
                                       StatsRow)
 from jfp8kv.kvcache import k_transform
@@ -46,6 +48,24 @@ def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: 
 
     return pallas_store.store_kv(layer, k_new, v_new, slots, cfg,
                                  interpret=backend == "pallas_interpret")
+
+
+def prologue_store_kv(q, k_new: NewRows, v_new: NewRows, pro: QKPrologue, layer: LayerKV,
+                      slots: Slots, cfg: CacheConfig, backend: str = "reference"):
+    """The new rows' q/k norm and RoPE (``prologue.apply``), then ``store_kv``: q [N, H, D]
+    and raw k, v [N, Hkv, D] -> (q', layer, stats_row). Pallas backends fuse the prologue
+    into the store kernel (``pallas_store.prologue_store``) when K is stored as computed
+    (``kv_rotation == "none"``); otherwise, and on "reference", the steps run one by one."""
+    if backend != "reference" and cfg.kv_rotation == "none":
+        _check_pool(cfg, backend)
+        from jfp8kv.kernels import pallas_store
+
+        qkv = jnp.concatenate([q, k_new, v_new], axis=1)  # XLA's merged QKV output, unsliced
+        return pallas_store.prologue_store(qkv, pro, layer, slots, cfg,
+                                           interpret=backend == "pallas_interpret")
+    q, k_new = prologue.apply(pro, q, k_new)
+    layer, st = store_kv(layer, k_new, v_new, slots, cfg, backend)
+    return q, layer, st
 
 
 def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,

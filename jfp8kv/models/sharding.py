@@ -179,12 +179,12 @@ class TensorParallel:
         return x if self.kv_repeat == 1 else np.repeat(x, self.kv_repeat, axis=axis)
 
     # -- attention ----------------------------------------------------------------------
-    def attend(self, q, k, v, layer: LayerKV, slots, page_tables, seq_lens, positions,
+    def attend(self, q, k, v, pro, layer: LayerKV, slots, page_tables, seq_lens, positions,
                ccfg: CacheConfig, sm_scale: float, backend: str):
         """``transformer.store_and_attend`` per device over its KV heads (shard_map).
 
-        q [B, T, H, hd] and k, v [N, G, hd] as the model computes them; ``layer`` holds G'
-        heads. The stats row is reduced over devices (counts summed, each element counted
+        q [N, H, hd] and k, v [N, G, hd] as the model computes them (``pro``, the RoPE
+        tables and norm weights, replicated); ``layer`` holds G' heads. The stats row is reduced over devices (counts summed, each element counted
         once; amax maximized)."""
         r = self.kv_repeat
         if r > 1:  # G -> G' heads: head g's copies are g*r .. g*r + r-1
@@ -194,17 +194,17 @@ class TensorParallel:
         layer_spec = LayerKV(P(AXIS), P(AXIS), *(2 * [P(AXIS) if scaled else P()]))
         heads_q, heads_kv = P(None, None, AXIS), P(None, AXIS)
 
-        def per_device(q, k, v, layer, slots, page_tables, seq_lens, positions):
-            out, layer, st = store_and_attend(q, k, v, layer, slots, page_tables, seq_lens,
-                                              positions, local, sm_scale, backend)
+        def per_device(q, k, v, pro, layer, slots, page_tables, seq_lens, positions):
+            out, layer, st = store_and_attend(q, k, v, pro, layer, slots, page_tables,
+                                              seq_lens, positions, local, sm_scale, backend)
             st = jnp.concatenate([jax.lax.psum(st[:4], AXIS) / r, jax.lax.pmax(st[4:], AXIS)])
             return out, layer, st
 
         run = jax.shard_map(per_device, mesh=self.mesh,
-                            in_specs=(heads_q, heads_kv, heads_kv, layer_spec, P(), P(), P(),
-                                      P()),
+                            in_specs=(heads_kv, heads_kv, heads_kv, P(), layer_spec, P(), P(),
+                                      P(), P()),
                             out_specs=(heads_q, layer_spec, P()))
-        return run(q, k, v, layer, slots, page_tables, seq_lens, positions)
+        return run(q, k, v, pro, layer, slots, page_tables, seq_lens, positions)
 
 
 def weight_placer(cfg: ModelConfig, size: int) -> Callable[[str, np.ndarray], jax.Array]:

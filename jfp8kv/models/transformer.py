@@ -11,8 +11,10 @@ Params pytree (weights stored [in, out], HF linear weights transposed by the loa
                      bq/bk/bv [..] (qwen2), q_norm/k_norm [hd] (qwen3)}
     (a routed-expert layer has router/experts_* instead of w_gate/w_up/w_down: models/moe.py)
 
-The model knows nothing about how K/V are stored: it hands post-RoPE K/V to
-``kernels.store_kv`` and reads through ``kernels.paged_attention``.
+The model knows nothing about how K/V are stored: it hands the q/k/v projections, with
+this layer's q/k norm weights and the chunk's RoPE tables (``kernels.QKPrologue``), to
+``kernels.prologue_store_kv`` (which may fuse norm and RoPE into the store) and reads
+through ``kernels.paged_attention``.
 """
 
 from __future__ import annotations
@@ -27,25 +29,9 @@ from jaxtyping import Array, Float, Int
 
 from jfp8kv import kernels
 from jfp8kv.config import ModelConfig
+from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
 from jfp8kv.kvcache.cache import KVCache
 from jfp8kv.models import moe
-
-
-def acc_dtype(dtype):
-    """Arithmetic dtype for ``dtype`` values: float32, or float64 for float64 compute.
-
-    bf16/fp16/fp32 models normalize, rotate, accumulate and score in float32; the float64
-    compute dtype (CPU reference checks under JAX_ENABLE_X64) keeps float64 throughout, so
-    that no float32 rounding step differs between this engine and another float64 reference.
-    """
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def rms_norm(x, w, eps):
-    acc = acc_dtype(x.dtype)
-    x32 = x.astype(acc)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(acc)).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, dtype=np.float32) -> np.ndarray:
@@ -65,19 +51,6 @@ def rope_inv_freq(cfg: ModelConfig, dtype=np.float32) -> np.ndarray:
     return inv.astype(dtype)
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [B, T, H, D] with HF's rotate-half convention; positions [B, T].
-
-    Angles are computed in ``inv_freq``'s dtype (float32; float64 for float64 compute)."""
-    ang = positions[..., None].astype(inv_freq.dtype) * inv_freq  # [B, T, D/2]
-    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None]
-    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None]
-    x32 = x.astype(acc_dtype(x.dtype))
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos + rot * sin).astype(x.dtype)
-
-
 def _linear(x, w, b=None):
     acc = acc_dtype(x.dtype)
     y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=acc)
@@ -93,12 +66,14 @@ def _dense_mlp(h, lp):
     return _linear(mid.astype(h.dtype), lp["w_down"])
 
 
-def store_and_attend(q, k_new, v_new, layer, slots, page_tables, seq_lens, positions,
-                     ccfg, sm_scale: float, backend: str):
-    """One layer's cache step: store the chunk's post-RoPE K/V rows [N, Hkv, hd] at ``slots``,
-    then attend q [B, T, H, hd] over the paged context. Returns (out [B, T, H, hd], updated
-    layer, stats row)."""
-    layer, st = kernels.store_kv(layer, k_new, v_new, slots, ccfg, backend)
+def store_and_attend(q, k_new, v_new, pro: QKPrologue, layer, slots, page_tables, seq_lens,
+                     positions, ccfg, sm_scale: float, backend: str):
+    """One layer's cache step for the chunk's projections q [N, H, hd], k/v [N, Hkv, hd]
+    (N = B * T): q/k norm and RoPE (``pro``) and the K/V store at ``slots``, then attention
+    of the queries [B, T, H, hd] over the paged context. Returns (out [B, T, H, hd],
+    updated layer, stats row)."""
+    q, layer, st = kernels.prologue_store_kv(q, k_new, v_new, pro, layer, slots, ccfg, backend)
+    q = q.reshape(*positions.shape, *q.shape[1:])
     out = kernels.paged_attention(q, layer, page_tables, seq_lens, positions, ccfg, sm_scale,
                                   backend)
     return out, layer, st
@@ -127,23 +102,20 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
     inv_freq = jnp.asarray(rope_inv_freq(cfg, acc_dtype(dtype)))
+    cos, sin = rope_tables(positions.reshape(-1), inv_freq)  # once for every layer
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     flat_slots = slots.reshape(-1)
+    n, hd = b * t, cfg.head_dim
     new_k, new_v, k_scale, v_scale, stats = [], [], [], [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q = _linear(h, lp["wq"], lp.get("bq")).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = _linear(h, lp["wk"], lp.get("bk")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = _linear(h, lp["wv"], lp.get("bv")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        attn, layer, st = attend(
-            q, k.reshape(b * t, cfg.num_kv_heads, cfg.head_dim),
-            v.reshape(b * t, cfg.num_kv_heads, cfg.head_dim), cache.layer(i), flat_slots,
-            page_tables, seq_lens, positions, cache.config, sm_scale, backend)
+        q = _linear(h, lp["wq"], lp.get("bq")).reshape(n, cfg.num_heads, hd)
+        k = _linear(h, lp["wk"], lp.get("bk")).reshape(n, cfg.num_kv_heads, hd)
+        v = _linear(h, lp["wv"], lp.get("bv")).reshape(n, cfg.num_kv_heads, hd)
+        pro = QKPrologue(cos, sin, lp.get("q_norm") if cfg.qk_norm else None,
+                         lp.get("k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps)
+        attn, layer, st = attend(q, k, v, pro, cache.layer(i), flat_slots, page_tables,
+                                 seq_lens, positions, cache.config, sm_scale, backend)
         x = x + _linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         x = x + (moe.qwen3_moe_mlp(h, lp, cfg, backend) if "router" in lp else _dense_mlp(h, lp))

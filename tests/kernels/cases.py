@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kvcache.cache import LayerKV
+from jfp8kv.kvcache.cache import KVCache, LayerKV
 
 NAN_BITS = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}
 
@@ -75,6 +75,27 @@ def make_cfg(storage: str, mode: str | None, *, heads_kv: int, head_dim: int, pa
     return CacheConfig(num_layers=1, num_kv_heads=heads_kv, head_dim=head_dim,
                        num_pages=num_pages, page_size=page_size, storage_dtype=storage,
                        scale_mode=mode if storage.startswith("float8") else None)
+
+
+def poisoned_store_case(rng, storage: str, mode: str | None, *, heads_kv: int,
+                        head_dim: int, page_size: int, new_tokens: int):
+    """(cfg, layer, slots) for a store test: pages and dynamic scales NaN (static scales
+    random), room for twice the new tokens, the tokens' slots shuffled past page 0."""
+    n, s = new_tokens, page_size
+    num_pages = 2 + -(-n // s) * 2
+    cfg = make_cfg(storage, mode, heads_kv=heads_kv, head_dim=head_dim, page_size=s,
+                   num_pages=num_pages)
+    static = None
+    if mode in ("tensor", "channel"):
+        static = (rng.uniform(0.002, 0.05, (heads_kv, 1 if mode == "tensor" else head_dim))
+                  * np.ones((heads_kv, head_dim)))
+    layer = KVCache.init(cfg, static, static).layer(0)
+    nan_like = lambda a: jnp.full(a.shape, jnp.nan, a.dtype)  # noqa: E731
+    layer.k, layer.v = nan_like(layer.k), nan_like(layer.v)
+    if mode in ("token", "block"):
+        layer.k_scale, layer.v_scale = nan_like(layer.k_scale), nan_like(layer.v_scale)
+    slots = (rng.permutation((num_pages - 1) * s)[:n] + s).astype(np.int32)
+    return cfg, layer, slots
 
 
 def _nan_fill(x: np.ndarray, dtype_name: str) -> np.ndarray:

@@ -20,7 +20,7 @@ from jfp8kv.kernels import pallas_store, reference
 from jfp8kv.kvcache import fp8
 from jfp8kv.kvcache.cache import KVCache
 
-from .cases import has_gpu, make_cfg, on_cpu, on_exec, sweep
+from .cases import has_gpu, make_cfg, on_cpu, on_exec, poisoned_store_case, sweep
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 ML = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
@@ -90,17 +90,8 @@ def _bits(a) -> np.ndarray:
 def test_store_matches_reference_bit_exact(case, exec_mode):
     storage, mode, s, d, hkv, n, bn = case
     rng = np.random.default_rng()
-    num_pages = 2 + -(-n // s) * 2
-    cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
-    static = None
-    if mode in ("tensor", "channel"):
-        static = rng.uniform(0.002, 0.05, (hkv, 1 if mode == "tensor" else d)) * np.ones((hkv, d))
-    layer = KVCache.init(cfg, static, static).layer(0)
-    nan_like = lambda a: jnp.full(a.shape, jnp.nan, a.dtype)  # noqa: E731
-    layer.k, layer.v = nan_like(layer.k), nan_like(layer.v)
-    if mode in ("token", "block"):
-        layer.k_scale, layer.v_scale = nan_like(layer.k_scale), nan_like(layer.v_scale)
-    slots = (rng.permutation((num_pages - 1) * s)[:n] + s).astype(np.int32)
+    cfg, layer, slots = poisoned_store_case(rng, storage, mode, heads_kv=hkv, head_dim=d,
+                                            page_size=s, new_tokens=n)
     pad = rng.choice(n, size=min(3, n), replace=False)
     slots[pad] = rng.integers(0, s, size=pad.size)  # padding lanes into the sink page
     slots[pad[0]] = slots[pad[-1]]  # two padding lanes on one slot
