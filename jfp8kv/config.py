@@ -332,8 +332,8 @@ class EngineConfig:
         None, "bytes for the KV cache pool (default: sized from free device memory)")
     page_size: int = _knob(16, "tokens per KV-cache page (a power of two in [8, 128])")
     max_num_seqs: int = _knob(64, "sequences running at once (decode batch limit)")
-    max_num_batched_tokens: int | None = _knob(None, "tokens per engine step (prefill chunk "
-                                                     "budget, nll chunk; 8192 GPU, 2048 CPU)")
+    max_num_batched_tokens: int | None = _knob(
+        None, "prefill tokens per engine step (decode rows on top; nll chunk; 8192 GPU, 2048 CPU)")
     max_queue_len: int = _knob(
         1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
     attention_backend: str = _knob("auto", "attention kernels: auto = pallas on an NVIDIA GPU, "

@@ -130,7 +130,7 @@ class LLMEngine:
             self._process(prev, changed)  # the next step needs these tokens on the host
             prev = None
         plan = self.scheduler.schedule()
-        rec.scheduled(plan)
+        rec.scheduled(plan, self.runner.prefill_slots)
         cur = None if plan.empty else self._dispatch(plan, prev)
         if self.overlap_scheduling:
             self._inflight = cur

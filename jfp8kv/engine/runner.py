@@ -202,18 +202,27 @@ class ModelRunner:
 
     def prefill_groups(self, lengths: list[int]) -> list[tuple[int, int]]:
         """Consecutive [start, end) ranges of chunks (by their token counts), each one padded
-        [bucket(rows), chunk_bucket(longest)] dispatch within ``prefill_area``; one range
-        per chunk with one-row prefill."""
+        [bucket(rows), chunk_bucket(longest)] dispatch within ``prefill_area`` of chunks in
+        one chunk bucket (so a short chunk is not padded to a long one's length; the
+        scheduler hands chunks over longest first); one range per chunk with one-row
+        prefill."""
         if self.prefill_one_row:
             return [(i, i + 1) for i in range(len(lengths))]
         area, groups, start, longest = self.prefill_area(), [], 0, 0
         for i, n in enumerate(lengths):
             wider = max(longest, n)
-            if area and i > start and bucket(i + 1 - start) * self.chunk_bucket(wider) > area:
+            if i > start and (self.chunk_bucket(n) != self.chunk_bucket(longest) or (
+                    area and bucket(i + 1 - start) * self.chunk_bucket(wider) > area)):
                 groups.append((start, i))
                 start, wider = i, n
             longest = wider
         return groups + [(start, len(lengths))]
+
+    def prefill_slots(self, lengths: list[int]) -> tuple[int, int]:
+        """(dispatches, padded token slots) that ``prefill`` spends on chunks of ``lengths``."""
+        groups = self.prefill_groups(lengths)
+        return len(groups), sum(bucket(b - a) * self.chunk_bucket(max(lengths[a:b]))
+                                for a, b in groups)
 
     def page_width(self, num_pages: int) -> int:
         """The decode page-table width for rows owning at most ``num_pages`` pages."""

@@ -21,9 +21,13 @@ prefilled. Shared pages are full and lie below every holder's ``num_cached``: no
 them. A preempted sequence usually finds its own pages still cached when readmitted.
 
 Each step decodes every running sequence in decode state (decode has priority, so
-inter-token latency stays low while others prefill) and spends the remaining token budget
-on prefill chunks: first sequences part-way through their prompt, then new admissions
-in arrival order. A step without prefill decodes up to ``decode_steps`` tokens per row in
+inter-token latency stays low while others prefill) and spends the token budget
+(``max_num_batched_tokens``) on prefill chunks: first sequences part-way through their
+prompt, then new admissions in arrival order. Decode rows run in their own dispatch and
+take no budget: counting them cut every prompt at budget - rows, and the short remainders
+then rode in rows padded to the longest chunk (the runner pads a dispatch to [rows,
+longest]). The chunks are handed over longest first, so the runner's dispatches group
+chunks of one length bucket. A step without prefill decodes up to ``decode_steps`` tokens per row in
 one dispatch; a step with prefill decodes one (``ScheduledStep.num_steps``): every decode
 iteration reads all the weights, so iterations spent on the few rows running while the
 others' prompts are prefilled would cost nearly what iterations over the full batch cost
@@ -252,7 +256,7 @@ class Scheduler:
         protect: set = set()
         # Oldest first, so preemption (newest first) spares the oldest.
         for seq in sorted(self.running, key=lambda s: s.order):
-            if seq not in self.running or seq.remaining != 1 or budget <= 0:
+            if seq not in self.running or seq.remaining != 1:
                 continue
             steps = min(self.decode_steps, seq.params.max_tokens - seq.num_generated,
                         self.max_model_len - seq.num_cached)
@@ -262,7 +266,6 @@ class Scheduler:
                 continue
             protect.add(seq)
             decode.append(DecodeRow(seq, steps))
-            budget -= 1
         decode = [r for r in decode if r.seq in self.running]
 
         prefill: list[PrefillChunk] = []
@@ -289,6 +292,7 @@ class Scheduler:
             budget -= chunk.length
         if prefill:  # one decode token per row beside prefill (see the module docstring)
             decode = [dataclasses.replace(r, steps=1) for r in decode]
+            prefill.sort(key=lambda c: -c.length)  # longest first: see the module docstring
         num_steps = max((r.steps for r in decode), default=1)
         num_steps = min(c for c in self.step_counts if c >= num_steps)
         return ScheduledStep(decode, prefill, self._preempted, num_steps)

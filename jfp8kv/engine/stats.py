@@ -17,7 +17,9 @@ so the step pays one attribute test). Enabled, each step that runs something app
   limit), decode iterations (the longest row's steps; the scan may run more, inactive),
   ``decode_kv_tokens`` (K/V tokens read over the decode iterations, a row at position p
   reading p + 1), prefill chunks and tokens, ``prefill_pairs`` (causal (query, key) pairs
-  of the chunks), and ``compiles`` (XLA compilations that happened inside the step).
+  of the chunks), ``prefill_calls`` and ``prefill_slots`` (the runner's prefill dispatches
+  and the padded [rows, chunk] token slots they compute: ``ModelRunner.prefill_slots``),
+  and ``compiles`` (XLA compilations that happened inside the step).
 
 ``compile_count()`` counts backend compilations (persistent-cache hits included: they are
 stalls too) through ``jax.monitoring``, from the first call on.
@@ -68,12 +70,15 @@ class StepRecord:
     prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_pairs: int = 0
+    prefill_calls: int = 0
+    prefill_slots: int = 0
     compiles: int = 0
     _t: float = dataclasses.field(default=0.0, repr=False)
     _compiles0: int = dataclasses.field(default=0, repr=False)
 
-    def scheduled(self, plan) -> None:
-        """Call right after ``Scheduler.schedule`` returned ``plan``."""
+    def scheduled(self, plan, prefill_slots=None) -> None:
+        """Call right after ``Scheduler.schedule`` returned ``plan``; ``prefill_slots``: the
+        runner's ``prefill_slots`` (chunk lengths -> (dispatches, padded slots))."""
         now = time.perf_counter()
         self.schedule_ms = (now - self._t) * 1e3
         self._t = now
@@ -88,6 +93,9 @@ class StepRecord:
             self.prefill_tokens += n
             self.prefill_pairs += n * ch.start + n * (n + 1) // 2
         self.prefill_chunks = len(plan.prefill)
+        if prefill_slots is not None and plan.prefill:
+            self.prefill_calls, self.prefill_slots = prefill_slots(
+                [ch.length for ch in plan.prefill])
 
     def synced(self, *outputs) -> None:
         """Call after the step's device calls were dispatched: waits for ``outputs`` (device
@@ -101,7 +109,7 @@ class StepRecord:
 
 
 class _NullRecord:
-    def scheduled(self, plan) -> None:
+    def scheduled(self, plan, prefill_slots=None) -> None:
         pass
 
     def synced(self, *outputs) -> None:

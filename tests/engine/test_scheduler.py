@@ -71,14 +71,20 @@ def test_allocator_never_hands_out_page_zero():
 def test_chunked_prefill_respects_budget_and_decode_has_priority():
     s = make(num_pages=33, budget=8)
     a, b = seq("a", 3), seq("b", 20)
-    s.add(a)
-    s.add(b)
-    plan = run_step(s)
-    assert [(c.seq.request_id, c.start, c.length) for c in plan.prefill] == [("a", 0, 3), ("b", 0, 5)]
-    plan = run_step(s)  # a decodes (1 token), b continues its prompt with the other 7
+    # c shares no prefix with a or b
+    c = Sequence("c", list(range(100, 106)), SamplingParams(max_tokens=8), seed=0)
+    for q in (a, b, c):
+        s.add(q)
+    chunks = lambda plan: [(c.seq.request_id, c.start, c.length) for c in plan.prefill]  # noqa
+    plan = run_step(s)  # the budget in arrival order; handed over longest first
+    assert chunks(plan) == [("b", 0, 5), ("a", 0, 3)]
+    plan = run_step(s)  # a decodes beside; its row does not take prefill budget
     assert [r.seq.request_id for r in plan.decode] == ["a"]
-    assert [(c.seq.request_id, c.start, c.length) for c in plan.prefill] == [("b", 5, 7)]
-    assert sum(c.length for c in plan.prefill) + len(plan.decode) <= 8
+    assert chunks(plan) == [("b", 5, 8)]
+    plan = run_step(s)  # b's last 7 tokens first (part-way prompts before admissions), then c
+    assert [r.seq.request_id for r in plan.decode] == ["a"]
+    assert chunks(plan) == [("b", 13, 7), ("c", 0, 1)]
+    assert sum(c.length for c in plan.prefill) <= 8
     check_pages(s)
 
 
