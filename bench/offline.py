@@ -363,6 +363,7 @@ def versions() -> dict:
 
 def summary_line(r: dict) -> str:
     a = r["anatomy"]
+    padded = a.get("prefill_slots", 0) / max(1, a["prefill_tokens"])  # 0: not recorded
     return (f"{r['model']} {r['kv_cache_dtype']:9s} {r['num_prompts']}x{r['input_len']}/"
             f"{r['output_len']}: {r['output_throughput']:,.0f} out tok/s, "
             f"{r['total_throughput']:,.0f} total tok/s, {r['elapsed_s']:.3f} s = "
@@ -370,7 +371,8 @@ def summary_line(r: dict) -> str:
             f"{r['actual_over_ideal_schedule']:.2f}x best-schedule ideal "
             f"{r['ideal_schedule']['ideal_s']:.3f} s; steps "
             f"{a['steps']} (sched {a['schedule_ms']:.0f} ms, device {a['device_ms']:.0f} ms, "
-            f"post {a['post_ms']:.0f} ms), max rows {a['max_decode_rows']}, compiles "
+            f"post {a['post_ms']:.0f} ms), max rows {a['max_decode_rows']}, prefill "
+            f"{a.get('prefill_calls', 0)} dispatches ({padded:.2f}x padded), compiles "
             f"{r['compiles_in_run']}, preemptions {r['preemptions']}")
 
 
