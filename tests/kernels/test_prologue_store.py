@@ -50,7 +50,9 @@ def _inputs(rng, case):
     positions = jnp.asarray(rng.integers(0, 40_000, n), jnp.int32)
     inv_freq = jnp.asarray(1.0 / 1e6 ** (np.arange(0, d, 2) / d), jnp.float32)
     cos, sin = prologue.rope_tables(positions, inv_freq)
-    weight = lambda: jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.bfloat16) if norm else None  # noqa: E731
+    def weight():
+        return jnp.asarray(rng.uniform(0.5, 1.5, d), jnp.bfloat16) if norm else None
+
     pro = prologue.QKPrologue(cos, sin, weight(), weight(), 1e-6)
     return cfg, layer, q, k, v, pro, jnp.asarray(slots)
 
@@ -69,7 +71,8 @@ def _bits(a) -> np.ndarray:
 def _dequant_k(layer, cfg):
     """Stored K [Hkv, P, S, D] as float32 values (scale applied); NaN where unwritten."""
     mode = scale_modes.of(cfg)
-    scale = layer.k_scale if mode.name is None or not mode.is_static else layer.k_scale[:, None, None]
+    static = mode.name is not None and mode.is_static
+    scale = layer.k_scale[:, None, None] if static else layer.k_scale
     return np.asarray(mode.dequantize(layer.k, scale))
 
 
