@@ -3,8 +3,8 @@
 # (bench.offline) on Qwen3-0.6B's and Qwen3-8B's shapes, bf16 vs fp8 in one invocation each.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_offline.sh
 # STAGES (default "tests small large") picks stages ("capacity" runs capacity-fp8 and
-# capacity-bf16; "profile" the 0.6B decode step's kernel profile, "prefill" one 8B prefill
-# step's); each is bounded in time
+# capacity-bf16, "cap1024" the same pool with 1,024 output tokens; "profile" the 0.6B decode
+# step's kernel profile, "prefill" one 8B prefill step's); each is bounded in time
 # and a failing stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png),
 # $OUT/*.log. The device tool returns at most 8 files from $OUT: pick few stages per call.
 # STAGES=moe (or moe-lite / moe-30b alone): random-weight DeepSeek-V2-Lite (MLA + MoE) and
@@ -37,6 +37,11 @@ stage capacity-fp8 ${CAP_LIMIT:-200} python3 -m bench.offline --model random:qwe
   --input-len 4096 --output-len 256 --kv-cache-memory 16e9 --kv-cache-dtype fp8 --out "$json" --append
 stage capacity-bf16 ${CAP_LIMIT:-200} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
   --input-len 4096 --output-len 256 --kv-cache-memory 16e9 --kv-cache-dtype bfloat16 --out "$json" --append
+# capacity at 1,024 output tokens (issue target: fp8/bf16 above 1.5x), one KV dtype per stage
+stage cap1024-fp8 ${CAP_LIMIT:-220} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
+  --input-len 4096 --output-len 1024 --kv-cache-memory 16e9 --kv-cache-dtype fp8 --out "$json" --append
+stage cap1024-bf16 ${CAP_LIMIT:-220} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
+  --input-len 4096 --output-len 1024 --kv-cache-memory 16e9 --kv-cache-dtype bfloat16 --out "$json" --append
 # decode step against its floor with kernels per step (docs/engine-notes.md)
 stage profile ${PROFILE_LIMIT:-120} python3 -m bench.decode_floor --model random:qwen3-0.6b --batch 32 \
   --context 512 --configs bfloat16:,fp8_e4m3:token --profile --out "$OUT/decode-floor-06b-h200.json"
