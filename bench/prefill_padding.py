@@ -36,10 +36,11 @@ WORKLOADS = [
 
 def gpu_shape_policy(budget: int):
     """The runner's prefill shape policy as built on a GPU (``engine.builder``), without a
-    model: its ``chunk_bucket``, ``prefill_area`` and ``prefill_groups`` methods."""
+    model: its ``chunk_bucket``, ``prefill_area``, ``prefill_groups`` and ``prefill_slots``
+    methods."""
     r = types.SimpleNamespace(min_chunk=128, chunk_factor=2, max_chunk=budget,
                               prefill_one_row=False)
-    for name in ("chunk_bucket", "prefill_area", "prefill_groups"):
+    for name in ("chunk_bucket", "prefill_area", "prefill_groups", "prefill_slots"):
         setattr(r, name, getattr(ModelRunner, name).__get__(r))
     return r
 
@@ -64,12 +65,10 @@ def simulate(prompts: int, input_len: int, output_len: int, pool_tokens: int | N
         out["preemptions"] += len(plan.preempted)
         lengths = [c.length for c in plan.prefill]
         if lengths:
-            groups = runner.prefill_groups(lengths)
-            out["prefill_calls"] += len(groups)
+            calls, slots = runner.prefill_slots(lengths)
+            out["prefill_calls"] += calls
             out["prefill_tokens"] += sum(lengths)
-            out["prefill_slots"] += sum(2 ** (b - a - 1).bit_length()
-                                        * runner.chunk_bucket(max(lengths[a:b]))
-                                        for a, b in groups)
+            out["prefill_slots"] += slots
         _apply(sched, plan)
     out["slots_over_tokens"] = round(out["prefill_slots"] / out["prefill_tokens"], 4)
     return out

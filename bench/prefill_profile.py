@@ -26,11 +26,7 @@ import numpy as np
 from bench import internals, profile_trace
 from bench.common import command_line, machine_info, matmul_tflops, write_result
 from bench.offline import model_terms, prefill_flops
-
-
-def causal_pairs(rows: int, chunk: int, prefix: int) -> int:
-    """(query, key) pairs of ``rows`` chunks of ``chunk`` queries after ``prefix`` keys."""
-    return rows * (chunk * prefix + chunk * (chunk + 1) // 2)
+from jfp8kv.engine.stats import causal_pairs
 
 
 def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
@@ -64,7 +60,7 @@ def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
     gc.collect()
     ms = float(np.median(times)) * 1e3
     flops = prefill_flops(model_terms(cfg, args.dtype), rows * args.chunk, rows,
-                          causal_pairs(rows, args.chunk, args.prefix))
+                          rows * causal_pairs(args.chunk, args.prefix))
     ideal_ms = flops / (rate_tflops * 1e12) * 1e3
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, rows=rows, chunk=args.chunk,
                 prefix=args.prefix, step_ms=ms, step_ms_all=[t * 1e3 for t in times],

@@ -208,14 +208,13 @@ class ModelRunner:
         prefill."""
         if self.prefill_one_row:
             return [(i, i + 1) for i in range(len(lengths))]
-        area, groups, start, longest = self.prefill_area(), [], 0, 0
+        area, groups, start = self.prefill_area(), [], 0
         for i, n in enumerate(lengths):
-            wider = max(longest, n)
-            if i > start and (self.chunk_bucket(n) != self.chunk_bucket(longest) or (
-                    area and bucket(i + 1 - start) * self.chunk_bucket(wider) > area)):
+            cb = self.chunk_bucket(lengths[start])  # every chunk of the group has this bucket
+            if i > start and (self.chunk_bucket(n) != cb
+                              or (area and bucket(i + 1 - start) * cb > area)):
                 groups.append((start, i))
-                start, wider = i, n
-            longest = wider
+                start = i
         return groups + [(start, len(lengths))]
 
     def prefill_slots(self, lengths: list[int]) -> tuple[int, int]:

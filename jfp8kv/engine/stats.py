@@ -56,6 +56,11 @@ def compile_count() -> tuple[int, float]:
     return _compiles["count"], _compiles["seconds"]
 
 
+def causal_pairs(queries: int, prefix: int) -> int:
+    """(query, key) pairs of a causal chunk of ``queries`` after ``prefix`` cached keys."""
+    return queries * prefix + queries * (queries + 1) // 2
+
+
 @dataclasses.dataclass
 class StepRecord:
     """One engine step (see the module docstring for each field)."""
@@ -91,7 +96,7 @@ class StepRecord:
         for ch in plan.prefill:
             n = ch.length
             self.prefill_tokens += n
-            self.prefill_pairs += n * ch.start + n * (n + 1) // 2
+            self.prefill_pairs += causal_pairs(n, ch.start)
         self.prefill_chunks = len(plan.prefill)
         if prefill_slots is not None and plan.prefill:
             self.prefill_calls, self.prefill_slots = prefill_slots(

@@ -140,11 +140,9 @@ def _store_one(x, pages_ref, scale_in_ref, scale_out_ref, h, ok, slots, valid, c
 
 @dataclasses.dataclass(frozen=True)
 class _Prologue:
-    """Static facts of a fused prologue: query heads (in all, and per KV head), norm or
-    not, eps."""
+    """Static facts of a fused prologue: query heads, norm or not, eps."""
 
     q_heads: int
-    groups: int
     norm: bool
     eps: float
 
@@ -184,7 +182,8 @@ def _store_kernel(slots_ref, k_ref, v_ref, _k_pages_in, _v_pages_in, ks_in, vs_i
                                  eps=pro.eps, dtype=k_ref.dtype)
         k = rope(lambda ch: _load_rows(k_ref, tok, ok, k_head, ch), c,
                  kn_ref).astype(jnp.float32)
-        _query_prologue(q_ref, qo_ref, qn_ref, rope, h, tok, ok, pro.groups)
+        _query_prologue(q_ref, qo_ref, qn_ref, rope, h, tok, ok,
+                        pro.q_heads // cfg.num_kv_heads)
     args = (h, ok, slots, valid, cfg, interpret, cast)
     k_stats = _store_one(k, k_pages, ks_in, ks_out, *args)
     v_stats = _store_one(_load_rows(v_ref, tok, ok, v_head, c), v_pages, vs_in, vs_out,
@@ -247,7 +246,7 @@ def prologue_store(qkv, pro: QKPrologue, layer: LayerKV, slots, cfg: CacheConfig
     if h <= 0 or h % hkv:
         raise ValueError(f"qkv has {qkv.shape[1]} heads: expected H + 2 * {hkv} with H a "
                          f"multiple of the {hkv} KV heads")
-    static = _Prologue(h, h // hkv, pro.has_norm, float(pro.eps))
+    static = _Prologue(h, pro.has_norm, float(pro.eps))
     ins = [pro.cos.astype(jnp.float32), pro.sin.astype(jnp.float32)]
     if pro.has_norm:
         ins += [pro.q_norm, pro.k_norm]
@@ -292,8 +291,9 @@ def _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps, fp8_
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="jfp8kv_store_kv" if pro is None else "jfp8kv_prologue_store_kv",
     )(slots.astype(jnp.int32), k_new, v_new, k_pages, v_pages, ks, vs, *pro_inputs)
-    q_out = outs[-1] if pro is not None else None
-    outs = outs[:-1] if pro is not None else outs
+    q_out = None
+    if pro is not None:
+        *outs, q_out = outs
     if dynamic:
         k_pages, v_pages, ks, vs, part = outs
         k_scale, v_scale = ks.reshape(layer.k_scale.shape), vs.reshape(layer.v_scale.shape)

@@ -184,8 +184,8 @@ class TensorParallel:
         """``transformer.store_and_attend`` per device over its KV heads (shard_map).
 
         q [N, H, hd] and k, v [N, G, hd] as the model computes them (``pro``, the RoPE
-        tables and norm weights, replicated); ``layer`` holds G' heads. The stats row is reduced over devices (counts summed, each element counted
-        once; amax maximized)."""
+        tables and norm weights, replicated); ``layer`` holds G' heads. The stats row is
+        reduced over devices (counts summed, each element counted once; amax maximized)."""
         r = self.kv_repeat
         if r > 1:  # G -> G' heads: head g's copies are g*r .. g*r + r-1
             k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)

@@ -7,10 +7,11 @@ from bench import prefill_profile
 
 def test_step_flops_counts_causal_pairs():
     from bench.offline import prefill_flops
+    from jfp8kv.engine.stats import causal_pairs
 
     terms = {"matmul_params": 10, "logits_params": 3, "attn_flops_per_pair": 7}
     # each row: 4 queries over 5 cached keys + a causal 4x4 triangle (10 pairs)
-    assert prefill_profile.causal_pairs(2, 4, 5) == 2 * (20 + 10)
+    assert causal_pairs(4, 5) == 20 + 10
     assert prefill_flops(terms, 8, 2, 60) == 2 * 10 * 8 + 2 * 3 * 2 + 7 * 60
 
 
