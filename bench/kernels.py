@@ -44,6 +44,7 @@ import numpy as np
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
+from jfp8kv.kernels.prologue import QKPrologue, rope_tables
 from jfp8kv.kvcache.cache import LayerKV
 
 def _jaxlib_version() -> str:
@@ -176,18 +177,38 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
     return chain(one)
 
 
-def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto"):
+def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto", pro=None):
+    """reps -> jitted f(layer, k, v, slots) -> (layer, summed stats) storing reps times.
+    ``pro`` (a ``QKPrologue``): the engine's fused store instead, ``k`` then being the raw
+    qkv heads [N, H + 2 Hkv, D] (``v`` unused); each call's queries feed the sum."""
+    def store(layer, k, v, slots):
+        if pro is None:
+            layer, st = pallas_store.store_kv(layer, k, v, slots, cfg, interpret=interpret,
+                                              fp8_cast=fp8_cast)
+            return layer, st
+        q, layer, st = pallas_store.prologue_store(k, pro, layer, slots, cfg,
+                                                   interpret=interpret, fp8_cast=fp8_cast)
+        return layer, st + q[0, 0, 0].astype(jnp.float32)
+
     def make(reps):
         @functools.partial(jax.jit, donate_argnums=(0,))
         def f(layer, k, v, slots):
             tot = jnp.zeros((6,), jnp.float32)
             for _ in range(reps):
-                layer, st = pallas_store.store_kv(layer, k, v, slots, cfg, interpret=interpret,
-                                                  fp8_cast=fp8_cast)
+                layer, st = store(layer, k, v, slots)
                 tot = tot + st
             return layer, tot
         return f
     return make
+
+
+def prologue_inputs(tokens: int, d: int, theta: float = 1e6) -> QKPrologue:
+    """The fused store's prologue as a Qwen3 layer hands it over: RoPE tables for positions
+    0..tokens-1 and q/k norm weights near 1."""
+    inv = jnp.asarray(1.0 / theta ** (np.arange(0, d, 2) / d), jnp.float32)
+    cos, sin = rope_tables(jnp.arange(tokens, dtype=jnp.int32), inv)
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(5), (2, d), jnp.float32)
+    return QKPrologue(cos, sin, w[0].astype(jnp.bfloat16), w[1].astype(jnp.bfloat16), 1e-6)
 
 
 def prefill_chain(cfg: CacheConfig, tuning, interpret: bool):
@@ -251,19 +272,26 @@ class Bench:
         self.add(rec, where)
         return rec
 
-    def store(self, storage, mode, tokens, hkv=8, d=128, fp8_cast="auto", where="records"):
-        rec = dict(op="store", impl="jfp8kv", kv_cache_dtype=USER_NAME.get(storage, storage),
-                   kv_scale_mode=mode, batch=1, tokens=tokens, num_kv_heads=hkv, head_dim=d,
-                   fp8_cast=fp8_cast)
+    def store(self, storage, mode, tokens, hkv=8, d=128, fp8_cast="auto", where="records",
+              hq=None):
+        """One store row; ``hq`` (query heads): the engine's fused prologue store (q/k RMS
+        norm + RoPE + store, ``pallas_store.prologue_store``) instead of the plain one."""
+        rec = dict(op="store" if hq is None else "prologue_store", impl="jfp8kv",
+                   kv_cache_dtype=USER_NAME.get(storage, storage), kv_scale_mode=mode,
+                   batch=1, tokens=tokens, num_kv_heads=hkv, head_dim=d, fp8_cast=fp8_cast)
+        if hq is not None:
+            rec["num_heads"] = hq
         try:
             s = 16
             p = 2 + 2 * tokens // s
             cfg = cache_cfg(storage, mode, hkv, d, p, s)
             layer, _, _ = make_layer(self.rng, cfg, 1, s)
-            k = jax.random.normal(jax.random.key(2), (tokens, hkv, d), jnp.bfloat16)
+            heads = hkv if hq is None else hq + 2 * hkv
+            k = jax.random.normal(jax.random.key(2), (tokens, heads, d), jnp.bfloat16)
             v = jax.random.normal(jax.random.key(3), (tokens, hkv, d), jnp.bfloat16)
             slots = jnp.asarray(self.rng.permutation((p - 1) * s)[:tokens] + s, jnp.int32)
-            make = store_chain(cfg, self.interpret, fp8_cast)
+            pro = None if hq is None else prologue_inputs(tokens, d)
+            make = store_chain(cfg, self.interpret, fp8_cast, pro)
             holder = {"layer": layer}
 
             def fn(reps):  # donation consumes the layer: thread it through the calls
@@ -276,6 +304,8 @@ class Bench:
             item = jnp.dtype(storage).itemsize
             sc = {"token": 4, "block": 2 * d // 32}.get(mode, 0) if cfg.is_fp8 else 0
             moved = 2 * tokens * hkv * (d * 2 + d * item + sc) + tokens * 4
+            if hq is not None:  # queries read and written, the rotary tables read (f32)
+                moved += 2 * tokens * hq * d * 2 + 2 * tokens * d * 4
             ms, reps = timed(fn, k, v, slots, est_ms=0.004 + moved / 1e9,
                              calls=3 if self.smoke else 10, max_reps=2 if self.smoke else 48)
             rec.update(ms=round(ms, 5), tbps=round(moved / ms / 1e9, 4), bytes=moved, reps=reps)
@@ -401,8 +431,10 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
     return sweep_prefill(b, shapes, storage, mode, [best] + grid2)
 
 
-# Issue 13 comparison (``--compare``): the store's f32 -> fp8 cast paths and the decode P.V
-# candidates, each next to bf16 and today's default, with ratios, in one run.
+# Issue 13 comparison (``--compare``): the store's f32 -> fp8 cast paths, the fused prologue
+# store the engine runs (fp8 modes against bf16) and the decode P.V candidates, each next to
+# bf16 and today's default, with ratios, in one run.
+COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention"}
 COMPARE_STORE_CASTS = ("software", "hardware", "satfinite")
 COMPARE_DECODE_VARIANTS = (  # (variant, block_k, num_stages); the first is today's default
     ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3), ("pagepf+asm+vmask", 128, 2),
@@ -434,6 +466,18 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
                     if r and base and "ms" in r and "ms" in base:
                         r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
                         b.save()
+    if "prologue" in sections:  # the store the engine runs: q/k norm + RoPE + store, 32/8/128
+        for tokens in ((512, 2048, 8192) if not smoke else (40,)):
+            base = run(f"prologue store bf16 {tokens}", lambda: b.store(
+                "bfloat16", None, tokens, hq=32 if not smoke else 4, hkv=8 if not smoke else 2,
+                d=128 if not smoke else 64, where="compare"))
+            for mode in ("token", "tensor", "block"):
+                r = run(f"prologue store {mode} {tokens}", lambda: b.store(
+                    "float8_e4m3fn", mode, tokens, hq=32 if not smoke else 4,
+                    hkv=8 if not smoke else 2, d=128 if not smoke else 64, where="compare"))
+                if r and base and "ms" in r and "ms" in base:
+                    r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
+                    b.save()
     if "decode" in sections:
         D = pallas_decode.DecodeTuning
         shapes = [(64, 8192, 32, 8, 128), (64, 8192, 9, 3, 64), (8, 32768, 32, 8, 128)]
@@ -780,8 +824,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
                     "decode,jax,store,prefill")
-    ap.add_argument("--compare", default="", help="comma list of store,decode: only the issue-13 "
-                    "comparison (fp8 store cast paths, decode P.V variants, bf16 and today's "
+    ap.add_argument("--compare", default="", help="comma list of store,prologue,decode: only the "
+                    "issue-13 comparison (fp8 store cast paths, the engine's fused prologue "
+                    "store, decode P.V variants, bf16 and today's "
                     "default side by side, with ratios), added to --out under 'compare' (the "
                     "file's other results are kept)")
     ap.add_argument("--kv-rotation", default="", metavar="LIST",
@@ -878,12 +923,12 @@ def run_compare(b: Bench, args):
     """``--compare``: keep what --out already holds, except its 'compare' rows of the sections
     being re-run."""
     sections = set(filter(None, args.compare.split(",")))
-    if sections - {"store", "decode"}:
-        raise SystemExit(f"--compare takes store,decode, not {sorted(sections)}")
+    if sections - COMPARE_OPS.keys():
+        raise SystemExit(f"--compare takes {','.join(COMPARE_OPS)}, not {sorted(sections)}")
     if os.path.exists(args.out):
         with open(args.out) as fh:
             old = json.load(fh)
-        ops = {"store" if s == "store" else "decode_attention" for s in sections}
+        ops = {COMPARE_OPS[s] for s in sections}
         old["compare"] = [r for r in old.get("compare", []) if r["op"] not in ops]
         b.doc = {**old, "compare_machine": b.doc["machine"],
                  "compare_versions": b.doc["versions"], "compare_command": b.doc["command"]}
