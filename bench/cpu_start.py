@@ -1,7 +1,11 @@
 """The README's server flow on this machine: start, /health, first chat answer, decode rate.
 
-    python -m bench.cpu_start [--kv-cache-dtype fp8_e4m3] [--max-model-len 4096]
+    python -m bench.cpu_start [--model M] [--kv-cache-dtype fp8_e4m3] [--max-model-len 4096]
         [--tokens 64] [--out bench/results/cpu-start.json]
+
+On a GPU machine the same two starts give the server's cold and warm start times there
+(``--model random:qwen3-8b``: a real architecture's shapes, random weights, every other
+setting the server's default).
 
 Starts ``python -m jfp8kv.serve --kv-cache-dtype ... --max-model-len ...`` twice against a
 fresh JAX compilation-cache directory: "cold" (empty: everything compiles) and "warm" (the
@@ -29,6 +33,16 @@ from pathlib import Path
 import httpx
 
 from bench.cpu_decode import cpu_model, loadavg
+
+
+def gpu_name() -> str | None:
+    """nvidia-smi's name of the first GPU, None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else None
 
 
 def wait_health(url: str, proc, limit_s: float) -> float:
@@ -72,6 +86,8 @@ def run_once(args, cache_dir: str, label: str, python: str = sys.executable,
                **(extra_env or {}))
     cmd = [python, "-m", "jfp8kv.serve", "--kv-cache-dtype", args.kv_cache_dtype,
            "--max-model-len", str(args.max_model_len), "--port", str(args.port)]
+    if args.model:
+        cmd += ["--model", args.model]
     url = f"http://127.0.0.1:{args.port}"
     la0 = loadavg()
     t_start = time.perf_counter()
@@ -95,6 +111,7 @@ def run_once(args, cache_dir: str, label: str, python: str = sys.executable,
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_start", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the server's default model")
     p.add_argument("--kv-cache-dtype", default="fp8_e4m3")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=64)
@@ -119,7 +136,8 @@ def main(argv=None) -> None:
             print(json.dumps(runs[-1]), flush=True)
     doc = dict(command=" ".join(["python", "-m", "bench.cpu_start",
                                  *(argv if argv is not None else sys.argv[1:])]),
-               machine=dict(cpu=cpu_model(), cores=os.cpu_count()), install=install, runs=runs)
+               machine=dict(cpu=cpu_model(), cores=os.cpu_count(), gpu=gpu_name()),
+               install=install, runs=runs)
     if install:
         doc["install_to_first_answer_s"] = (install["seconds"] + runs[0]["health_s"]
                                             + runs[0]["first_chat_s"])
