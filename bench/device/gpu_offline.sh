@@ -7,7 +7,7 @@
 # step's kernel profile, "prefill" one 8B prefill step's); each is bounded in time
 # and a failing stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png),
 # $OUT/*.log. The device tool returns at most 8 files from $OUT: pick few stages per call.
-# STAGES=moe (or moe-lite / moe-30b alone): random-weight DeepSeek-V2-Lite (MLA + MoE) and
+# STAGES=moe (or moe-lite, moe-lite-bfloat16 / moe-lite-fp8, moe-30b alone): random-weight DeepSeek-V2-Lite (MLA + MoE) and
 # Qwen3-30B-A3B (MoE, 61 GB of bf16 weights + the 8 GB pool fit one H200), bf16 vs fp8 KV at
 # a fixed KV budget sized so that bf16 holds about half the 64 sequences and fp8 all of them
 # (V2-Lite 2.5e9 B: 31,104 vs 16,524 B/token with block scales, 34 vs 65 sequences of 2304
@@ -22,7 +22,7 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 stage() { local name=$1 limit=$2; shift 2
-  case " $STAGES " in *" $name "*|*" ${name%%-*} "*) ;; *) return;; esac
+  case " $STAGES " in *" $name "*|*" ${name%%-*} "*|*" ${name%-*} "*) ;; *) return;; esac
   echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 json="$OUT/offline-h200.json"
@@ -50,9 +50,13 @@ stage prefill-profile ${PPROF_LIMIT:-150} python3 -m bench.prefill_profile --mod
   --rows 2 --chunk 4096 --configs bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor \
   --out "$OUT/prefill-profile-h200.json"
 moe_json="$OUT/offline-moe-h200.json"
-stage moe-lite ${MOE_LITE_LIMIT:-300} python3 -m bench.offline --model random:deepseek-v2-lite \
-  --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_LITE_KV:-2.5e9} \
-  --kv-cache-dtype bfloat16,fp8 --out "$moe_json" --append
+# one KV dtype per stage: both in one command took over 300 s on 2026-12-02 (the bf16 run
+# with its warm-up ~200 s; each dtype compiles its own MLA executables)
+for kv in bfloat16 fp8; do
+  stage moe-lite-$kv ${MOE_LITE_LIMIT:-240} python3 -m bench.offline --model random:deepseek-v2-lite \
+    --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_LITE_KV:-2.5e9} \
+    --kv-cache-dtype $kv --out "$moe_json" --append
+done
 stage moe-30b ${MOE_30B_LIMIT:-420} python3 -m bench.offline --model random:qwen3-30b-a3b \
   --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_30B_KV:-8e9} \
   --kv-cache-dtype bfloat16,fp8 --out "$moe_json" --append
