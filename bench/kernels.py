@@ -370,7 +370,8 @@ SMALL_DECODE_SHAPES = ((32, 640), (8, 640), (64, 1024))  # Qwen3-0.6B engine run
 def run_small_decode_sweep(b: Bench, smoke: bool) -> int:
     """Decode at short contexts with Qwen3-0.6B's heads (16 query / 8 KV, dim 128), where a
     step is latency- rather than bandwidth-bound: today's default per storage against finer
-    tiles and more splits (more programs, each with less of the loop). Records go to
+    tiles and more splits (more programs, each with less of the loop), and against fewer
+    programs (one split, two stages). Records go to
     'sweep'; the best per storage is printed and kept under 'small_decode_best'."""
     shapes = SMALL_DECODE_SHAPES if not smoke else ((2, 64),)
     b.doc["copy_tbps"] = round(copy_tbps(smoke), 4)
@@ -379,6 +380,10 @@ def run_small_decode_sweep(b: Bench, smoke: bool) -> int:
         base = pallas_decode.default_tuning(cache_cfg(storage, mode, 8, 128, 2))
         grid = [dict(block_k=bk, target_programs=tp) for bk in (base.block_k, 64, 32)
                 for tp in (base.target_programs, 1056, 2112)]
+        # fewer programs instead: one split (no combine pass; each program walks its whole
+        # sequence, so the pipeline reaches a steady state) with 3 or 2 stages, or 264 targets
+        grid += [dict(num_splits=1), dict(num_splits=1, num_stages=2),
+                 dict(target_programs=264)]
         grid = list({tuple(g.items()): g for g in grid}.values())[: 2 if smoke else None]
         t = pick_best(b, f"small decode {storage}", [dataclasses.replace(base, **g) for g in grid],
                       lambda t: [b.decode("jfp8kv", storage, mode, batch, ctx, 16, 8, 128, t,
