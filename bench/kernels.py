@@ -45,6 +45,7 @@ import numpy as np
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kernels.prologue import QKPrologue, rope_tables
+from jfp8kv.kernels.tiles import transpose_v_pages
 from jfp8kv.kvcache.cache import LayerKV
 
 def _jaxlib_version() -> str:
@@ -261,6 +262,8 @@ class Bench:
             s = 16
             cfg = cache_cfg(storage, mode, hkv, d, 1 + batch * (-(-context // s)), s)
             layer, pt, lens = make_layer(self.rng, cfg, batch, context)
+            if tuning is not None and tuning.variant.v_transposed:  # the layout it reads
+                layer = dataclasses.replace(layer, v=transpose_v_pages(layer.v))
             q = jax.random.normal(jax.random.key(1), (batch, hq, d), jnp.bfloat16)
             moved = kv_bytes(cfg, batch * context) + 2 * q.size * 2 + pt.size * 4
             ms, reps = timed(decode_chain(impl, cfg, tuning, self.interpret), q, layer, pt, lens,
@@ -443,7 +446,9 @@ COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode
 COMPARE_STORE_CASTS = ("software", "hardware", "satfinite")
 COMPARE_DECODE_VARIANTS = (  # (variant, block_k, num_stages); the first is today's default
     ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3), ("pagepf+asm+vmask", 128, 2),
-    ("pagepf+asm+vmask", 64, 3), ("pagepf+asm+nomma", 32, 3))
+    ("pagepf+asm+vmask", 64, 3), ("pagepf+asm+nomma", 32, 3),
+    # V pages transposed per page (a layout prototype: the bench re-lays the pages out)
+    ("pagepf+asm+vt", 128, 3), ("pagepf+asm+vt", 128, 2))
 
 
 def compare(b: Bench, sections, smoke: bool, budget_s: float):
