@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the fp8 cast and decode-variant GPU tests, then the kernel comparisons
-# (store casts and decode variants side by side with bf16) into $OUT/kernels-h200.json;
+# (store casts, the engine's prologue store, and decode variants, the transposed-V prototype
+# "vt" among them, side by side with bf16) into $OUT/kernels-h200.json;
 # STAGES="mla" (not a default): the MLA kernel's GPU tests, then its decode timings (sweep, best
 # per storage) into $OUT/mla-kernels-h200.json.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
@@ -17,10 +18,10 @@ stage() { local name=$1 limit=$2; shift 2; case " $STAGES " in *" $name "*) ;; *
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 30; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 cp bench/results/kernels-h200.json "$OUT/kernels-h200.json"
 stage tests ${TESTS_LIMIT:-100} python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/kernels/test_store.py tests/kernels/test_decode.py -k "cast or bit_exact or variants"
-stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store --budget-s $(( ${STORE_LIMIT:-150} - 40 )) \
+  tests/kernels/test_store.py tests/kernels/test_decode.py -k "cast or bit_exact or variants or v_transposed"
+stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store,prologue --budget-s $(( ${STORE_LIMIT:-150} - 40 )) \
   --out "$OUT/kernels-h200.json"
-stage decode ${DECODE_LIMIT:-150} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-150} - 40 )) \
+stage decode ${DECODE_LIMIT:-200} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-200} - 40 )) \
   --out "$OUT/kernels-h200.json"
 stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
 # Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher
