@@ -117,7 +117,8 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     full = functools.partial(step, partial=False) if variant.v_transposed else step
     acc, m_i, l_i = key_loop(pt_ref, b, start, end, block_k, kv.page_size, init_state(gp, d),
                              full, variant.page_prefetch,
-                             tail_step=step if variant.v_transposed else None)
+                             tail_step=step if variant.v_transposed else None,
+                             tail_block=max(kv.page_size, 16))
     acc = scale_output(acc, vs_ref, h, kv)
     if not split:
         (o_ref,) = out_refs

@@ -310,38 +310,41 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool
 
 
 def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
-             page_prefetch: bool, tail_step=None):
+             page_prefetch: bool, tail_step=None, tail_block: int | None = None):
     """Run ``step(tok, valid, rows, state) -> state`` over the tiles of tokens [start, end)
     of batch row b (tok int32[BK], valid tok < end, rows the flat page rows).
 
     With ``page_prefetch`` the page indices of tile i+1 are loaded during tile i and carried,
     so the K/V addresses come from a loop-carried value and Triton's pipeliner can keep
     several tiles in flight. With ``tail_step``, ``step`` runs only over the full tiles and
-    ``tail_step`` over the last, partial one (if any): a separate loop whose step may mask
-    per token at a cost the full tiles do not pay.
+    ``tail_step`` over the last, partial one (if any) in tiles of ``tail_block`` tokens (a
+    divisor of ``block_k``): a separate, small loop whose step may mask per token at a cost
+    the full tiles do not pay.
     """
     max_pages = pt_ref.shape[1]
     n_iter = jnp.maximum(end - start + block_k - 1, 0) // block_k
     n_full = jnp.maximum(end - start, 0) // block_k if tail_step is not None else n_iter
 
-    def tile(i):
-        tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
+    def tile(i, first=start, bk=block_k):
+        tok = first + i * bk + jnp.arange(bk, dtype=jnp.int32)  # [BK]
         return tok, tok < end
 
-    def pages(i):
-        tok, valid = tile(i)
+    def pages(i, first=start, bk=block_k):
+        tok, valid = tile(i, first, bk)
         slot = jnp.minimum(tok // page_size, max_pages - 1)
         return plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)  # [BK]
 
-    def run(fn, i, st, page):
-        tok, valid = tile(i)
+    def run(fn, i, st, page, first=start, bk=block_k):
+        tok, valid = tile(i, first, bk)
         return fn(tok, valid, page * page_size + tok % page_size, st)
 
-    def tail(st, page):  # the partial tile, straight-line (not a second pipelined loop)
+    def tail(st, page):  # the partial tile, in tail_block-token tiles
         if tail_step is None:
             return st
-        return jax.lax.cond(n_iter > n_full, lambda s: tuple(run(tail_step, n_full, s, page)),
-                            lambda s: tuple(s), tuple(st))
+        first = start + n_full * block_k
+        n_tail = jnp.maximum(end - first + tail_block - 1, 0) // tail_block
+        return jax.lax.fori_loop(0, n_tail, lambda i, s: run(
+            tail_step, i, s, pages(i, first, tail_block), first, tail_block), tuple(st))
 
     if not page_prefetch:
         state = jax.lax.fori_loop(0, n_full, lambda i, st: run(step, i, st, pages(i)), state)
