@@ -338,9 +338,9 @@ def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
         tok, valid = tile(i, first, bk)
         return fn(tok, valid, page * page_size + tok % page_size, st)
 
-    def tail(st, page):  # the partial tile, in tail_block-token tiles
+    def tail(st):  # the partial tile, in tail_block-token tiles (their own page loads)
         if tail_step is None:
-            return st
+            return tuple(st)
         first = start + n_full * block_k
         n_tail = jnp.maximum(end - first + tail_block - 1, 0) // tail_block
         return jax.lax.fori_loop(0, n_tail, lambda i, s: run(
@@ -348,11 +348,11 @@ def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
 
     if not page_prefetch:
         state = jax.lax.fori_loop(0, n_full, lambda i, st: run(step, i, st, pages(i)), state)
-        return tail(state, pages(n_full))
+        return tail(state)
 
     def body(i, carry):
         *st, page = carry
         return (*run(step, i, tuple(st), page), pages(i + 1))
 
-    *state, page = jax.lax.fori_loop(0, n_full, body, (*state, pages(0)))
-    return tail(state, page)
+    *state, _ = jax.lax.fori_loop(0, n_full, body, (*state, pages(0)))
+    return tail(state)
