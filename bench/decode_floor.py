@@ -7,6 +7,12 @@ timed over full batches whose pages hold random data (never zeros).
 
     python -m bench.decode_floor --model random:qwen3-8b --batch 64 --context 8192 \
         --out bench/results/decode-floor-h200.json
+
+``--decode-variant pagepf+asm+vt`` times the step with another decode kernel variant for fp8
+pages (``jfp8kv.kernels.tiles.Variant``) in place of the default. For the transposed-V
+prototype (``vt``) this measures the layout before the cache has it: the pages hold random
+bytes in either layout, so the step's time is the layout's, while its numbers mean nothing
+and the store still writes the standard layout.
 """
 
 from __future__ import annotations
@@ -67,6 +73,23 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
                 **({"kernels_per_step": kernels} if kernels else {}))
 
 
+def use_decode_variant(spec: str) -> None:
+    """Make ``spec`` the decode variant of fp8 pages for this process (the engine asks
+    ``pallas_decode.default_tuning`` when it traces its steps)."""
+    import dataclasses
+
+    from jfp8kv.kernels import pallas_decode
+    from jfp8kv.kernels.tiles import Variant
+
+    variant, default = Variant.parse(spec), pallas_decode.default_tuning
+
+    def tuning(cfg):
+        t = default(cfg)
+        return dataclasses.replace(t, variant=variant) if cfg.is_fp8 else t
+
+    pallas_decode.default_tuning = tuning
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="random:qwen3-8b")
@@ -79,8 +102,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also trace one dispatch and summarize its kernels per decode step "
                         "(count, busy vs span, by kind, costliest: bench.profile_trace)")
+    p.add_argument("--decode-variant", default=None, metavar="VARIANT",
+                   help="fp8 pages: this decode kernel variant instead of the default, e.g. "
+                        "pagepf+asm+vt (timing only for vt: see the module docstring)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")
     args = p.parse_args(argv)
+    if args.decode_variant:
+        use_decode_variant(args.decode_variant)
     copy = copy_bandwidth_tbps()
     records = []
     for item in args.configs.split(","):
@@ -88,6 +116,7 @@ def main(argv=None) -> int:
         r = measure(args.model, kv, mode or None, args.batch, args.context, args.steps,
                     args.reps, args.dtype, args.profile)
         r["model_shape"] = args.model
+        r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
         records.append(r)
