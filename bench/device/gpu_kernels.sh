@@ -23,6 +23,13 @@ stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store,prologu
   --out "$OUT/kernels-h200.json"
 stage decode ${DECODE_LIMIT:-200} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-200} - 40 )) \
   --out "$OUT/kernels-h200.json"
+# STAGES=vtfloor (not a default): the Qwen3-8B decode step (B=64, ctx 4096) with the default
+# fp8 decode kernel and with the transposed-V prototype, one invocation each, same call
+# (timing only for vt: bench/decode_floor.py's docstring)
+stage vtfloor ${VTFLOOR_LIMIT:-240} bash -c "python3 -m bench.decode_floor --model random:qwen3-8b \
+  --batch 64 --context 4096 --configs bfloat16:,fp8_e4m3:token --out $OUT/decode-floor-vt-base.json \
+  && python3 -m bench.decode_floor --model random:qwen3-8b --batch 64 --context 4096 \
+  --configs fp8_e4m3:token,fp8_e4m3:tensor --decode-variant pagepf+asm+vt --out $OUT/decode-floor-vt.json"
 stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
 # Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher
 # (kernels.store_kv / paged_attention, where the transform runs), e4m3 token/block/tensor,
