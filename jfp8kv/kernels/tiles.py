@@ -61,8 +61,8 @@ class Variant:
     def resolve(self, cfg: CacheConfig, interpret: bool) -> "Variant":
         """Drop what does not apply: upcast variants on 16/32-bit pages, PTX in interpret."""
         fp8_pages = cfg.is_fp8
-        if self.v_transposed and (self.vmask or self.rowscale or self.nomma
-                                  or scale_modes.of(cfg).groups(cfg.head_dim, cfg.scale_block) > 1):
+        groups = scale_modes.of(cfg).groups(cfg.head_dim, cfg.scale_block)
+        if self.v_transposed and (self.vmask or self.rowscale or self.nomma or groups > 1):
             raise ValueError("the v_transposed variant takes no vmask/rowscale/nomma and no "
                              "per-channel-group (block) scales")
         return dataclasses.replace(self, asm=self.asm and fp8_pages and not interpret,

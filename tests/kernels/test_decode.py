@@ -151,7 +151,8 @@ def test_v_transposed_refuses_what_it_cannot_read():
         pallas_decode.decode_attention(
             jnp.zeros((1, 4, 64), jnp.bfloat16), KVCache.init(bf16).layer(0),
             jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32), bf16, 0.1,
-            interpret=True, tuning=pallas_decode.DecodeTuning(block_k=16, variant=Variant.parse("pagepf+vt")))
+            interpret=True,
+            tuning=pallas_decode.DecodeTuning(block_k=16, variant=Variant.parse("pagepf+vt")))
     with pytest.raises(ValueError, match="vmask"):
         Variant(v_transposed=True, vmask=True).resolve(
             make_cfg("bfloat16", None, heads_kv=2, head_dim=64, page_size=16, num_pages=4), True)
