@@ -10,12 +10,28 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def nvidia_smi_gpu() -> str | None:
+    """"name, memory.total, driver_version" of the first GPU from nvidia-smi, without
+    initialising a JAX backend in this process (a server started next needs the memory);
+    None without nvidia-smi or a GPU."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return q.stdout.strip().splitlines()[0] if q.stdout.strip() else None
 
 
 def machine_info() -> dict:

@@ -32,17 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import nvidia_smi_gpu
 from bench.cpu_decode import cpu_model, loadavg
-
-
-def gpu_name() -> str | None:
-    """nvidia-smi's name of the first GPU, None without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else None
 
 
 def wait_health(url: str, proc, limit_s: float) -> float:
@@ -136,7 +127,7 @@ def main(argv=None) -> None:
             print(json.dumps(runs[-1]), flush=True)
     doc = dict(command=" ".join(["python", "-m", "bench.cpu_start",
                                  *(argv if argv is not None else sys.argv[1:])]),
-               machine=dict(cpu=cpu_model(), cores=os.cpu_count(), gpu=gpu_name()),
+               machine=dict(cpu=cpu_model(), cores=os.cpu_count(), gpu=nvidia_smi_gpu()),
                install=install, runs=runs)
     if install:
         doc["install_to_first_answer_s"] = (install["seconds"] + runs[0]["health_s"]

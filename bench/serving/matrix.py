@@ -67,7 +67,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -76,7 +75,7 @@ import time
 import urllib.request
 
 from bench import internals
-from bench.common import ROOT
+from bench.common import ROOT, nvidia_smi_gpu
 
 COMPILE_RE = re.compile(r"Finished XLA compilation of jit\((_prefill|_decode|_nll)\) in "
                         r"([0-9.eE+-]+) ?s")
@@ -126,15 +125,7 @@ def parse_caching(text: str | None) -> list[bool | None]:
 def machine_record() -> tuple[dict, dict]:
     """Device and versions without initialising a JAX backend in this process (the servers
     need the GPU memory)."""
-    device = None
-    if shutil.which("nvidia-smi"):
-        try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                "--format=csv,noheader"], capture_output=True, text=True,
-                               timeout=20)
-            device = q.stdout.strip().splitlines()[0] if q.stdout.strip() else None
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+    device = nvidia_smi_gpu()
     versions = {}
     for pkg in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "numpy", "fastapi",
                 "uvicorn", "aiohttp"):
