@@ -42,11 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8kv.config import CacheConfig
+from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kernels.prologue import QKPrologue, rope_tables
 from jfp8kv.kernels.tiles import transpose_v_pages
 from jfp8kv.kvcache.cache import LayerKV
+from jfp8kv.models.presets import PRESETS
+from jfp8kv.models.transformer import rope_inv_freq
 
 def _jaxlib_version() -> str:
     import jaxlib
@@ -203,11 +205,13 @@ def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto", pro=N
     return make
 
 
-def prologue_inputs(tokens: int, d: int, theta: float = 1e6) -> QKPrologue:
-    """The fused store's prologue as a Qwen3 layer hands it over: RoPE tables for positions
-    0..tokens-1 and q/k norm weights near 1."""
-    inv = jnp.asarray(1.0 / theta ** (np.arange(0, d, 2) / d), jnp.float32)
-    cos, sin = rope_tables(jnp.arange(tokens, dtype=jnp.int32), inv)
+def prologue_inputs(tokens: int, d: int) -> QKPrologue:
+    """The fused store's prologue as a Qwen3-8B layer hands it over (head_dim ``d``): RoPE
+    tables for positions 0..tokens-1 from the model's own frequencies, and q/k norm weights
+    near 1."""
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["qwen3-8b"]), head_dim=d)
+    cos, sin = rope_tables(jnp.arange(tokens, dtype=jnp.int32),
+                           jnp.asarray(rope_inv_freq(cfg)))
     w = 1 + 0.1 * jax.random.normal(jax.random.key(5), (2, d), jnp.float32)
     return QKPrologue(cos, sin, w[0].astype(jnp.bfloat16), w[1].astype(jnp.bfloat16), 1e-6)
 
@@ -477,14 +481,13 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
                         r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
                         b.save()
     if "prologue" in sections:  # the store the engine runs: q/k norm + RoPE + store, 32/8/128
+        heads = dict(hq=4, hkv=2, d=64) if smoke else dict(hq=32, hkv=8, d=128)
         for tokens in ((512, 2048, 8192) if not smoke else (40,)):
             base = run(f"prologue store bf16 {tokens}", lambda: b.store(
-                "bfloat16", None, tokens, hq=32 if not smoke else 4, hkv=8 if not smoke else 2,
-                d=128 if not smoke else 64, where="compare"))
+                "bfloat16", None, tokens, where="compare", **heads))
             for mode in ("token", "tensor", "block"):
                 r = run(f"prologue store {mode} {tokens}", lambda: b.store(
-                    "float8_e4m3fn", mode, tokens, hq=32 if not smoke else 4,
-                    hkv=8 if not smoke else 2, d=128 if not smoke else 64, where="compare"))
+                    "float8_e4m3fn", mode, tokens, where="compare", **heads))
                 if r and base and "ms" in r and "ms" in base:
                     r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
                     b.save()
