@@ -106,7 +106,7 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     def step(tok, valid, rows, state, partial=True):
         k_raw = load_kv_raw(k_ref, ks_ref, h, rows, valid, kv)
         if variant.v_transposed:
-            v_raw = load_vt_raw(v_ref, vs_ref, pt_ref, b, tok, h, rows, valid, kv, d, partial)
+            v_raw = load_vt_raw(v_ref, vs_ref, h, rows, valid, kv, d, partial)
         else:
             v_raw = load_kv_raw(v_ref, vs_ref, h, rows, valid, kv)
         k, k_tok = dequant_kv(*k_raw, valid, kv, kvar)

@@ -192,19 +192,21 @@ def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, col0: int = 
     return x, None
 
 
-def load_vt_raw(v_ref, scale_ref, pt_ref, b, tok, h, rows, valid, kv: KVLayout, d: int,
+def load_vt_raw(v_ref, scale_ref, h, rows, valid, kv: KVLayout, d: int,
                 partial: bool = True):
     """``load_kv_raw`` for V in the ``v_transposed`` layout: a [D, BK] tile (V^T) gathered
     from v_ref [Hkv, P*S*D] page by page (the tile must start on a page and BK be a multiple
     of S: each page's S tokens of a channel are one contiguous run, so the loads vectorize),
-    and its per-token scales [BK] (or None: static / none). ``partial=False`` promises every
-    token of the tile is valid (``key_loop``'s full tiles): no per-token select."""
+    and its per-token scales [BK] (or None: static / none). The pages come from the tile's
+    flat rows (``key_loop``'s, so a prefetched page table serves K and V alike).
+    ``partial=False`` promises every token of the tile is valid (``key_loop``'s full
+    tiles): no per-token select."""
     s = kv.page_size
-    bk = tok.shape[0]
+    bk = rows.shape[0]
     n = bk // s
-    first = jnp.min(tok) // s  # the tile starts on a page
-    slot = jnp.minimum(first + jnp.arange(n, dtype=jnp.int32), pt_ref.shape[1] - 1)
-    page = plgpu.load(pt_ref.at[b, slot])  # [n]
+    # [n]: the tile starts on a page; a masked token's row is its in-page offset (page index
+    # loaded as 0), below any valid row of the page, so the maximum names the page
+    page = jnp.max(rows.reshape(n, s), axis=1) // s
     idx = (page[None, :, None] * (s * d) + jnp.arange(d, dtype=jnp.int32)[:, None, None] * s
            + jnp.arange(s, dtype=jnp.int32)[None, None, :])  # [D, n, S]
     # The mask is per page (uniform over a page's run, so the loads stay vectors); in the
