@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import cache_cfg
+from bench.kernels import cache_cfg, prologue_inputs
 from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kvcache.cache import KVCache
 
@@ -134,18 +134,27 @@ def kernel_stats(ptx: str, ptxas_info: str):
                 top_ops=ops.most_common(12))
 
 
-def store_record(storage, mode, fp8_cast, block_n=32, nw=4, hkv=8, d=128):
-    """Static statistics of one store program (block_n tokens x one KV head, K and V)."""
+def store_record(storage, mode, fp8_cast, block_n=32, nw=4, hkv=8, d=128, prologue=False):
+    """Static statistics of one store program (block_n tokens x one KV head, K and V);
+    ``prologue``: the engine's fused store (``prologue_store``, 32 query heads, block_n 8)."""
     cfg = cache_cfg(storage, mode, hkv, d, num_pages=64)
     static = np.ones((hkv, d), np.float32) if mode in ("tensor", "channel") else None
     layer = KVCache.init(cfg, static, static).layer(0)
     n = 4 * block_n
-    args = (layer, jnp.zeros((n, hkv, d), jnp.bfloat16), jnp.zeros((n, hkv, d), jnp.bfloat16),
-            jnp.arange(16, 16 + n, dtype=jnp.int32))
-    f = functools.partial(pallas_store.store_kv, cfg=cfg, block_n=block_n, num_warps=nw,
-                          fp8_cast=fp8_cast)
-    rec = dict(kernel="store_kv", storage=storage, kv_scale_mode=mode, fp8_cast=fp8_cast,
-               block_n=block_n, num_warps=nw, num_kv_heads=hkv, head_dim=d)
+    slots = jnp.arange(16, 16 + n, dtype=jnp.int32)
+    if prologue:
+        qkv = jnp.zeros((n, 4 * hkv + 2 * hkv, d), jnp.bfloat16)
+        args = (qkv, prologue_inputs(n, d), layer, slots)
+        f = functools.partial(pallas_store.prologue_store, cfg=cfg, block_n=block_n,
+                              num_warps=nw, fp8_cast=fp8_cast)
+    else:
+        args = (layer, jnp.zeros((n, hkv, d), jnp.bfloat16),
+                jnp.zeros((n, hkv, d), jnp.bfloat16), slots)
+        f = functools.partial(pallas_store.store_kv, cfg=cfg, block_n=block_n, num_warps=nw,
+                              fp8_cast=fp8_cast)
+    rec = dict(kernel="prologue_store_kv" if prologue else "store_kv", storage=storage,
+               kv_scale_mode=mode, fp8_cast=fp8_cast, block_n=block_n, num_warps=nw,
+               num_kv_heads=hkv, head_dim=d)
     try:
         (ttir,) = capture_ttir(lambda *a: f(*a), *args)
         ptx, info, shared = compile_ptx(ttir, nw, 1)
@@ -208,6 +217,12 @@ def store_jobs(quick: bool):
         for mode in ("token",) if quick else ("token", "tensor", "block", "channel"):
             for cast in ("software", "hardware", "satfinite"):
                 jobs.append(functools.partial(store_record, st, mode, cast))
+    # the fused prologue store the engine runs, with the cast sm_90 takes ("satfinite")
+    jobs.append(functools.partial(store_record, "bfloat16", None, "auto", block_n=8,
+                                  prologue=True))
+    for mode in ("token",) if quick else ("token", "tensor", "block", "channel"):
+        jobs.append(functools.partial(store_record, "float8_e4m3fn", mode, "satfinite",
+                                      block_n=8, prologue=True))
     return jobs
 
 

@@ -128,7 +128,13 @@ def _store_one(x, pages_ref, scale_in_ref, scale_out_ref, h, ok, slots, valid, c
         amax_all = jnp.max(fp8.amax_ignoring_nan(x))
     else:
         amax_all = jnp.max(jnp.where(nan, 0.0, jnp.abs(x)))
-    static = plgpu.load(scale_in_ref.at[h, c]) if mode.is_static else None  # [1, 1, D]
+    static = None
+    if mode.is_static:  # loaded in x's own shape (per channel) or as a scalar (one scale per
+        # tensor: every entry equal); a [1, 1, D] f32 operand would make Triton re-lay x out
+        # through shared memory and reduce across threads (sm_90 PTX: 2,893 -> 1,550 / 1,695
+        # instructions per tensor / channel program, bench/results/store-ptx-stats.json)
+        static = (plgpu.load(scale_in_ref.at[h, jnp.broadcast_to(c, (bn, g, w))])
+                  if mode.per_channel else jnp.full((1, 1, 1), scale_in_ref[h, 0], jnp.float32))
     q, s, sat = mode.quantize(x, static, pages_ref.dtype, cast=cast,
                               reciprocal=functools.partial(recip_rn, interpret=interpret))
     if s is not None:  # dynamic scales [BN, G] at flat index slot * G + group

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -84,12 +85,17 @@ class ScaleMode:
 
     def init_scales(self, cfg: CacheConfig, static=None) -> list:
         """Per-layer scale arrays of a fresh pool; static modes need ``static``
-        broadcastable to [layers, heads, head_dim]."""
+        broadcastable to [layers, heads, head_dim] (one value per head when the mode has no
+        per-channel scales: kernels read channel 0)."""
         shape = self.scale_shape(cfg)
         if not self.is_static:
             return [jnp.ones(shape, self.scale_dtype) for _ in range(cfg.num_layers)]
         if static is None:
             raise ValueError(f"kv_scale_mode={self.name!r} needs static scales")
+        a = None if isinstance(static, jax.core.Tracer) else np.asarray(static, np.float32)
+        if not self.per_channel and a is not None and a.ndim and np.any(a != a[..., :1]):
+            raise ValueError(f"kv_scale_mode={self.name!r} takes one scale per layer and head "
+                             "(shape [..., 1]); per-channel scales need 'channel'")
         static = jnp.broadcast_to(jnp.asarray(static, jnp.float32), (cfg.num_layers, *shape))
         return [static[i] for i in range(cfg.num_layers)]
 

@@ -112,3 +112,15 @@ def test_pallas_backends_refuse_integer_pools():
     x = jnp.zeros((2, H, D), jnp.bfloat16)
     with pytest.raises(ValueError, match="bitcast_pool=False"):
         kernels.store_kv(layer, x, x, jnp.zeros(2, jnp.int32), cfg, "pallas_interpret")
+
+
+def test_tensor_mode_refuses_per_channel_scales():
+    """'tensor' holds one static scale per layer and head (kernels read channel 0): scales
+    that vary along head_dim are refused with the mode that takes them."""
+    cfg = CacheConfig(num_layers=1, num_kv_heads=2, head_dim=64, num_pages=4, page_size=16,
+                      storage_dtype="float8_e4m3fn", scale_mode="tensor")
+    per_head = np.full((1, 2, 1), 0.01, np.float32)
+    KVCache.init(cfg, per_head, per_head)
+    per_channel = np.linspace(0.01, 0.02, 128, dtype=np.float32).reshape(1, 2, 64)
+    with pytest.raises(ValueError, match="'channel'"):
+        KVCache.init(cfg, per_channel, per_head)
