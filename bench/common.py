@@ -101,3 +101,26 @@ def write_result(path: str, doc: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+
+
+def override_decode_tuning(variant: str | None = None, one_wave: bool = True) -> None:
+    """For this process, make the engine's decode kernel tuning (it asks
+    ``pallas_decode.default_tuning`` when it traces its steps) differ from the default:
+    ``variant`` (e.g. "pagepf+asm+vt") for fp8 pages; ``one_wave=False`` turns the
+    no-split rule off (``DecodeTuning.unsplit_programs``), for an A/B in one run."""
+    import dataclasses
+
+    from jfp8kv.kernels import pallas_decode
+    from jfp8kv.kernels.tiles import Variant
+
+    default = pallas_decode.default_tuning
+    parsed = Variant.parse(variant) if variant else None
+
+    def tuning(cfg):
+        t = default(cfg)
+        if parsed is not None and cfg.is_fp8:
+            t = dataclasses.replace(t, variant=parsed)
+        return t if one_wave else dataclasses.replace(t, unsplit_programs=(0, 0))
+
+    pallas_decode.default_tuning = tuning
+

@@ -8,6 +8,8 @@ timed over full batches whose pages hold random data (never zeros).
     python -m bench.decode_floor --model random:qwen3-8b --batch 64 --context 8192 \
         --out bench/results/decode-floor-h200.json
 
+``--decode-one-wave off`` times it with the decode kernel's splits chosen as before the
+one-wave rule (``pallas_decode.ONE_WAVE``), for an A/B in one call.
 ``--decode-variant pagepf+asm+vt`` times the step with another decode kernel variant for fp8
 pages (``jfp8kv.kernels.tiles.Variant``) in place of the default. For the transposed-V
 prototype (``vt``) this measures the layout before the cache has it: the pages hold random
@@ -27,7 +29,8 @@ import jax
 import numpy as np
 
 from bench import internals, profile_trace
-from bench.common import command_line, copy_bandwidth_tbps, machine_info, write_result
+from bench.common import (command_line, copy_bandwidth_tbps, machine_info,
+                          override_decode_tuning, write_result)
 from jfp8kv import LLM
 
 
@@ -73,23 +76,6 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
                 **({"kernels_per_step": kernels} if kernels else {}))
 
 
-def use_decode_variant(spec: str) -> None:
-    """Make ``spec`` the decode variant of fp8 pages for this process (the engine asks
-    ``pallas_decode.default_tuning`` when it traces its steps)."""
-    import dataclasses
-
-    from jfp8kv.kernels import pallas_decode
-    from jfp8kv.kernels.tiles import Variant
-
-    variant, default = Variant.parse(spec), pallas_decode.default_tuning
-
-    def tuning(cfg):
-        t = default(cfg)
-        return dataclasses.replace(t, variant=variant) if cfg.is_fp8 else t
-
-    pallas_decode.default_tuning = tuning
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="random:qwen3-8b")
@@ -105,10 +91,11 @@ def main(argv=None) -> int:
     p.add_argument("--decode-variant", default=None, metavar="VARIANT",
                    help="fp8 pages: this decode kernel variant instead of the default, e.g. "
                         "pagepf+asm+vt (timing only for vt: see the module docstring)")
+    p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
+                   help="off: the decode kernel splits as before the one-wave rule (A/B)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")
     args = p.parse_args(argv)
-    if args.decode_variant:
-        use_decode_variant(args.decode_variant)
+    override_decode_tuning(args.decode_variant, args.decode_one_wave == "on")
     copy = copy_bandwidth_tbps()
     records = []
     for item in args.configs.split(","):
@@ -117,6 +104,7 @@ def main(argv=None) -> int:
                     args.reps, args.dtype, args.profile)
         r["model_shape"] = args.model
         r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
+        r["decode_one_wave"] = args.decode_one_wave
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
         records.append(r)

@@ -446,13 +446,24 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
 # Issue 13 comparison (``--compare``): the store's f32 -> fp8 cast paths, the fused prologue
 # store the engine runs (fp8 modes against bf16) and the decode P.V candidates, each next to
 # bf16 and today's default, with ratios, in one run.
-COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention"}
+COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention",
+               "splits": "decode_splits", "waves": "decode_waves"}
+# "splits": decode_attention with the default tunings' one-wave rule (no split, no combine
+# pass) against the same tunings without it, at batches whose batch * kv_heads it changes
+# (Qwen3-0.6B at B=32; Qwen3-8B at B=32 and at the 44 sequences an fp8 16 GB pool runs)
+COMPARE_SPLIT_SHAPES = ((32, 640, 16, 8, 128), (32, 4096, 32, 8, 128), (44, 4608, 32, 8, 128))
+# "waves": the kernel table's decode shapes at explicit split counts around today's choice
+# (powers of two up to 528 programs), bf16 and fp8 token: whether programs that fill whole
+# waves of resident CTAs (3 per SM at the defaults' shared memory) beat the rule
+COMPARE_WAVE_SPLITS = {(64, 8192, 32, 8, 128): (1, 2, 3, 4, 5, 6),
+                       (64, 8192, 9, 3, 64): (2, 3, 4, 5, 6, 8),
+                       (8, 32768, 32, 8, 128): (4, 6, 8, 12, 16, 24)}
 COMPARE_STORE_CASTS = ("software", "hardware", "satfinite")
 COMPARE_DECODE_VARIANTS = (  # (variant, block_k, num_stages); the first is today's default
-    ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3), ("pagepf+asm+vmask", 128, 2),
-    ("pagepf+asm+vmask", 64, 3), ("pagepf+asm+nomma", 32, 3),
-    # V pages transposed per page (a layout prototype: the bench re-lays the pages out)
-    ("pagepf+asm+vt", 128, 3), ("pagepf+asm+vt", 128, 2))
+    ("pagepf+asm", 128, 3),
+    # V pages transposed per page (a layout prototype: the bench re-lays the pages out);
+    # vmask and nomma were measured slower than the default (kernels-h200.json, docs)
+    ("pagepf+asm+vt", 128, 3), ("pagepf+asm+vt", 128, 2), ("pagepf+asm+vt", 64, 3))
 
 
 def compare(b: Bench, sections, smoke: bool, budget_s: float):
@@ -516,9 +527,62 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
                     elif default:
                         r["ratio_vs_default"] = round(r["ms"] / default["ms"], 3)
                     b.save()
+    if "splits" in sections:
+        compare_splits(b, smoke, run)
+    if "waves" in sections:
+        compare_waves(b, smoke, run)
     b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
         time.perf_counter() - t0, 1)
     b.save()
+
+
+def compare_splits(b: Bench, smoke: bool, run):
+    """Rows (op "decode_splits") of the default tuning per storage, then the same tuning
+    with ``unsplit_programs`` off (``ratio_vs_split``: its time over the split one's)."""
+    shapes = COMPARE_SPLIT_SHAPES if not smoke else ((2, 64, 8, 2, 64),)
+    for batch, ctx, hq, hkv, d in shapes:
+        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
+            t = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
+            if smoke:  # 2 x 2 pairs: widen the window so the smoke run takes the rule
+                t = dataclasses.replace(t, unsplit_programs=(1, 4))
+            ns = pallas_decode.choose_splits(batch, hkv, ctx, t)
+            rows = []
+            for rule in (t, dataclasses.replace(t, unsplit_programs=(0, 0))):
+                r = run(f"decode splits {storage} {rule.unsplit_programs} {batch}x{ctx}",
+                        lambda: b.decode("jfp8kv", storage, mode, batch, ctx, hq, hkv, d, rule,
+                                         where="compare"))
+                if r:
+                    r.update(op="decode_splits", num_splits=pallas_decode.choose_splits(
+                        batch, hkv, ctx, rule))
+                rows.append(r)
+            if all(r and "ms" in r for r in rows) and ns == 1:
+                rows[0]["ratio_vs_split"] = round(rows[0]["ms"] / rows[1]["ms"], 3)
+            b.save()
+
+
+def compare_waves(b: Bench, smoke: bool, run):
+    """Rows (op "decode_waves") of the default tuning per storage at each split count of
+    ``COMPARE_WAVE_SPLITS`` (``num_splits`` 0: today's rule), with ``ratio_vs_rule``."""
+    table = COMPARE_WAVE_SPLITS if not smoke else {(2, 64, 8, 2, 64): (1, 3)}
+    for (batch, ctx, hq, hkv, d), splits in table.items():
+        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
+            t = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
+            rule = None
+            for ns in (0, *splits):
+                tn = dataclasses.replace(t, num_splits=ns)
+                r = run(f"decode waves {storage} ns{ns} {batch}x{ctx} {hq}/{hkv}/{d}",
+                        lambda: b.decode("jfp8kv", storage, mode, batch, ctx, hq, hkv, d, tn,
+                                         where="compare"))
+                if not r or "ms" not in r:
+                    continue
+                r.update(op="decode_waves", num_splits=pallas_decode.choose_splits(
+                    batch, hkv, ctx, tn), programs=batch * hkv * pallas_decode.choose_splits(
+                    batch, hkv, ctx, tn))
+                if ns == 0:
+                    rule = r
+                elif rule:
+                    r["ratio_vs_rule"] = round(r["ms"] / rule["ms"], 3)
+                b.save()
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated

@@ -79,7 +79,7 @@ import numpy as np
 
 from bench import internals
 from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
-                          matmul_tflops, write_result)
+                          matmul_tflops, override_decode_tuning, write_result)
 
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
@@ -299,7 +299,8 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
     info = dict(llm.cache_info(), max_num_seqs=ec.max_num_seqs,
                 max_num_batched_tokens=ec.max_num_batched_tokens, decode_steps=ec.decode_steps)
     rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
-    rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3))
+    rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
+               decode_one_wave=args.decode_one_wave)
     del llm
     gc.collect()
     return rec
@@ -399,6 +400,8 @@ def parse_args(argv):
     p.add_argument("--overlap-scheduling", choices=("on", "off"), default=None,
                    help="the engine's overlap scheduling (default: the engine's default)")
     p.add_argument("--warmup", choices=("full", "buckets", "off"), default="full")
+    p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
+                   help="off: the decode kernel splits as before the one-wave rule (A/B)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: bench/results/offline-<machine>.json")
     p.add_argument("--append", action="store_true", help="add the runs to an existing --out")
@@ -420,6 +423,7 @@ def main(argv=None) -> int:
         return 0
     from jfp8kv.models.loader import load_model
 
+    override_decode_tuning(one_wave=args.decode_one_wave == "on")
     machine = machine_info()
     out = args.out or os.path.join(RESULTS, f"offline-{machine_slug(machine)}.json")
     rates = {"matmul_tflops": matmul_tflops(), "copy_tbps": copy_bandwidth_tbps()}

@@ -52,7 +52,10 @@ NUM_SMS_H200 = 132
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
-    """Static launch knobs. ``num_splits=0`` picks splits so the grid fills the GPU.
+    """Static launch knobs. ``num_splits=0`` picks splits so the grid fills the GPU
+    (``choose_splits``); ``unsplit_programs=(lo, hi)``: no split when the unsplit grid's
+    batch * kv_heads programs lie in [lo, hi] (one resident wave that already holds at
+    least ``lo`` programs: the combine pass would cost more than it balances); (0, 0): off.
 
     ``variant``: a ``tiles.Variant`` (its short spelling, e.g. "pagepf+asm", is accepted).
     """
@@ -63,9 +66,15 @@ class DecodeTuning:
     num_stages: int = 3
     target_programs: int = 4 * NUM_SMS_H200
     variant: Variant = Variant()
+    unsplit_programs: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         object.__setattr__(self, "variant", as_variant(self.variant))
+
+
+# One wave without splits: from 1.5 programs per SM up to the three CTAs an SM holds at
+# three stages (72-76 KB of shared memory each); measured in docs/kernels-notes.md.
+ONE_WAVE = (3 * NUM_SMS_H200 // 2, 3 * NUM_SMS_H200)
 
 
 def default_tuning(cfg: CacheConfig) -> DecodeTuning:
@@ -73,9 +82,10 @@ def default_tuning(cfg: CacheConfig) -> DecodeTuning:
     if cfg.is_fp8:  # head_dim 256: half the tile keeps registers and shared memory in bounds
         bk = 128 if cfg.head_dim <= 128 else 64
         return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, target_programs=528,
-                            variant=Variant(page_prefetch=True, asm=True))
+                            variant=Variant(page_prefetch=True, asm=True),
+                            unsplit_programs=ONE_WAVE)
     return DecodeTuning(block_k=64, num_warps=4, num_stages=3, target_programs=528,
-                        variant=Variant(page_prefetch=True))
+                        variant=Variant(page_prefetch=True), unsplit_programs=ONE_WAVE)
 
 
 def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs,
@@ -133,10 +143,13 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
 
 def choose_splits(batch: int, num_kv_heads: int, max_tokens: int, tuning: DecodeTuning) -> int:
     """Splits so that batch * kv_heads * splits reaches ``target_programs``; each split keeps
-    at least two tiles of work."""
+    at least two tiles of work. One split when the pairs fall in ``tuning.unsplit_programs``."""
     if tuning.num_splits:
         return tuning.num_splits
     pairs = batch * num_kv_heads
+    lo, hi = tuning.unsplit_programs
+    if lo and lo <= pairs <= hi:
+        return 1
     ns = 1
     while pairs * ns < tuning.target_programs and max_tokens // (2 * ns) >= 2 * tuning.block_k:
         ns *= 2

@@ -108,6 +108,19 @@ def test_choose_splits_fills_the_gpu(batch, kv_heads, max_tokens, expect_min):
     assert max_tokens // ns >= 2 * t.block_k
 
 
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_default_tuning_skips_splits_in_one_wave(storage):
+    """The defaults: no split (no combine pass) when batch * kv_heads is one resident wave
+    of at least 1.5 programs per SM (Qwen3-0.6B at B=32: 256 pairs); splits below that
+    (B=8) and above it (B=64), at any context."""
+    cfg = make_cfg(storage, "token", heads_kv=8, head_dim=128, page_size=16, num_pages=8)
+    t = pallas_decode.default_tuning(cfg)
+    assert pallas_decode.choose_splits(32, 8, 4096, t) == 1
+    assert pallas_decode.choose_splits(8, 8, 4096, t) > 1
+    assert pallas_decode.choose_splits(64, 8, 4096, t) > 1
+    assert pallas_decode.choose_splits(32, 8, 4096, pallas_decode.DecodeTuning()) > 1
+
+
 def _check_v_transposed(case, exec_mode, variant, monkeypatch):
     """V pages in the per-page transposed layout (``tiles.transpose_v_pages``; a layout
     prototype): the kernel reads V^T tiles and must give the reference's numbers on the
