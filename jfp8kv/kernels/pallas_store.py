@@ -186,8 +186,11 @@ def _store_kernel(slots_ref, k_ref, v_ref, _k_pages_in, _v_pages_in, ks_in, vs_i
     else:
         rope = functools.partial(_norm_rope, cos_ref=cos_ref, sin_ref=sin_ref, tok=tok, ok=ok,
                                  eps=pro.eps, dtype=k_ref.dtype)
-        k = rope(lambda ch: _load_rows(k_ref, tok, ok, k_head, ch), c,
-                 kn_ref).astype(jnp.float32)
+        # norm and RoPE over whole rows [BN, 1, D], then the mode's group view [BN, G, W]
+        # (in the group view the norm's sum of squares needs a third load of each row)
+        row = jnp.arange(cfg.head_dim, dtype=jnp.int32)[None, None, :]
+        k = rope(lambda ch: _load_rows(k_ref, tok, ok, k_head, ch), row,
+                 kn_ref).astype(jnp.float32).reshape(block_n, *c.shape[1:])
         _query_prologue(q_ref, qo_ref, qn_ref, rope, h, tok, ok,
                         pro.q_heads // cfg.num_kv_heads)
     args = (h, ok, slots, valid, cfg, interpret, cast)
