@@ -53,19 +53,21 @@ def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: 
 def prologue_store_kv(q, k_new: NewRows, v_new: NewRows, pro: QKPrologue, layer: LayerKV,
                       slots: Slots, cfg: CacheConfig, backend: str = "reference"):
     """The new rows' q/k norm and RoPE (``prologue.apply``), then ``store_kv``: q [N, H, D]
-    and raw k, v [N, Hkv, D] -> (q', layer, stats_row). Pallas backends fuse the prologue
-    into the store kernel (``pallas_store.prologue_store``) when K is stored as computed
-    (``kv_rotation == "none"``); otherwise, and on "reference", the steps run one by one."""
+    and raw k, v [N, Hkv, D] -> (q', layer, stats rows [R, 6]). The rows are partial
+    (``cache.reduce_stat_rows`` gives ``store_kv``'s stats row), so that a model reduces
+    every layer's at once. Pallas backends fuse the prologue into the store kernel
+    (``pallas_store.prologue_store``) when K is stored as computed (``kv_rotation ==
+    "none"``); otherwise, and on "reference", the steps run one by one (R = 1)."""
     if backend != "reference" and cfg.kv_rotation == "none":
         _check_pool(cfg, backend)
         from jfp8kv.kernels import pallas_store
 
         qkv = jnp.concatenate([q, k_new, v_new], axis=1)  # XLA's merged QKV output, unsliced
-        return pallas_store.prologue_store(qkv, pro, layer, slots, cfg,
+        return pallas_store.prologue_store(qkv, pro, layer, slots, cfg, stat_rows=True,
                                            interpret=backend == "pallas_interpret")
     q, k_new = prologue.apply(pro, q, k_new)
     layer, st = store_kv(layer, k_new, v_new, slots, cfg, backend)
-    return q, layer, st
+    return q, layer, st[None]
 
 
 def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,

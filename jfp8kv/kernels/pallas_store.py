@@ -43,7 +43,7 @@ from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.prologue import QKPrologue
 from jfp8kv.kernels.tiles import next_pow2
 from jfp8kv.kvcache import fp8, scale_modes
-from jfp8kv.kvcache.cache import LayerKV
+from jfp8kv.kvcache.cache import LayerKV, reduce_stat_rows
 
 STAT_PAD = 8  # stats partial rows are padded to a power of two
 
@@ -219,28 +219,32 @@ def _query_prologue(q_ref, qo_ref, qn_ref, rope, h, tok, ok, groups):
                 mask=jnp.broadcast_to(row_ok, y.shape))
 
 
-_STATIC = ("cfg", "interpret", "block_n", "num_warps", "fp8_cast")
+_STATIC = ("cfg", "interpret", "block_n", "num_warps", "fp8_cast", "stat_rows")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def store_kv(layer: LayerKV, k_new, v_new, slots, cfg: CacheConfig, interpret: bool = False,
-             block_n: int = 32, num_warps: int = 4, fp8_cast: str = "auto"):
-    """Same contract as ``reference.store_kv``; returns (layer, stats_row float32[6]).
+             block_n: int = 32, num_warps: int = 4, fp8_cast: str = "auto",
+             stat_rows: bool = False):
+    """Same contract as ``reference.store_kv``; returns (layer, stats_row float32[6]), or
+    with ``stat_rows`` the per-program partial rows [programs, 6] unreduced (a caller that
+    stores many layers reduces them all at once: ``cache.reduce_stat_rows``, one kernel
+    instead of two per layer).
 
     Static: cfg, interpret, block_n, num_warps, fp8_cast ("auto": the policy's choice for
     this device, ``fp8.kernel_cast_name``; or "hardware" / "software" to force one, for
-    tests, benchmarks and static PTX statistics). Donate ``layer`` in the caller's jit for
-    an in-place update.
+    tests, benchmarks and static PTX statistics), stat_rows. Donate ``layer`` in the
+    caller's jit for an in-place update.
     """
-    layer, stats, _ = _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps,
-                              fp8_cast)
-    return layer, stats
+    layer, rows, _ = _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps,
+                             fp8_cast)
+    return layer, rows if stat_rows else reduce_stat_rows(rows)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prologue_store(qkv, pro: QKPrologue, layer: LayerKV, slots, cfg: CacheConfig,
                    interpret: bool = False, block_n: int = 8, num_warps: int = 4,
-                   fp8_cast: str = "auto"):
+                   fp8_cast: str = "auto", stat_rows: bool = False):
     """``prologue.apply`` fused into the store. qkv [N, H + 2 Hkv, D]: the chunk's raw q, k
     and v heads in that order, one array (so XLA hands the merged QKV projection over
     without slicing it) -> (q' [N, H, D], layer, stats_row), layer/stats as ``store_kv``
@@ -259,17 +263,18 @@ def prologue_store(qkv, pro: QKPrologue, layer: LayerKV, slots, cfg: CacheConfig
     ins = [pro.cos.astype(jnp.float32), pro.sin.astype(jnp.float32)]
     if pro.has_norm:
         ins += [pro.q_norm, pro.k_norm]
-    layer, stats, q_out = _launch(layer, qkv, qkv, slots, cfg, interpret, block_n, num_warps,
-                                  fp8_cast, static, ins,
-                                  jax.ShapeDtypeStruct((qkv.shape[0], h, qkv.shape[2]),
-                                                       qkv.dtype))
-    return q_out, layer, stats
+    layer, rows, q_out = _launch(layer, qkv, qkv, slots, cfg, interpret, block_n, num_warps,
+                                 fp8_cast, static, ins,
+                                 jax.ShapeDtypeStruct((qkv.shape[0], h, qkv.shape[2]),
+                                                      qkv.dtype))
+    return q_out, layer, rows if stat_rows else reduce_stat_rows(rows)
 
 
 def _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps, fp8_cast,
             pro=None, pro_inputs=(), q_shape=None):
     """The store's ``pallas_call`` (with the prologue's inputs and a q_shape output when
-    ``pro``): (layer, stats_row, q_out or None)."""
+    ``pro``): (layer, stats rows [programs, 6] (``cache.reduce_stat_rows`` gives the stats
+    row), q_out or None)."""
     if fp8_cast == "auto":
         fp8_cast = fp8.kernel_cast_name(device_capability(interpret))
     cast = fp8.kernel_cast(fp8_cast)
@@ -309,9 +314,7 @@ def _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps, fp8_
     else:
         k_pages, v_pages, part = outs
         k_scale, v_scale = layer.k_scale, layer.v_scale
-    counts = jnp.sum(part[..., :4].astype(jnp.int32), axis=(0, 1)).astype(jnp.float32)
-    amax = jnp.max(part[..., 4:6], axis=(0, 1))
-    stats = jnp.concatenate([counts, amax])
+    stats = part[..., :6].reshape(-1, 6)  # one partial row per program
     new_layer = LayerKV(k_pages.reshape(layer.k.shape), v_pages.reshape(layer.v.shape),
                         k_scale, v_scale)
     return new_layer, stats, q_out

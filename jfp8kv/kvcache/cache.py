@@ -57,6 +57,20 @@ Stats = Float32[Array, "layers 6"]
 Shift = Float32[Array, "kv_heads head_dim"]  # K smoothing's per-layer shift
 
 
+def reduce_stat_rows(rows: Float32[Array, "... r 6"]) -> Float32[Array, "... 6"]:
+    """Partial stats rows (``STAT_FIELDS`` order, e.g. one per store program) -> one row:
+    counts summed exactly (as int32), amax maximized."""
+    counts = jnp.sum(rows[..., :4].astype(jnp.int32), axis=-2).astype(jnp.float32)
+    return jnp.concatenate([counts, jnp.max(rows[..., 4:], axis=-2)], axis=-1)
+
+
+def accumulate_stats(stats: Stats, new: Stats) -> Stats:
+    """The running per-layer stats after a step's rows ``new`` [layers, 6]: counts add,
+    amax keeps the running maximum."""
+    return jnp.concatenate([stats[:, :4] + new[:, :4], jnp.maximum(stats[:, 4:], new[:, 4:])],
+                           axis=1)
+
+
 def _check_layer(k: Pages, v: Pages, k_scale: Scales, v_scale: Scales) -> None:
     """Nothing to do: the annotations are the check, when a type checker wraps this."""
 

@@ -163,7 +163,7 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
     """``transformer.forward`` for MLA models (same arguments and result; the cache has the
     latent layout). ``backend`` picks the latent attention kernel (``kernels.latent_attention``:
     ``pallas_mla`` on the Pallas backends); the latent store is the jnp one on every backend."""
-    from jfp8kv.kvcache.cache import KVCache
+    from jfp8kv.kvcache.cache import KVCache, accumulate_stats
     from jfp8kv.models.transformer import acc_dtype, rms_norm
 
     if cache.config.layout != "latent":
@@ -183,10 +183,8 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
         pages.append(p)
         scales.append(s)
         stats.append(st)
-    st = jnp.stack(stats)
-    merged = jnp.concatenate([cache.stats[:, :4] + st[:, :4],
-                              jnp.maximum(cache.stats[:, 4:], st[:, 4:])], axis=1)
-    cache = KVCache(pages, [], scales, [], merged, cache.config)
+    cache = KVCache(pages, [], scales, [], accumulate_stats(cache.stats, jnp.stack(stats)),
+                    cache.config)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 
 

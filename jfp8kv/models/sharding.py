@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache import scale_modes
-from jfp8kv.kvcache.cache import KVCache, LayerKV
+from jfp8kv.kvcache.cache import KVCache, LayerKV, reduce_stat_rows
 from jfp8kv.models.transformer import store_and_attend
 
 AXIS = "tp"
@@ -197,8 +197,9 @@ class TensorParallel:
         def per_device(q, k, v, pro, layer, slots, page_tables, seq_lens, positions):
             out, layer, st = store_and_attend(q, k, v, pro, layer, slots, page_tables,
                                               seq_lens, positions, local, sm_scale, backend)
+            st = reduce_stat_rows(st)
             st = jnp.concatenate([jax.lax.psum(st[:4], AXIS) / r, jax.lax.pmax(st[4:], AXIS)])
-            return out, layer, st
+            return out, layer, st[None]
 
         run = jax.shard_map(per_device, mesh=self.mesh,
                             in_specs=(heads_kv, heads_kv, heads_kv, P(), layer_spec, P(), P(),

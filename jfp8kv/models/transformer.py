@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 from jfp8kv import kernels
 from jfp8kv.config import ModelConfig
 from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
-from jfp8kv.kvcache.cache import KVCache
+from jfp8kv.kvcache.cache import KVCache, accumulate_stats, reduce_stat_rows
 from jfp8kv.models import moe
 
 
@@ -71,7 +71,7 @@ def store_and_attend(q, k_new, v_new, pro: QKPrologue, layer, slots, page_tables
     """One layer's cache step for the chunk's projections q [N, H, hd], k/v [N, Hkv, hd]
     (N = B * T): q/k norm and RoPE (``pro``) and the K/V store at ``slots``, then attention
     of the queries [B, T, H, hd] over the paged context. Returns (out [B, T, H, hd],
-    updated layer, stats row)."""
+    updated layer, partial stats rows [R, 6]: ``kernels.prologue_store_kv``)."""
     q, layer, st = kernels.prologue_store_kv(q, k_new, v_new, pro, layer, slots, ccfg, backend)
     q = q.reshape(*positions.shape, *q.shape[1:])
     out = kernels.paged_attention(q, layer, page_tables, seq_lens, positions, ccfg, sm_scale,
@@ -124,10 +124,8 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
         k_scale.append(layer.k_scale)
         v_scale.append(layer.v_scale)
         stats.append(st)
-    st = jnp.stack(stats)
-    # Counts accumulate; amax columns keep the running maximum.
-    merged = jnp.concatenate([cache.stats[:, :4] + st[:, :4],
-                              jnp.maximum(cache.stats[:, 4:], st[:, 4:])], axis=1)
+    # every layer's partial rows reduced at once (two small kernels per layer otherwise)
+    merged = accumulate_stats(cache.stats, reduce_stat_rows(jnp.stack(stats)))
     cache = KVCache(new_k, new_v, k_scale, v_scale, merged, cache.config, cache.k_shift)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
 

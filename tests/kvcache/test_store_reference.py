@@ -19,7 +19,7 @@ import pytest
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import reference
 from jfp8kv.kvcache import fp8
-from jfp8kv.kvcache.cache import STAT_FIELDS, KVCache
+from jfp8kv.kvcache.cache import STAT_FIELDS, KVCache, accumulate_stats, reduce_stat_rows
 
 FORMATS = ("float8_e4m3fn", "float8_e5m2")
 MODES = ("tensor", "channel", "token", "block")
@@ -405,3 +405,18 @@ def test_roundtrip_error_within_format_bound(name, mode):
         normal = np.abs(x[i]) >= 2.0 ** EMIN[name] * s * 2
         worst = float(np.max(err[normal] / np.abs(x[i][normal])))
         assert worst > 0.85 * 2.0 ** -(MANT[name] + 1), worst
+
+
+def test_stat_rows_reduce_and_accumulate():
+    """Per-program partial stats rows -> one row per layer (counts summed, amax maximized),
+    then the running per-layer stats (counts add, amax keeps its maximum)."""
+    rng = np.random.default_rng()
+    rows = np.concatenate([rng.integers(0, 50, (3, 5, 4)), rng.uniform(0, 9, (3, 5, 2))],
+                          -1).astype(np.float32)  # 3 layers x 5 programs
+    got = np.asarray(reduce_stat_rows(jnp.asarray(rows)))
+    np.testing.assert_array_equal(got[:, :4], rows[..., :4].sum(1))
+    np.testing.assert_array_equal(got[:, 4:], rows[..., 4:].max(1))
+    old = np.asarray([[1, 2, 3, 4, 5.0, 0.5]] * 3, np.float32)
+    acc = np.asarray(accumulate_stats(jnp.asarray(old), jnp.asarray(got)))
+    np.testing.assert_array_equal(acc[:, :4], old[:, :4] + got[:, :4])
+    np.testing.assert_array_equal(acc[:, 4:], np.maximum(old[:, 4:], got[:, 4:]))

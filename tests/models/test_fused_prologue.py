@@ -1,7 +1,7 @@
 """The model through the Pallas kernels (interpret mode), with q/k norm and RoPE fused into the
 store, equals the model through the reference twins run one by one: a 2-layer Qwen3 shape
 (q/k norm, 2 query heads per KV head) in float32, a chunked prefill over non-contiguous
-pages then one decode step, for float32 and fp8 token pages. (With fp8 pages the attention
+pages then one decode step, for float32 and fp8 token pages, and so do the per-layer stats. (With fp8 pages the attention
 kernels run their dots in fp16, the reference in float32: the tolerance is then the GPU
 end-to-end test's.)"""
 
@@ -57,9 +57,15 @@ def test_pallas_interpret_forward_matches_reference(storage, mode):
     steps = [chunk([0, 0], 12, [12, 12]), chunk([12, 12], 8, [13, 20]),
              chunk([13, 20], 1, [14, 21])]
     with jax.default_matmul_precision("highest"):
-        want, _ = _run(params, ccfg, "reference", steps)
-        got, _ = _run(params, ccfg, "pallas_interpret", steps)
+        want, want_cache = _run(params, ccfg, "reference", steps)
+        got, got_cache = _run(params, ccfg, "pallas_interpret", steps)
     tol = 2e-4 if mode is None else 1e-2
     for g, w in zip(got, want):
         assert np.isfinite(g).all()
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
+    # the per-layer stats, reduced from the kernels' per-program rows once per forward:
+    # counts exact, amax as close as the layers' K
+    gs, ws = np.asarray(got_cache.stats), np.asarray(want_cache.stats)
+    np.testing.assert_array_equal(gs[:, :4], ws[:, :4])
+    assert (ws[:, 4:] > 0).all()
+    np.testing.assert_allclose(gs[:, 4:], ws[:, 4:], rtol=tol)
