@@ -63,16 +63,26 @@ def timed(fn, *args, est_ms: float, calls: int = 10, target_ms: float = 4.0,
           max_reps: int = 48):
     """Median ms per op. ``fn(reps)`` returns a jitted f(*args) running the op reps times;
     reps is chosen from the estimate so one timed call lasts about ``target_ms``."""
-    reps = int(min(max_reps, max(2, target_ms / max(est_ms, 1e-3))))
-    f = fn(reps)
-    jax.block_until_ready(f(*args))  # compile + warm-up
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(calls):
-        t = time.perf_counter()
+    return timed_interleaved([(fn, args, est_ms)], calls, target_ms, max_reps)[0]
+
+
+def timed_interleaved(jobs, calls: int = 10, target_ms: float = 4.0, max_reps: int = 48):
+    """``timed`` for ops compared side by side: each job (fn, args, est_ms) is compiled and
+    warmed, then ``calls`` rounds time one call of every job in turn, so a drift of the
+    GPU's clocks or load hits every op alike. -> [(median ms per op, reps), ...]."""
+    runs = []
+    for fn, args, est_ms in jobs:
+        reps = int(min(max_reps, max(2, target_ms / max(est_ms, 1e-3))))
+        f = fn(reps)
+        jax.block_until_ready(f(*args))  # compile + warm-up
         jax.block_until_ready(f(*args))
-        samples.append((time.perf_counter() - t) * 1e3 / reps)
-    return statistics.median(samples), reps
+        runs.append((f, args, reps, []))
+    for _ in range(calls):
+        for f, args, reps, samples in runs:
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            samples.append((time.perf_counter() - t) * 1e3 / reps)
+    return [(statistics.median(samples), reps) for _, _, reps, samples in runs]
 
 
 def copy_tbps(smoke: bool) -> float:
@@ -111,8 +121,10 @@ def make_layer(rng, cfg: CacheConfig, batch: int, context: int):
     def scales(k):
         if not cfg.is_fp8:
             return jnp.ones((0,), jnp.float32)
-        if cfg.scale_mode in ("tensor", "channel"):
-            return jax.random.uniform(k, (h, d), jnp.float32, 0.005, 0.02)
+        if cfg.scale_mode in ("tensor", "channel"):  # tensor: one per head (the policy's)
+            width = d if cfg.scale_mode == "channel" else 1
+            return jnp.broadcast_to(jax.random.uniform(k, (h, width), jnp.float32, 0.005,
+                                                       0.02), (h, d))
         if cfg.scale_mode == "token":
             return jax.random.uniform(k, (h, p, s), jnp.float32, 0.005, 0.02)
         return jax.random.uniform(k, (h, p, s, d // 32), jnp.float32, 0.005, 0.02).astype(
@@ -283,6 +295,34 @@ class Bench:
               hq=None):
         """One store row; ``hq`` (query heads): the engine's fused prologue store (q/k RMS
         norm + RoPE + store, ``pallas_store.prologue_store``) instead of the plain one."""
+        return self.store_group([dict(storage=storage, mode=mode, tokens=tokens, hkv=hkv, d=d,
+                                      fp8_cast=fp8_cast, hq=hq)], where)[0]
+
+    def store_group(self, specs, where="records"):
+        """Store rows (``store``'s arguments as dicts) timed side by side
+        (``timed_interleaved``); a row that fails to build records its error."""
+        built = [self._store_job(**spec) for spec in specs]
+        jobs = [job for _, job in built if job is not None]
+        try:
+            times = iter(timed_interleaved(
+                [(fn, args, est) for fn, args, est, _ in jobs], calls=3 if self.smoke else 20,
+                max_reps=2 if self.smoke else 48))
+        except Exception as e:  # noqa: BLE001
+            times, err = None, f"{type(e).__name__}: {str(e)[:400]}"
+        for rec, job in built:
+            if job is not None and times is not None:
+                ms, reps = next(times)
+                moved = job[3]
+                rec.update(ms=round(ms, 5), tbps=round(moved / ms / 1e9, 4), bytes=moved,
+                           reps=reps)
+            elif job is not None:
+                rec["error"] = err
+            self.add(rec, where)
+        return [rec for rec, _ in built]
+
+    def _store_job(self, storage, mode, tokens, hkv=8, d=128, fp8_cast="auto", hq=None):
+        """(record, (fn, args, est_ms, bytes moved)) of one store row; (record with its
+        error, None) when it cannot be built."""
         rec = dict(op="store" if hq is None else "prologue_store", impl="jfp8kv",
                    kv_cache_dtype=USER_NAME.get(storage, storage), kv_scale_mode=mode,
                    batch=1, tokens=tokens, num_kv_heads=hkv, head_dim=d, fp8_cast=fp8_cast)
@@ -313,13 +353,10 @@ class Bench:
             moved = 2 * tokens * hkv * (d * 2 + d * item + sc) + tokens * 4
             if hq is not None:  # queries read and written, the rotary tables read (f32)
                 moved += 2 * tokens * hq * d * 2 + 2 * tokens * d * 4
-            ms, reps = timed(fn, k, v, slots, est_ms=0.004 + moved / 1e9,
-                             calls=3 if self.smoke else 10, max_reps=2 if self.smoke else 48)
-            rec.update(ms=round(ms, 5), tbps=round(moved / ms / 1e9, 4), bytes=moved, reps=reps)
+            return rec, (fn, (k, v, slots), 0.004 + moved / 1e9, moved)
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        self.add(rec, where)
-        return rec
+            return rec, None
 
     def prefill(self, storage, mode, batch, chunk, prefix, hq=32, hkv=8, d=128, tuning=None,
                 where="records"):
@@ -466,6 +503,15 @@ COMPARE_DECODE_VARIANTS = (  # (variant, block_k, num_stages); the first is toda
     ("pagepf+asm+vt", 128, 3), ("pagepf+asm+vt", 128, 2), ("pagepf+asm+vt", 64, 3))
 
 
+def add_bf16_ratios(rows):
+    """rows[0] is bf16: the others get ``ratio_vs_bf16`` (time / its time)."""
+    if not rows or "ms" not in rows[0]:
+        return
+    for r in rows[1:]:
+        if "ms" in r:
+            r["ratio_vs_bf16"] = round(r["ms"] / rows[0]["ms"], 3)
+
+
 def compare(b: Bench, sections, smoke: bool, budget_s: float):
     """Rows under doc["compare"] with ``ratio_vs_bf16`` (time / bf16 time, same shape) and,
     for decode, ``ratio_vs_default`` (time / today's default variant). Stops starting new
@@ -480,28 +526,26 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
             return None
         return fn()
 
+    # stores: per size, bf16 and every fp8 row timed side by side (``store_group``)
+    sizes = (512, 2048, 8192) if not smoke else (40,)
     if "store" in sections:
-        for tokens in ((512, 2048, 8192) if not smoke else (40,)):
-            base = run(f"store bf16 {tokens}",
-                       lambda: b.store("bfloat16", None, tokens, where="compare"))
-            for mode in ("token", "tensor", "block"):
-                for cast in COMPARE_STORE_CASTS[:2] if smoke else COMPARE_STORE_CASTS:
-                    r = run(f"store {mode} {cast} {tokens}", lambda: b.store(
-                        "float8_e4m3fn", mode, tokens, fp8_cast=cast, where="compare"))
-                    if r and base and "ms" in r and "ms" in base:
-                        r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
-                        b.save()
+        casts = COMPARE_STORE_CASTS[:2] if smoke else COMPARE_STORE_CASTS
+        for tokens in sizes:
+            specs = [dict(storage="bfloat16", mode=None, tokens=tokens)] + [
+                dict(storage="float8_e4m3fn", mode=m, tokens=tokens, fp8_cast=c)
+                for m in ("token", "tensor", "block") for c in casts]
+            rows = run(f"store {tokens}", lambda: b.store_group(specs, "compare"))
+            add_bf16_ratios(rows)
+            b.save()
     if "prologue" in sections:  # the store the engine runs: q/k norm + RoPE + store, 32/8/128
         heads = dict(hq=4, hkv=2, d=64) if smoke else dict(hq=32, hkv=8, d=128)
-        for tokens in ((512, 2048, 8192) if not smoke else (40,)):
-            base = run(f"prologue store bf16 {tokens}", lambda: b.store(
-                "bfloat16", None, tokens, where="compare", **heads))
-            for mode in ("token", "tensor", "block"):
-                r = run(f"prologue store {mode} {tokens}", lambda: b.store(
-                    "float8_e4m3fn", mode, tokens, where="compare", **heads))
-                if r and base and "ms" in r and "ms" in base:
-                    r["ratio_vs_bf16"] = round(r["ms"] / base["ms"], 3)
-                    b.save()
+        for tokens in sizes:
+            specs = [dict(storage="bfloat16", mode=None, tokens=tokens, **heads)] + [
+                dict(storage="float8_e4m3fn", mode=m, tokens=tokens, **heads)
+                for m in ("token", "tensor", "block", "channel")]
+            rows = run(f"prologue store {tokens}", lambda: b.store_group(specs, "compare"))
+            add_bf16_ratios(rows)
+            b.save()
     if "decode" in sections:
         D = pallas_decode.DecodeTuning
         shapes = [(64, 8192, 32, 8, 128), (64, 8192, 9, 3, 64), (8, 32768, 32, 8, 128)]
