@@ -92,7 +92,10 @@ class ScaleMode:
             return [jnp.ones(shape, self.scale_dtype) for _ in range(cfg.num_layers)]
         if static is None:
             raise ValueError(f"kv_scale_mode={self.name!r} needs static scales")
-        a = None if isinstance(static, jax.core.Tracer) else np.asarray(static, np.float32)
+        try:
+            a = np.asarray(static, np.float32)
+        except jax.errors.TracerArrayConversionError:  # under jit (a sharded pool's init)
+            a = None
         if not self.per_channel and a is not None and a.ndim and np.any(a != a[..., :1]):
             raise ValueError(f"kv_scale_mode={self.name!r} takes one scale per layer and head "
                              "(shape [..., 1]); per-channel scales need 'channel'")
