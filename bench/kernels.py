@@ -268,14 +268,16 @@ class Bench:
         print(" ".join(f"{k}={rec[k]}" for k in keys if k in rec), flush=True)
 
     def decode(self, impl, storage, mode, batch, context, hq, hkv, d, tuning=None,
-               where="records"):
+               where="records", page_size=16):
         rec = dict(op="decode_attention", impl=impl,
                    kv_cache_dtype=USER_NAME.get(storage, storage), kv_scale_mode=mode,
                    batch=batch, context=context, num_heads=hq, num_kv_heads=hkv, head_dim=d)
         if tuning is not None:
             rec["tuning"] = dataclasses.asdict(tuning)
+        if page_size != 16:
+            rec["page_size"] = page_size
         try:
-            s = 16
+            s = page_size
             cfg = cache_cfg(storage, mode, hkv, d, 1 + batch * (-(-context // s)), s)
             layer, pt, lens = make_layer(self.rng, cfg, batch, context)
             if tuning is not None and tuning.variant.v_transposed:  # the layout it reads
@@ -484,7 +486,7 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
 # store the engine runs (fp8 modes against bf16) and the decode P.V candidates, each next to
 # bf16 and today's default, with ratios, in one run.
 COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention",
-               "splits": "decode_splits", "waves": "decode_waves"}
+               "splits": "decode_splits", "waves": "decode_waves", "pages": "decode_pages"}
 # "splits": decode_attention with the default tunings' one-wave rule (no split, no combine
 # pass) against the same tunings without it, at batches whose batch * kv_heads it changes
 # (Qwen3-0.6B at B=32; Qwen3-8B at B=32 and at the 44 sequences an fp8 16 GB pool runs)
@@ -575,6 +577,8 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
         compare_splits(b, smoke, run)
     if "waves" in sections:
         compare_waves(b, smoke, run)
+    if "pages" in sections:
+        compare_pages(b, smoke, run)
     b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
         time.perf_counter() - t0, 1)
     b.save()
@@ -626,6 +630,31 @@ def compare_waves(b: Bench, smoke: bool, run):
                     rule = r
                 elif rule:
                     r["ratio_vs_rule"] = round(r["ms"] / rule["ms"], 3)
+                b.save()
+
+
+def compare_pages(b: Bench, smoke: bool, run):
+    """Rows (op "decode_pages") of the default tunings at page sizes 16, 32 and 64, bf16 and
+    fp8 token, B=64 context 8k and B=8 context 32k (32/8/128), with ``ratio_vs_16``. The
+    question: a 16-token fp8 page of one KV head is 2 KB of contiguous bytes (bf16: 4 KB),
+    and the tiles gather pages scattered over the pool; do larger fp8 pages read faster?"""
+    shapes = ((64, 8192), (8, 32768)) if not smoke else ((2, 64),)
+    hq, hkv, d = (32, 8, 128) if not smoke else (8, 2, 64)
+    for batch, ctx in shapes:
+        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
+            t = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
+            base = None
+            for s in (16, 32, 64):
+                r = run(f"decode pages {storage} S{s} {batch}x{ctx}", lambda: b.decode(
+                    "jfp8kv", storage, mode, batch, ctx, hq, hkv, d, t, where="compare",
+                    page_size=s))
+                if not r or "ms" not in r:
+                    continue
+                r.update(op="decode_pages", page_size=s)
+                if s == 16:
+                    base = r
+                elif base:
+                    r["ratio_vs_16"] = round(r["ms"] / base["ms"], 3)
                 b.save()
 
 
