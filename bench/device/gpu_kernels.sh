@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the fp8 cast and decode-variant GPU tests, then the kernel comparisons
-# (store casts, the engine's prologue store, and decode variants, the transposed-V prototype
-# "vt" among them, side by side with bf16) into $OUT/kernels-h200.json;
+# (store casts and the engine's prologue store, each size's rows timed side by side, and
+# decode variants, the transposed-V prototype "vt" among them, beside bf16) into
+# $OUT/kernels-h200.json;
 # STAGES="mla" (not a default): the MLA kernel's GPU tests, then its decode timings (sweep, best
 # per storage) into $OUT/mla-kernels-h200.json.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
@@ -22,6 +23,12 @@ stage tests ${TESTS_LIMIT:-100} python3 -m pytest -q -m gpu -p no:cacheprovider 
 stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store,prologue --budget-s $(( ${STORE_LIMIT:-150} - 40 )) \
   --out "$OUT/kernels-h200.json"
 stage decode ${DECODE_LIMIT:-200} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-200} - 40 )) \
+  --out "$OUT/kernels-h200.json"
+# STAGES=pages / splits (not defaults): decode at page sizes 16/32/64; the one-wave no-split
+# rule against the split rule, and whole-wave split counts (docs/kernels-notes.md)
+stage pages ${PAGES_LIMIT:-150} python3 -m bench.kernels --compare pages --budget-s $(( ${PAGES_LIMIT:-150} - 40 )) \
+  --out "$OUT/kernels-h200.json"
+stage splits ${SPLITS_LIMIT:-200} python3 -m bench.kernels --compare splits,waves --budget-s $(( ${SPLITS_LIMIT:-200} - 40 )) \
   --out "$OUT/kernels-h200.json"
 # STAGES=vtfloor (not a default): the Qwen3-8B decode step (B=64, ctx 4096) with the default
 # fp8 decode kernel and with the transposed-V prototype, one invocation each, same call
