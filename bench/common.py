@@ -106,7 +106,7 @@ def write_result(path: str, doc: dict) -> None:
 def override_decode_tuning(variant: str | None = None, one_wave: bool = True) -> None:
     """For this process, make the engine's decode kernel tuning (it asks
     ``pallas_decode.default_tuning`` when it traces its steps) differ from the default:
-    ``variant`` (e.g. "pagepf+asm+vt") for fp8 pages; ``one_wave=False`` turns the
+    ``variant`` (e.g. "pagepf+asm+vmask") for fp8 pages; ``one_wave=False`` turns the
     no-split rule off (``DecodeTuning.unsplit_programs``), for an A/B in one run."""
     import dataclasses
 

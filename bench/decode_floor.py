@@ -10,11 +10,8 @@ timed over full batches whose pages hold random data (never zeros).
 
 ``--decode-one-wave off`` times it with the decode kernel's splits chosen as before the
 one-wave rule (``pallas_decode.ONE_WAVE``), for an A/B in one call.
-``--decode-variant pagepf+asm+vt`` times the step with another decode kernel variant for fp8
-pages (``jfp8kv.kernels.tiles.Variant``) in place of the default. For the transposed-V
-prototype (``vt``) this measures the layout before the cache has it: the pages hold random
-bytes in either layout, so the step's time is the layout's, while its numbers mean nothing
-and the store still writes the standard layout.
+``--decode-variant pagepf+asm+vmask`` times the step with another decode kernel variant for
+fp8 pages (``jfp8kv.kernels.tiles.Variant``) in place of the default.
 """
 
 from __future__ import annotations
@@ -90,7 +87,7 @@ def main(argv=None) -> int:
                         "(count, busy vs span, by kind, costliest: bench.profile_trace)")
     p.add_argument("--decode-variant", default=None, metavar="VARIANT",
                    help="fp8 pages: this decode kernel variant instead of the default, e.g. "
-                        "pagepf+asm+vt (timing only for vt: see the module docstring)")
+                        "pagepf+asm+vmask")
     p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
                    help="off: the decode kernel splits as before the one-wave rule (A/B)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")

@@ -45,7 +45,6 @@ import numpy as np
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kernels.prologue import QKPrologue, rope_tables
-from jfp8kv.kernels.tiles import transpose_v_pages
 from jfp8kv.kvcache.cache import LayerKV
 from jfp8kv.models.presets import PRESETS
 from jfp8kv.models.transformer import rope_inv_freq
@@ -280,8 +279,6 @@ class Bench:
             s = page_size
             cfg = cache_cfg(storage, mode, hkv, d, 1 + batch * (-(-context // s)), s)
             layer, pt, lens = make_layer(self.rng, cfg, batch, context)
-            if tuning is not None and tuning.variant.v_transposed:  # the layout it reads
-                layer = dataclasses.replace(layer, v=transpose_v_pages(layer.v))
             q = jax.random.normal(jax.random.key(1), (batch, hq, d), jnp.bfloat16)
             moved = kv_bytes(cfg, batch * context) + 2 * q.size * 2 + pt.size * 4
             ms, reps = timed(decode_chain(impl, cfg, tuning, self.interpret), q, layer, pt, lens,
@@ -499,10 +496,8 @@ COMPARE_WAVE_SPLITS = {(64, 8192, 32, 8, 128): (1, 2, 3, 4, 5, 6),
                        (8, 32768, 32, 8, 128): (4, 6, 8, 12, 16, 24)}
 COMPARE_STORE_CASTS = ("software", "hardware", "satfinite")
 COMPARE_DECODE_VARIANTS = (  # (variant, block_k, num_stages); the first is today's default
-    ("pagepf+asm", 128, 3),
-    # V pages transposed per page (a layout prototype: the bench re-lays the pages out);
-    # vmask and nomma were measured slower than the default (kernels-h200.json, docs)
-    ("pagepf+asm+vt", 128, 3), ("pagepf+asm+vt", 128, 2), ("pagepf+asm+vt", 64, 3))
+    ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3), ("pagepf+asm+vmask", 128, 2),
+    ("pagepf+asm+vmask", 64, 3), ("pagepf+asm+nomma", 32, 3))
 
 
 def add_bf16_ratios(rows):

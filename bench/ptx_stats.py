@@ -232,8 +232,7 @@ def decode_jobs(quick: bool):
     heads = [(32, 8, 128)] if quick else [(32, 8, 128), (9, 3, 64)]
     fp8_vars = [("pagepf", 128, 3), ("pagepf+asm", 128, 3), ("pagepf+asm+vmask", 128, 3),
                 ("pagepf+asm+vmask", 128, 2), ("pagepf+asm+vmask", 64, 3),
-                ("pagepf+asm+nomma", 32, 3), ("pagepf+asm+nomma", 128, 3),
-                ("pagepf+asm+vt", 128, 3), ("pagepf+asm+vt", 128, 2)]
+                ("pagepf+asm+nomma", 32, 3), ("pagepf+asm+nomma", 128, 3)]
     if quick:
         fp8_vars = fp8_vars[1:3]
     jobs = []

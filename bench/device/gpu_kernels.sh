@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the fp8 cast and decode-variant GPU tests, then the kernel comparisons
 # (store casts and the engine's prologue store, each size's rows timed side by side, and
-# decode variants, the transposed-V prototype "vt" among them, beside bf16) into
-# $OUT/kernels-h200.json;
+# decode variants beside bf16) into $OUT/kernels-h200.json;
 # STAGES="mla" (not a default): the MLA kernel's GPU tests, then its decode timings (sweep, best
 # per storage) into $OUT/mla-kernels-h200.json.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
@@ -19,7 +18,7 @@ stage() { local name=$1 limit=$2; shift 2; case " $STAGES " in *" $name "*) ;; *
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 30; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 cp bench/results/kernels-h200.json "$OUT/kernels-h200.json"
 stage tests ${TESTS_LIMIT:-100} python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/kernels/test_store.py tests/kernels/test_decode.py -k "cast or bit_exact or variants or v_transposed"
+  tests/kernels/test_store.py tests/kernels/test_decode.py -k "cast or bit_exact or variants"
 stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store,prologue --budget-s $(( ${STORE_LIMIT:-150} - 40 )) \
   --out "$OUT/kernels-h200.json"
 stage decode ${DECODE_LIMIT:-200} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-200} - 40 )) \
@@ -30,13 +29,6 @@ stage pages ${PAGES_LIMIT:-150} python3 -m bench.kernels --compare pages --budge
   --out "$OUT/kernels-h200.json"
 stage splits ${SPLITS_LIMIT:-200} python3 -m bench.kernels --compare splits,waves --budget-s $(( ${SPLITS_LIMIT:-200} - 40 )) \
   --out "$OUT/kernels-h200.json"
-# STAGES=vtfloor (not a default): the Qwen3-8B decode step (B=64, ctx 4096) with the default
-# fp8 decode kernel and with the transposed-V prototype, one invocation each, same call
-# (timing only for vt: bench/decode_floor.py's docstring)
-stage vtfloor ${VTFLOOR_LIMIT:-240} bash -c "python3 -m bench.decode_floor --model random:qwen3-8b \
-  --batch 64 --context 4096 --configs bfloat16:,fp8_e4m3:token --out $OUT/decode-floor-vt-base.json \
-  && python3 -m bench.decode_floor --model random:qwen3-8b --batch 64 --context 4096 \
-  --configs fp8_e4m3:token,fp8_e4m3:tensor --decode-variant pagepf+asm+vt --out $OUT/decode-floor-vt.json"
 stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
 # Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher
 # (kernels.store_kv / paged_attention, where the transform runs), e4m3 token/block/tensor,

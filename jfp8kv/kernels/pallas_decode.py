@@ -43,8 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_dot_tile,
                                   check_head_dim, cols, dequant_kv, init_state, k_variant,
-                                  key_loop, load_kv_raw, load_vt_raw, next_pow2, normalize,
-                                  prepare_q, scale_output, softmax_step)
+                                  key_loop, load_kv_raw, next_pow2, normalize, prepare_q,
+                                  scale_output, softmax_step)
 from jfp8kv.kvcache.cache import LayerKV
 
 NUM_SMS_H200 = 132
@@ -113,22 +113,16 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     qk_scale = sm_scale * LOG2E
     kvar = k_variant(variant)
 
-    def step(tok, valid, rows, state, partial=True):
+    def step(tok, valid, rows, state):
         k_raw = load_kv_raw(k_ref, ks_ref, h, rows, valid, kv)
-        if variant.v_transposed:
-            v_raw = load_vt_raw(v_ref, vs_ref, h, rows, valid, kv, d, partial)
-        else:
-            v_raw = load_kv_raw(v_ref, vs_ref, h, rows, valid, kv)
+        v_raw = load_kv_raw(v_ref, vs_ref, h, rows, valid, kv)
         k, k_tok = dequant_kv(*k_raw, valid, kv, kvar)
         return softmax_step(state, q, k, k_tok, valid[None, :], qk_scale,
                             lambda: dequant_kv(*v_raw, valid, kv, variant), kv.cdt,
-                            variant.nomma, variant.v_transposed)
+                            variant.nomma)
 
-    full = functools.partial(step, partial=False) if variant.v_transposed else step
     acc, m_i, l_i = key_loop(pt_ref, b, start, end, block_k, kv.page_size, init_state(gp, d),
-                             full, variant.page_prefetch,
-                             tail_step=step if variant.v_transposed else None,
-                             tail_block=max(kv.page_size, 16))
+                             step, variant.page_prefetch)
     acc = scale_output(acc, vs_ref, h, kv)
     if not split:
         (o_ref,) = out_refs
@@ -170,8 +164,7 @@ def combine_splits(o, m, l):
 def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                      sm_scale: float, interpret: bool = False,
                      tuning: DecodeTuning | None = None):
-    """q [B, H, D] -> [B, H, D] (q's dtype); same contract as ``reference.decode_attention``
-    (with ``Variant.v_transposed``, for ``layer.v`` in ``tiles.transpose_v_pages`` layout).
+    """q [B, H, D] -> [B, H, D] (q's dtype); same contract as ``reference.decode_attention``.
 
     Static: cfg, sm_scale, interpret, tuning. Nothing is donated.
     """
@@ -192,13 +185,9 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                      jax.ShapeDtypeStruct((b, hkv, ns, g), jnp.float32))
     else:
         out_shape = (jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),)
-    variant = tuning.variant.resolve(cfg, interpret)
-    if variant.v_transposed and tuning.block_k % s:
-        raise ValueError(f"the v_transposed variant reads whole pages: block_k "
-                         f"({tuning.block_k}) must be a multiple of the page size ({s})")
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_splits=ns, num_groups=g, kv=kv,
-        block_k=tuning.block_k, split=split, variant=variant)
+        block_k=tuning.block_k, split=split, variant=tuning.variant.resolve(cfg, interpret))
     outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, ns),
@@ -208,7 +197,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                                              num_stages=tuning.num_stages),
         name="jfp8kv_paged_decode",
     )(seq_lens.astype(jnp.int32), page_tables.astype(jnp.int32), qg,
-      *kv.operands(layer, hkv, v_flat=variant.v_transposed))
+      *kv.operands(layer, hkv))
     if split:
         out = combine_splits(*outs)
     else:

@@ -179,7 +179,7 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     else:
         out_shape = (jax.ShapeDtypeStruct((b, t, nh, value_dim), q.dtype),)
     variant = dataclasses.replace(tuning.variant.resolve(cfg, interpret), vmask=False,
-                                  nomma=False, v_transposed=False)
+                                  nomma=False)
     kernel = functools.partial(
         _mla_kernel, sm_scale=float(sm_scale), rank=value_dim, block_m=bm,
         block_k=tuning.block_k, num_splits=ns, kv=kv, split=split, variant=variant)

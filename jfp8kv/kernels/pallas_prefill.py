@@ -111,9 +111,6 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         raise ValueError("block_m and block_k must be powers of two")
     bt = block_m // gp
     kv = KVLayout.of(cfg)
-    if tuning.variant.v_transposed:
-        raise ValueError("the v_transposed variant is a decode prototype; prefill reads the "
-                         "standard [Hkv, P, S, D] V pages")
     qg = q.reshape(b, t, hkv, g, d)
     kernel = functools.partial(
         _prefill_kernel, sm_scale=float(sm_scale), num_groups=g, group_pad=gp, kv=kv,

@@ -28,7 +28,7 @@ from jfp8kv.kvcache import fp8, scale_modes
 
 LOG2E = 1.4426950408889634
 _VARIANT_NAMES = {"pagepf": "page_prefetch", "asm": "asm", "vmask": "vmask",
-                  "rowscale": "rowscale", "nomma": "nomma", "vt": "v_transposed"}
+                  "rowscale": "rowscale", "nomma": "nomma"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +41,6 @@ class Variant:
     vmask: bool = False  # select on the upcast V tile (f16 transpose, not byte gathers)
     rowscale: bool = False  # per-token scales on the tile rows, not on logits/probabilities
     nomma: bool = False  # decode: q.K and P.V as f32 multiply-reduce over next_pow2(G) rows
-    # decode: V pages hold each page's S x D values in D-major order (``transpose_v_pages``),
-    # so P.V reads V^T tiles whose token pairs are adjacent bytes (a layout prototype)
-    v_transposed: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
@@ -61,10 +58,6 @@ class Variant:
     def resolve(self, cfg: CacheConfig, interpret: bool) -> "Variant":
         """Drop what does not apply: upcast variants on 16/32-bit pages, PTX in interpret."""
         fp8_pages = cfg.is_fp8
-        groups = scale_modes.of(cfg).groups(cfg.head_dim, cfg.scale_block)
-        if self.v_transposed and (self.vmask or self.rowscale or self.nomma or groups > 1):
-            raise ValueError("the v_transposed variant takes no vmask/rowscale/nomma and no "
-                             "per-channel-group (block) scales")
         return dataclasses.replace(self, asm=self.asm and fp8_pages and not interpret,
                                    vmask=self.vmask and fp8_pages,
                                    rowscale=self.rowscale and fp8_pages)
@@ -90,21 +83,12 @@ class KVLayout:
         cdt = jnp.dtype(jnp.float16) if cfg.is_fp8 else jnp.dtype(cfg.storage_dtype)
         return cls(mode, mode.groups(cfg.head_dim, cfg.scale_block), cdt, cfg.page_size)
 
-    def operands(self, layer, num_kv_heads: int, v_flat: bool = False):
-        """(k pages, v pages [Hkv, P*S, D] (``v_flat``: [Hkv, P*S*D]), k scales, v scales in
-        the kernel layout)."""
+    def operands(self, layer, num_kv_heads: int):
+        """(k pages, v pages [Hkv, P*S, D], k scales, v scales in the kernel layout)."""
         d = layer.k.shape[-1]
-        v = layer.v.reshape(num_kv_heads, -1) if v_flat else layer.v.reshape(num_kv_heads, -1, d)
-        return (layer.k.reshape(num_kv_heads, -1, d), v,
+        return (layer.k.reshape(num_kv_heads, -1, d), layer.v.reshape(num_kv_heads, -1, d),
                 self.mode.kernel_scales(layer.k_scale, num_kv_heads),
                 self.mode.kernel_scales(layer.v_scale, num_kv_heads))
-
-
-def transpose_v_pages(v):
-    """Pages [Hkv, P, S, D] -> the same shape holding each page's values in D-major order
-    (element (s, d) of a page at offset d * S + s): the ``v_transposed`` layout."""
-    hkv, p, s, d = v.shape
-    return jnp.swapaxes(v, -1, -2).reshape(hkv, p, s, d)
 
 
 def next_pow2(n: int) -> int:
@@ -192,35 +176,6 @@ def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, col0: int = 
     return x, None
 
 
-def load_vt_raw(v_ref, scale_ref, h, rows, valid, kv: KVLayout, d: int,
-                partial: bool = True):
-    """``load_kv_raw`` for V in the ``v_transposed`` layout: a [D, BK] tile (V^T) gathered
-    from v_ref [Hkv, P*S*D] page by page (the tile must start on a page and BK be a multiple
-    of S: each page's S tokens of a channel are one contiguous run, so the loads vectorize),
-    and its per-token scales [BK] (or None: static / none). The pages come from the tile's
-    flat rows (``key_loop``'s, so a prefetched page table serves K and V alike).
-    ``partial=False`` promises every token of the tile is valid (``key_loop``'s full
-    tiles): no per-token select."""
-    s = kv.page_size
-    bk = rows.shape[0]
-    n = bk // s
-    # [n]: the tile starts on a page; a masked token's row is its in-page offset (page index
-    # loaded as 0), below any valid row of the page, so the maximum names the page
-    page = jnp.max(rows.reshape(n, s), axis=1) // s
-    idx = (page[None, :, None] * (s * d) + jnp.arange(d, dtype=jnp.int32)[:, None, None] * s
-           + jnp.arange(s, dtype=jnp.int32)[None, None, :])  # [D, n, S]
-    # The mask is per page (uniform over a page's run, so the loads stay vectors); in the
-    # partial tile, tokens past the end inside the last page are zeroed after the load.
-    page_ok = jnp.max(valid.reshape(n, s).astype(jnp.int32), axis=1) > 0  # [n]
-    x = plgpu.load(v_ref.at[h, idx], other=0.0,
-                   mask=jnp.broadcast_to(page_ok[None, :, None], idx.shape)).reshape(d, bk)
-    if partial:
-        x = jnp.where(jnp.broadcast_to(valid[None, :], (d, bk)), x, jnp.zeros((), x.dtype))
-    if kv.groups == 1:
-        return x, plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
-    return x, None
-
-
 def dequant_kv(x, sc, valid, kv: KVLayout, variant: Variant):
     """(raw tile, scales) -> (tile [BK, D] in ``kv.cdt`` with group scales applied, per-token
     scale [BK] f32 still to apply to logits / probabilities, or None)."""
@@ -277,8 +232,7 @@ def normalize(acc, l_i):
     return acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
 
 
-def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool = False,
-                 v_transposed: bool = False):
+def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool = False):
     """One online-softmax update with a K tile [BK, D] (per-token scales ``k_tok`` or None).
 
     visible: bool broadcastable to [M, BK]; ``load_v() -> (v [BK, D], v_tok or None)`` is
@@ -286,7 +240,6 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool
     products by f32 multiply-reduce (``fma_nt`` / ``fma_nn``) instead of matrix-unit dots.
     ``q`` and ``k`` may also be equal-length tuples of column chunks of the same rows (MLA's
     latent and RoPE parts): the logits are the sum of the chunks' products.
-    ``v_transposed``: ``load_v`` returns V^T [D, BK].
     """
     acc, m_i, l_i = state
     qs, ks = (q, k) if isinstance(q, tuple) else ((q,), (k,))
@@ -303,58 +256,42 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool
     v, v_tok = load_v()
     if v_tok is not None:
         p = p * v_tok[None, :]
-    if v_transposed:
-        pv = dot_nt(p.astype(cdt), v)
-    else:
-        pv = fma_nn(p, v) if nomma else dot_nn(p.astype(cdt), v)
+    pv = fma_nn(p, v) if nomma else dot_nn(p.astype(cdt), v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_new
 
 
 def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
-             page_prefetch: bool, tail_step=None, tail_block: int | None = None):
+             page_prefetch: bool):
     """Run ``step(tok, valid, rows, state) -> state`` over the tiles of tokens [start, end)
     of batch row b (tok int32[BK], valid tok < end, rows the flat page rows).
 
     With ``page_prefetch`` the page indices of tile i+1 are loaded during tile i and carried,
     so the K/V addresses come from a loop-carried value and Triton's pipeliner can keep
-    several tiles in flight. With ``tail_step``, ``step`` runs only over the full tiles and
-    ``tail_step`` over the last, partial one (if any) in tiles of ``tail_block`` tokens (a
-    divisor of ``block_k``): a separate, small loop whose step may mask per token at a cost
-    the full tiles do not pay.
+    several tiles in flight.
     """
     max_pages = pt_ref.shape[1]
     n_iter = jnp.maximum(end - start + block_k - 1, 0) // block_k
-    n_full = jnp.maximum(end - start, 0) // block_k if tail_step is not None else n_iter
 
-    def tile(i, first=start, bk=block_k):
-        tok = first + i * bk + jnp.arange(bk, dtype=jnp.int32)  # [BK]
+    def tile(i):
+        tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
         return tok, tok < end
 
-    def pages(i, first=start, bk=block_k):
-        tok, valid = tile(i, first, bk)
+    def pages(i):
+        tok, valid = tile(i)
         slot = jnp.minimum(tok // page_size, max_pages - 1)
         return plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)  # [BK]
 
-    def run(fn, i, st, page, first=start, bk=block_k):
-        tok, valid = tile(i, first, bk)
-        return fn(tok, valid, page * page_size + tok % page_size, st)
-
-    def tail(st):  # the partial tile, in tail_block-token tiles (their own page loads)
-        if tail_step is None:
-            return tuple(st)
-        first = start + n_full * block_k
-        n_tail = jnp.maximum(end - first + tail_block - 1, 0) // tail_block
-        return jax.lax.fori_loop(0, n_tail, lambda i, s: run(
-            tail_step, i, s, pages(i, first, tail_block), first, tail_block), tuple(st))
+    def run(i, st, page):
+        tok, valid = tile(i)
+        return step(tok, valid, page * page_size + tok % page_size, st)
 
     if not page_prefetch:
-        state = jax.lax.fori_loop(0, n_full, lambda i, st: run(step, i, st, pages(i)), state)
-        return tail(state)
+        return jax.lax.fori_loop(0, n_iter, lambda i, st: run(i, st, pages(i)), state)
 
     def body(i, carry):
         *st, page = carry
-        return (*run(step, i, tuple(st), page), pages(i + 1))
+        return (*run(i, tuple(st), page), pages(i + 1))
 
-    *state, _ = jax.lax.fori_loop(0, n_full, body, (*state, pages(0)))
-    return tail(state)
+    *state, _ = jax.lax.fori_loop(0, n_iter, body, (*state, pages(0)))
+    return tuple(state)

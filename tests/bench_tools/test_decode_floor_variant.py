@@ -19,9 +19,9 @@ def test_decode_variant_applies_to_fp8_pages_only(monkeypatch):
     monkeypatch.setattr(pallas_decode, "default_tuning", pallas_decode.default_tuning)
     fp8, bf16 = _cfgs()
     before = pallas_decode.default_tuning(fp8), pallas_decode.default_tuning(bf16)
-    override_decode_tuning("pagepf+asm+vt")
+    override_decode_tuning("pagepf+asm+vmask")
     after = pallas_decode.default_tuning(fp8)
-    assert str(after.variant) == "pagepf+asm+vt"
+    assert str(after.variant) == "pagepf+asm+vmask"
     assert after.block_k == before[0].block_k and after.num_stages == before[0].num_stages
     assert pallas_decode.default_tuning(bf16) == before[1]
 

@@ -10,16 +10,13 @@ a clean copy. Shapes cover page sizes 8..128, head_dim 64/128/256, GQA groups 1.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jfp8kv.kernels import pallas_decode, reference
-from jfp8kv.kernels.tiles import Variant, transpose_v_pages
-from jfp8kv.kvcache.cache import KVCache
+from jfp8kv.kernels.tiles import Variant
 
 from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec, sweep
 
@@ -119,53 +116,3 @@ def test_default_tuning_skips_splits_in_one_wave(storage):
     assert pallas_decode.choose_splits(8, 8, 4096, t) > 1
     assert pallas_decode.choose_splits(64, 8, 4096, t) > 1
     assert pallas_decode.choose_splits(32, 8, 4096, pallas_decode.DecodeTuning()) > 1
-
-
-def _check_v_transposed(case, exec_mode, variant, monkeypatch):
-    """V pages in the per-page transposed layout (``tiles.transpose_v_pages``; a layout
-    prototype): the kernel reads V^T tiles and must give the reference's numbers on the
-    standard layout. The case's poisoned layer is re-laid out before the kernel sees it."""
-    real = pallas_decode.decode_attention
-
-    def on_transposed(q, layer, *rest, **kw):
-        layer = dataclasses.replace(layer, v=transpose_v_pages(layer.v))
-        return real(q, layer, *rest, **kw)
-
-    monkeypatch.setattr(pallas_decode, "decode_attention", on_transposed)
-    test_decode_matches_reference(case, exec_mode, variant)
-
-
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 5, 6)],
-                         ids=[IDS[i] for i in (0, 2, 5, 6)])
-def test_decode_v_transposed_variant_interpret(case, monkeypatch):
-    _check_v_transposed(case, "interpret", Variant(page_prefetch=True, v_transposed=True),
-                        monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", [Variant(page_prefetch=True, v_transposed=True),
-                                     Variant(page_prefetch=True, asm=True, v_transposed=True)],
-                         ids=str)
-@pytest.mark.parametrize("case", [CASES[i] for i in (2, 8, 9, 13)],
-                         ids=[IDS[i] for i in (2, 8, 9, 13)])
-def test_decode_v_transposed_variant_gpu(case, variant, monkeypatch):
-    if not has_gpu():
-        pytest.skip("needs an NVIDIA GPU")
-    _check_v_transposed(case, "gpu", variant, monkeypatch)
-
-
-def test_v_transposed_refuses_what_it_cannot_read():
-    cfg = make_cfg("float8_e4m3fn", "block", heads_kv=2, head_dim=64, page_size=16,
-                   num_pages=4)
-    with pytest.raises(ValueError, match="block"):
-        Variant(v_transposed=True).resolve(cfg, True)
-    bf16 = make_cfg("bfloat16", None, heads_kv=2, head_dim=64, page_size=32, num_pages=4)
-    with pytest.raises(ValueError, match="multiple of the page size"):
-        pallas_decode.decode_attention(
-            jnp.zeros((1, 4, 64), jnp.bfloat16), KVCache.init(bf16).layer(0),
-            jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32), bf16, 0.1,
-            interpret=True,
-            tuning=pallas_decode.DecodeTuning(block_k=16, variant=Variant.parse("pagepf+vt")))
-    with pytest.raises(ValueError, match="vmask"):
-        Variant(v_transposed=True, vmask=True).resolve(
-            make_cfg("bfloat16", None, heads_kv=2, head_dim=64, page_size=16, num_pages=4), True)
