@@ -579,78 +579,61 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
     b.save()
 
 
-def compare_splits(b: Bench, smoke: bool, run):
-    """Rows (op "decode_splits") of the default tuning per storage, then the same tuning
-    with ``unsplit_programs`` off (``ratio_vs_split``: its time over the split one's)."""
-    shapes = COMPARE_SPLIT_SHAPES if not smoke else ((2, 64, 8, 2, 64),)
-    for batch, ctx, hq, hkv, d in shapes:
+def decode_series(b: Bench, run, op: str, shapes, settings):
+    """Decode rows (op ``op``) of the default tuning per storage (bf16, fp8 token) at each
+    shape (batch, context, hq, hkv, d), changed by each of ``settings(shape)``: (label,
+    tuning -> tuning, page size). Every row records its split count and programs; all but
+    the first of a series get ``ratio_vs_first`` (time / the first setting's)."""
+    for shape in shapes:
+        batch, ctx, hq, hkv, d = shape
         for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
-            t = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
-            if smoke:  # 2 x 2 pairs: widen the window so the smoke run takes the rule
-                t = dataclasses.replace(t, unsplit_programs=(1, 4))
-            ns = pallas_decode.choose_splits(batch, hkv, ctx, t)
-            rows = []
-            for rule in (t, dataclasses.replace(t, unsplit_programs=(0, 0))):
-                r = run(f"decode splits {storage} {rule.unsplit_programs} {batch}x{ctx}",
-                        lambda: b.decode("jfp8kv", storage, mode, batch, ctx, hq, hkv, d, rule,
-                                         where="compare"))
-                if r:
-                    r.update(op="decode_splits", num_splits=pallas_decode.choose_splits(
-                        batch, hkv, ctx, rule))
-                rows.append(r)
-            if all(r and "ms" in r for r in rows) and ns == 1:
-                rows[0]["ratio_vs_split"] = round(rows[0]["ms"] / rows[1]["ms"], 3)
-            b.save()
+            base = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
+            first = None
+            for label, change, page_size in settings(shape):
+                t = change(base)
+                r = run(f"{op} {storage} {label} {batch}x{ctx} {hq}/{hkv}/{d}", lambda: b.decode(
+                    "jfp8kv", storage, mode, batch, ctx, hq, hkv, d, t, where="compare",
+                    page_size=page_size))
+                if not r or "ms" not in r:
+                    continue
+                ns = pallas_decode.choose_splits(batch, hkv, ctx, t)
+                r.update(op=op, setting=label, num_splits=ns, programs=batch * hkv * ns,
+                         page_size=page_size)
+                if first is None:
+                    first = r
+                else:
+                    r["ratio_vs_first"] = round(r["ms"] / first["ms"], 3)
+                b.save()
+
+
+def compare_splits(b: Bench, smoke: bool, run):
+    """"splits": the defaults' one-wave rule, then the same tunings without it."""
+    widen = (lambda t: dataclasses.replace(t, unsplit_programs=(1, 4))) if smoke else (
+        lambda t: t)  # smoke: 2 x 2 pairs, a window the rule takes
+    decode_series(b, run, "decode_splits",
+                  COMPARE_SPLIT_SHAPES if not smoke else ((2, 64, 8, 2, 64),),
+                  lambda shape: [("one-wave rule", widen, 16), ("split rule", lambda t:
+                                 dataclasses.replace(t, unsplit_programs=(0, 0)), 16)])
 
 
 def compare_waves(b: Bench, smoke: bool, run):
-    """Rows (op "decode_waves") of the default tuning per storage at each split count of
-    ``COMPARE_WAVE_SPLITS`` (``num_splits`` 0: today's rule), with ``ratio_vs_rule``."""
+    """"waves": today's rule (``num_splits`` 0), then each split count of
+    ``COMPARE_WAVE_SPLITS``."""
     table = COMPARE_WAVE_SPLITS if not smoke else {(2, 64, 8, 2, 64): (1, 3)}
-    for (batch, ctx, hq, hkv, d), splits in table.items():
-        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
-            t = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
-            rule = None
-            for ns in (0, *splits):
-                tn = dataclasses.replace(t, num_splits=ns)
-                r = run(f"decode waves {storage} ns{ns} {batch}x{ctx} {hq}/{hkv}/{d}",
-                        lambda: b.decode("jfp8kv", storage, mode, batch, ctx, hq, hkv, d, tn,
-                                         where="compare"))
-                if not r or "ms" not in r:
-                    continue
-                r.update(op="decode_waves", num_splits=pallas_decode.choose_splits(
-                    batch, hkv, ctx, tn), programs=batch * hkv * pallas_decode.choose_splits(
-                    batch, hkv, ctx, tn))
-                if ns == 0:
-                    rule = r
-                elif rule:
-                    r["ratio_vs_rule"] = round(r["ms"] / rule["ms"], 3)
-                b.save()
+    decode_series(b, run, "decode_waves", list(table), lambda shape: [
+        (f"ns{ns}", lambda t, ns=ns: dataclasses.replace(t, num_splits=ns), 16)
+        for ns in (0, *table[shape])])
 
 
 def compare_pages(b: Bench, smoke: bool, run):
-    """Rows (op "decode_pages") of the default tunings at page sizes 16, 32 and 64, bf16 and
-    fp8 token, B=64 context 8k and B=8 context 32k (32/8/128), with ``ratio_vs_16``. The
-    question: a 16-token fp8 page of one KV head is 2 KB of contiguous bytes (bf16: 4 KB),
-    and the tiles gather pages scattered over the pool; do larger fp8 pages read faster?"""
-    shapes = ((64, 8192), (8, 32768)) if not smoke else ((2, 64),)
-    hq, hkv, d = (32, 8, 128) if not smoke else (8, 2, 64)
-    for batch, ctx in shapes:
-        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token")):
-            t = pallas_decode.default_tuning(cache_cfg(storage, mode, hkv, d, 2))
-            base = None
-            for s in (16, 32, 64):
-                r = run(f"decode pages {storage} S{s} {batch}x{ctx}", lambda: b.decode(
-                    "jfp8kv", storage, mode, batch, ctx, hq, hkv, d, t, where="compare",
-                    page_size=s))
-                if not r or "ms" not in r:
-                    continue
-                r.update(op="decode_pages", page_size=s)
-                if s == 16:
-                    base = r
-                elif base:
-                    r["ratio_vs_16"] = round(r["ms"] / base["ms"], 3)
-                b.save()
+    """"pages": page sizes 16, 32 and 64, B=64 context 8k and B=8 context 32k (32/8/128).
+    The question: a 16-token fp8 page of one KV head is 2 KB of contiguous bytes (bf16:
+    4 KB), and the tiles gather pages scattered over the pool; do larger fp8 pages read
+    faster?"""
+    shapes = ((64, 8192, 32, 8, 128), (8, 32768, 32, 8, 128)) if not smoke else (
+        (2, 64, 8, 2, 64),)
+    decode_series(b, run, "decode_pages", shapes,
+                  lambda shape: [(f"S{s}", lambda t: t, s) for s in (16, 32, 64)])
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated
