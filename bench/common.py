@@ -123,4 +123,3 @@ def override_decode_tuning(variant: str | None = None, one_wave: bool = True) ->
         return t if one_wave else dataclasses.replace(t, unsplit_programs=(0, 0))
 
     pallas_decode.default_tuning = tuning
-

@@ -45,7 +45,7 @@ import numpy as np
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
 from jfp8kv.kernels.prologue import QKPrologue, rope_tables
-from jfp8kv.kvcache.cache import LayerKV
+from jfp8kv.kvcache.cache import LayerKV, reduce_stat_rows
 from jfp8kv.models.presets import PRESETS
 from jfp8kv.models.transformer import rope_inv_freq
 
@@ -192,26 +192,29 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
 
 
 def store_chain(cfg: CacheConfig, interpret: bool, fp8_cast: str = "auto", pro=None):
-    """reps -> jitted f(layer, k, v, slots) -> (layer, summed stats) storing reps times.
-    ``pro`` (a ``QKPrologue``): the engine's fused store instead, ``k`` then being the raw
-    qkv heads [N, H + 2 Hkv, D] (``v`` unused); each call's queries feed the sum."""
+    """reps -> jitted f(layer, k, v, slots) -> (layer, stats) storing reps times; the calls'
+    stats rows are reduced once at the end, as the model reduces its layers' (so no row
+    pays a per-call reduction the engine does not run). ``pro`` (a ``QKPrologue``): the
+    engine's fused store instead, ``k`` then being the raw qkv heads [N, H + 2 Hkv, D]
+    (``v`` unused); each call's queries feed the result."""
     def store(layer, k, v, slots):
         if pro is None:
-            layer, st = pallas_store.store_kv(layer, k, v, slots, cfg, interpret=interpret,
-                                              fp8_cast=fp8_cast)
-            return layer, st
-        q, layer, st = pallas_store.prologue_store(k, pro, layer, slots, cfg,
-                                                   interpret=interpret, fp8_cast=fp8_cast)
-        return layer, st + q[0, 0, 0].astype(jnp.float32)
+            layer, rows = pallas_store.store_kv(layer, k, v, slots, cfg, interpret=interpret,
+                                                fp8_cast=fp8_cast, stat_rows=True)
+            return layer, rows, None
+        q, layer, rows = pallas_store.prologue_store(k, pro, layer, slots, cfg, stat_rows=True,
+                                                     interpret=interpret, fp8_cast=fp8_cast)
+        return layer, rows, q[0, 0, 0].astype(jnp.float32)
 
     def make(reps):
         @functools.partial(jax.jit, donate_argnums=(0,))
         def f(layer, k, v, slots):
-            tot = jnp.zeros((6,), jnp.float32)
+            rows, qs = [], []
             for _ in range(reps):
-                layer, st = store(layer, k, v, slots)
-                tot = tot + st
-            return layer, tot
+                layer, r, q = store(layer, k, v, slots)
+                rows.append(r)
+                qs.append(jnp.zeros((), jnp.float32) if q is None else q)
+            return layer, reduce_stat_rows(jnp.concatenate(rows)) + jnp.sum(jnp.stack(qs))
         return f
     return make
 

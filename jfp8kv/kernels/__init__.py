@@ -23,7 +23,7 @@ from jfp8kv.kernels import mla_reference, prologue, reference
 from jfp8kv.kernels.mla_reference import LatentPages, LatentQueries, LatentRows
 from jfp8kv.kernels.prologue import QKPrologue
 from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
-                                      StatsRow)
+                                      StatRows, StatsRow)
 from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -38,15 +38,19 @@ def _check_pool(cfg: CacheConfig, backend: str) -> None:
 
 
 def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots, cfg: CacheConfig,
-             backend: str = "reference") -> tuple[LayerKV, StatsRow]:
-    """Store post-RoPE rows; K goes through ``cfg.kv_rotation`` first (``k_transform``)."""
+             backend: str = "reference", stat_rows: bool = False
+             ) -> tuple[LayerKV, StatsRow | StatRows]:
+    """Store post-RoPE rows; K goes through ``cfg.kv_rotation`` first (``k_transform``).
+    ``stat_rows``: the stats as partial rows [R, 6] (``cache.reduce_stat_rows`` gives the
+    row), so that a model reduces every layer's at once."""
     k_new = k_transform.store_rows(k_new, layer.k_shift, cfg)
     if backend == "reference":
-        return reference.store_kv(layer, k_new, v_new, slots, cfg)
+        layer, st = reference.store_kv(layer, k_new, v_new, slots, cfg)
+        return layer, st[None] if stat_rows else st
     _check_pool(cfg, backend)
     from jfp8kv.kernels import pallas_store
 
-    return pallas_store.store_kv(layer, k_new, v_new, slots, cfg,
+    return pallas_store.store_kv(layer, k_new, v_new, slots, cfg, stat_rows=stat_rows,
                                  interpret=backend == "pallas_interpret")
 
 
@@ -57,7 +61,7 @@ def prologue_store_kv(q, k_new: NewRows, v_new: NewRows, pro: QKPrologue, layer:
     (``cache.reduce_stat_rows`` gives ``store_kv``'s stats row), so that a model reduces
     every layer's at once. Pallas backends fuse the prologue into the store kernel
     (``pallas_store.prologue_store``) when K is stored as computed (``kv_rotation ==
-    "none"``); otherwise, and on "reference", the steps run one by one (R = 1)."""
+    "none"``); otherwise, and on "reference", the steps run one by one."""
     if backend != "reference" and cfg.kv_rotation == "none":
         _check_pool(cfg, backend)
         from jfp8kv.kernels import pallas_store
@@ -66,8 +70,8 @@ def prologue_store_kv(q, k_new: NewRows, v_new: NewRows, pro: QKPrologue, layer:
         return pallas_store.prologue_store(qkv, pro, layer, slots, cfg, stat_rows=True,
                                            interpret=backend == "pallas_interpret")
     q, k_new = prologue.apply(pro, q, k_new)
-    layer, st = store_kv(layer, k_new, v_new, slots, cfg, backend)
-    return q, layer, st[None]
+    layer, rows = store_kv(layer, k_new, v_new, slots, cfg, backend, stat_rows=True)
+    return q, layer, rows
 
 
 def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_lens: SeqLens,

@@ -32,6 +32,7 @@ from jfp8kv.kvcache.cache import LayerKV, as_pool, as_storage
 NewRows = Float[Array, "n kv_heads head_dim"]
 Slots = Int[Array, "n"]
 StatsRow = Float32[Array, "6"]
+StatRows = Float32[Array, "r 6"]  # partial rows (``cache.reduce_stat_rows``)
 Queries = Float[Array, "b t heads head_dim"]
 PageTables = Int[Array, "b max_pages"]
 SeqLens = Int[Array, "b"]
