@@ -144,12 +144,15 @@ def test_client_disconnect_while_waiting_non_streaming_aborts(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
         s.sendall(_raw_request({"prompt": "wait for me", "max_tokens": 100, "ignore_eos": True,
                                 "temperature": 0}))
-        for _ in range(200):  # until the engine holds pages for it (bounded: 20 s)
-            if metric_values(server.url)["jfp8kv_kv_cache_pages_used"] > 0:
+        # until the engine runs it (bounded: 20 s). No sleep between polls: the tiny model
+        # decodes its 100 tokens in a fraction of a second, and the client must leave first.
+        deadline = time.monotonic() + 20
+        while True:
+            m = metric_values(server.url)
+            if m["jfp8kv_num_requests_running"] > 0 or m["jfp8kv_kv_cache_pages_used"] > 0:
                 break
-            time.sleep(0.1)
-        else:
-            raise AssertionError("request never started")
+            if time.monotonic() > deadline:
+                raise AssertionError("request never started")
     m = wait_idle(server.url)
     key = 'jfp8kv_requests_total{finish_reason=%s}'
     assert m[key % "abort"] == before[key % "abort"] + 1
