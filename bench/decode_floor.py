@@ -37,18 +37,19 @@ def profile_dispatch(llm, rows, steps) -> dict:
         lambda: jax.block_until_ready(internals.decode_dispatch(llm, rows, steps)), per=steps)
 
 
-def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
-    max_len = context + steps + 16
+def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, page_size=16):
+    max_len = context + steps + page_size
     probe = dict(model=model, dtype=dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
                  kv_scales=0.05 if mode in ("tensor", "channel") else None,
-                 max_model_len=max_len, max_num_seqs=batch, decode_steps=steps)
-    pages_per_seq = math.ceil(max_len / 16)
+                 max_model_len=max_len, max_num_seqs=batch, decode_steps=steps,
+                 page_size=page_size)
+    pages_per_seq = math.ceil(max_len / page_size)
     from jfp8kv.models.loader import load_model
 
     loaded = load_model(model, dtype)
     cfg = loaded.config
     bpt = internals.kv_bytes_per_token(cfg, kv, mode, dtype)
-    mem = (batch * pages_per_seq + 2) * 16 * bpt + (1 << 24)
+    mem = (batch * pages_per_seq + 2) * page_size * bpt + (1 << 24)
     llm = LLM(loaded=loaded, **probe, kv_cache_memory=mem)
     internals.fill_cache_random(llm, jax.random.PRNGKey(1))
     rows = [(7 + i, context, list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
@@ -68,7 +69,7 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False):
     gc.collect()
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, batch=batch, context=context,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),
-                bytes_per_token=bpt, decode_steps=steps, reps=reps,
+                bytes_per_token=bpt, decode_steps=steps, reps=reps, page_size=page_size,
                 step_ms_all=[t / steps * 1e3 for t in times],
                 **({"kernels_per_step": kernels} if kernels else {}))
 
@@ -81,7 +82,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--configs", default="bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor")
+    p.add_argument("--configs", default="bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor",
+                   help="comma-separated kv_cache_dtype:scale_mode[:page_size] (page size "
+                        "default 16), e.g. fp8_e4m3:token:32")
     p.add_argument("--profile", action="store_true",
                    help="also trace one dispatch and summarize its kernels per decode step "
                         "(count, busy vs span, by kind, costliest: bench.profile_trace)")
@@ -96,16 +99,17 @@ def main(argv=None) -> int:
     copy = copy_bandwidth_tbps()
     records = []
     for item in args.configs.split(","):
-        kv, mode = item.split(":")
+        kv, mode, *page = item.split(":")
         r = measure(args.model, kv, mode or None, args.batch, args.context, args.steps,
-                    args.reps, args.dtype, args.profile)
+                    args.reps, args.dtype, args.profile, int(page[0]) if page else 16)
         r["model_shape"] = args.model
         r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
         r["decode_one_wave"] = args.decode_one_wave
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
         records.append(r)
-        print(f"{args.model} {kv:9s} {mode or '-':7s} B={args.batch} ctx={args.context}: "
+        print(f"{args.model} {kv:9s} {mode or '-':7s} S={r['page_size']} B={args.batch} "
+              f"ctx={args.context}: "
               f"step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({r['step_over_floor']:.2f}x)", flush=True)
         k = r.get("kernels_per_step")
