@@ -29,6 +29,7 @@ from bench import internals, profile_trace
 from bench.common import (command_line, copy_bandwidth_tbps, machine_info,
                           override_decode_tuning, write_result)
 from jfp8kv import LLM
+from jfp8kv.config import GEMM_AUTOTUNE
 
 
 def profile_dispatch(llm, rows, steps) -> dict:
@@ -37,12 +38,14 @@ def profile_dispatch(llm, rows, steps) -> dict:
         lambda: jax.block_until_ready(internals.decode_dispatch(llm, rows, steps)), per=steps)
 
 
-def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, page_size=16):
+def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, page_size=16,
+            gemm_autotune=None):
     max_len = context + steps + page_size
     probe = dict(model=model, dtype=dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
                  kv_scales=0.05 if mode in ("tensor", "channel") else None,
                  max_model_len=max_len, max_num_seqs=batch, decode_steps=steps,
-                 page_size=page_size)
+                 page_size=page_size,
+                 **({"decode_gemm_autotune": gemm_autotune} if gemm_autotune else {}))
     pages_per_seq = math.ceil(max_len / page_size)
     from jfp8kv.models.loader import load_model
 
@@ -65,11 +68,13 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, 
     kernels = profile_dispatch(llm, rows, steps) if profile else None
     weight_bytes = internals.weight_bytes(llm)
     kv_bytes = batch * (context + steps / 2) * bpt
+    autotune = llm.engine_config.decode_gemm_autotune
     del llm, loaded
     gc.collect()
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, batch=batch, context=context,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),
                 bytes_per_token=bpt, decode_steps=steps, reps=reps, page_size=page_size,
+                decode_gemm_autotune=autotune,
                 step_ms_all=[t / steps * 1e3 for t in times],
                 **({"kernels_per_step": kernels} if kernels else {}))
 
@@ -93,6 +98,8 @@ def main(argv=None) -> int:
                         "pagepf+asm+vmask")
     p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
                    help="off: the decode kernel splits as before the one-wave rule (A/B)")
+    p.add_argument("--decode-gemm-autotune", choices=GEMM_AUTOTUNE, default=None,
+                   help="XLA's GEMM tiling search for the decode step (default: the engine's)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")
     args = p.parse_args(argv)
     override_decode_tuning(args.decode_variant, args.decode_one_wave == "on")
@@ -101,7 +108,8 @@ def main(argv=None) -> int:
     for item in args.configs.split(","):
         kv, mode, *page = item.split(":")
         r = measure(args.model, kv, mode or None, args.batch, args.context, args.steps,
-                    args.reps, args.dtype, args.profile, int(page[0]) if page else 16)
+                    args.reps, args.dtype, args.profile, int(page[0]) if page else 16,
+                    args.decode_gemm_autotune)
         r["model_shape"] = args.model
         r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
         r["decode_one_wave"] = args.decode_one_wave

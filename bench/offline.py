@@ -80,6 +80,7 @@ import numpy as np
 from bench import internals
 from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
                           matmul_tflops, override_decode_tuning, write_result)
+from jfp8kv.config import GEMM_AUTOTUNE
 
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
@@ -275,7 +276,7 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
               attention_backend=args.attention_backend, decode_steps=args.decode_steps)
     if args.overlap_scheduling is not None:
         kw["overlap_scheduling"] = args.overlap_scheduling == "on"
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "decode_gemm_autotune"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     cfg = loaded.config
@@ -300,7 +301,8 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
                 max_num_batched_tokens=ec.max_num_batched_tokens, decode_steps=ec.decode_steps)
     rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
-               decode_one_wave=args.decode_one_wave)
+               decode_one_wave=args.decode_one_wave,
+               decode_gemm_autotune=ec.decode_gemm_autotune)
     del llm
     gc.collect()
     return rec
@@ -400,6 +402,8 @@ def parse_args(argv):
     p.add_argument("--overlap-scheduling", choices=("on", "off"), default=None,
                    help="the engine's overlap scheduling (default: the engine's default)")
     p.add_argument("--warmup", choices=("full", "buckets", "off"), default="full")
+    p.add_argument("--decode-gemm-autotune", choices=GEMM_AUTOTUNE, default=None,
+                   help="XLA's GEMM tiling search for the decode step (default: the engine's)")
     p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
                    help="off: the decode kernel splits as before the one-wave rule (A/B)")
     p.add_argument("--seed", type=int, default=0)

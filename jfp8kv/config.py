@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jfp8kv.config_fields import (MLA_FAMILIES, RopeScaling, YarnScaling, mla_fields,
-                                  moe_fields, yarn_scaling)
+from jfp8kv.config_fields import (MLA_FAMILIES, RopeScaling, YarnScaling, llama3_scaling,
+                                  mla_fields, moe_fields, yarn_scaling)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -101,9 +101,7 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            by_type = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                       "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
-                       "deepseek_v3": "deepseek_v3"}
+            by_type = {f: f for f in SUPPORTED_ARCHITECTURES.values()} | {"mistral": "llama"}
             if model_type not in by_type:
                 raise ValueError(
                     f"unsupported architecture {archs or model_type!r}; jfp8kv supports "
@@ -131,12 +129,7 @@ class ModelConfig:
             rope_theta = float(rs.get("rope_theta", rope_theta))
             rtype = rs.get("rope_type", rs.get("type"))
             if rtype == "llama3":
-                rope_scaling = RopeScaling(
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs["low_freq_factor"]),
-                    high_freq_factor=float(rs["high_freq_factor"]),
-                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                )
+                rope_scaling = llama3_scaling(rs)
             elif rtype == "yarn" and family in MLA_FAMILIES:
                 rope_scaling = yarn_scaling(rs)
             elif rtype not in (None, "default"):
@@ -178,10 +171,19 @@ KV_SCALE_MODES = ("tensor", "channel", "token", "block")
 # rotation (queries rotated alike), subtracting a calibrated per-channel K mean, or both.
 KV_ROTATIONS = ("none", "hadamard", "smooth", "smooth+hadamard")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+GEMM_AUTOTUNE = ("default", "exhaustive")  # EngineConfig.decode_gemm_autotune
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Not for serving: float64 compute exists so the fp8 cache can be checked against another
 # float64 implementation without float32 rounding noise (CPU, reference attention, x64 on).
 CHECK_DTYPES = ("float64",)
+
+
+def check_choices(obj, **allowed) -> None:
+    """ValueError naming the choices for the first field of ``obj`` not among its own."""
+    for name, options in allowed.items():
+        if getattr(obj, name) not in options:
+            raise ValueError(f"unknown {name} {getattr(obj, name)!r}; choose one of "
+                             f"{list(options)}")
 
 
 def check_compute_dtype(dtype: str) -> str:
@@ -228,9 +230,7 @@ class CacheConfig:
     kv_rotation: str = "none"  # KV_ROTATIONS; see jfp8kv.kvcache.k_transform
 
     def __post_init__(self):
-        if self.kv_rotation not in KV_ROTATIONS:
-            raise ValueError(f"unknown kv_rotation {self.kv_rotation!r}; choose one of "
-                             f"{list(KV_ROTATIONS)}")
+        check_choices(self, kv_rotation=KV_ROTATIONS)
 
     @property
     def is_fp8(self) -> bool:
@@ -301,12 +301,8 @@ class CacheOptions:
                 "or smooth+hadamard", choices=KV_ROTATIONS)
 
     def __post_init__(self):
-        if self.kv_scale_mode is not None and self.kv_scale_mode not in KV_SCALE_MODES:
-            raise ValueError(f"unknown kv_scale_mode {self.kv_scale_mode!r}; choose one of "
-                             f"{list(KV_SCALE_MODES)}")
-        if self.kv_rotation not in KV_ROTATIONS:
-            raise ValueError(f"unknown kv_rotation {self.kv_rotation!r}; choose one of "
-                             f"{list(KV_ROTATIONS)}")
+        check_choices(self, kv_rotation=KV_ROTATIONS,
+                      **({} if self.kv_scale_mode is None else {"kv_scale_mode": KV_SCALE_MODES}))
         s = self.kv_scales
         if isinstance(s, bool) or not isinstance(s, (int, float, str, type(None))):
             raise ValueError(f"kv_scales must be a float, a path to a scales JSON or None, "
@@ -360,6 +356,10 @@ class EngineConfig:
         True, "schedule and dispatch the next engine step while the device runs the current "
               "one, reading its sampled tokens one step later (same tokens as the serialized "
               "path; off: read, then schedule)")
+    decode_gemm_autotune: str = _knob(
+        "exhaustive", "XLA's search for the decode step's GEMM tilings on a GPU: exhaustive "
+        "(every Triton tiling; faster small-batch GEMMs, results kept in the compilation "
+        "cache) or default (XLA's short list; faster first start)", choices=GEMM_AUTOTUNE)
 
     def __post_init__(self):
         ps = self.page_size
@@ -371,9 +371,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose "
-                             f"one of {list(ATTENTION_BACKENDS)}")
+        check_choices(self, attention_backend=ATTENTION_BACKENDS,
+                      decode_gemm_autotune=GEMM_AUTOTUNE)
         if self.decode_buckets is not None:
             if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
                 raise ValueError(f"decode_buckets must be positive batch sizes, got "

@@ -20,6 +20,13 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+def llama3_scaling(rs: dict[str, Any]) -> RopeScaling:
+    return RopeScaling(
+        factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
+        high_freq_factor=float(rs["high_freq_factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+
+
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 

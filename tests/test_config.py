@@ -14,6 +14,7 @@ from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
     ({"max_model_len": -1}, "max_model_len must be a positive integer"),
     ({"decode_steps": 1.5}, "decode_steps must be a positive integer"),
     ({"attention_backend": "triton"}, "choose one of"),
+    ({"decode_gemm_autotune": "fast"}, r"decode_gemm_autotune 'fast'; choose one of"),
     ({"decode_buckets": (8, 0)}, "decode_buckets must be positive"),
 ])
 def test_engine_config_rejects_bad_values(kw, match):

@@ -1,7 +1,7 @@
-"""Jitted, shape-bucketed model steps over the paged cache.
+"""Shape-bucketed calls of the device steps (``steps.py``) over the paged cache.
 
-The runner owns the device state (params, cache) and exposes three steps, each a pure
-function jitted once per bucket with the cache donated:
+The runner owns the device state (params, cache) and turns host batches into three kinds of
+dispatch, each a jitted pure function (``steps``) compiled once per bucket:
 
 * ``prefill``: a padded batch of new-token chunks [B, T]; samples one token per row from
   the last real position (used only by rows whose chunk completes their prompt).
@@ -26,23 +26,21 @@ low-precision dot), which costs more than the matmuls themselves; the runner the
 float32 copies of the matmul weights there (``cpu_float32_weights``). The activations keep
 the compute dtype, and the products are exact in float32 either way.
 
-Tensor parallelism: ``tp`` (a ``models.sharding.TensorParallel``, static; None on one device)
-runs attention per device over its KV heads and pins the output cache to the pool's sharding;
-params and cache arrive already placed on the mesh, host arrays are replicated by jit.
+Tensor parallelism: ``tp`` (a ``models.sharding.TensorParallel``; None on one device) is
+passed to the steps; params and cache arrive already placed on the mesh, host arrays are
+replicated by jit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
-from jfp8kv.engine.sampler import SamplingArrays, init_state, sample_step
+from jfp8kv.engine import steps
+from jfp8kv.engine.sampler import SamplingArrays
 from jfp8kv.kvcache.cache import KVCache
-from jfp8kv.models import transformer
 
 
 def cpu_float32_weights(params):
@@ -75,73 +73,6 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return b if maximum is None else min(b, max(maximum, n))
 
 
-def _attend(tp):
-    return None if tp is None else tp.attend
-
-
-def _placed(cache, tp):
-    return cache if tp is None else tp.constrain_cache(cache)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "tp"),
-                   donate_argnames=("cache",))
-def _prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
-             temperature, top_k, top_p, seeds, counters, extras=None, *, cfg, backend,
-             all_greedy, tp=None):
-    """Static: cfg, backend, all_greedy, tp (and extras' structure). Donated: cache. Returns
-    (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs."""
-    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
-    last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
-    logits = transformer.logits(params, last)
-    state = init_state(extras, logits.shape[-1])
-    toks, _, lp = sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras,
-                              all_greedy=all_greedy)
-    return (toks if lp is None else (toks, lp)), _placed(cache, tp)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "num_steps", "tp"),
-                   donate_argnames=("cache",))
-def _decode(params, cache, tokens, positions, page_tables, limits, temperature, top_k, top_p,
-            seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps, tp=None):
-    """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
-    inactive rows write to the sink page and attend nothing. Static: cfg, backend,
-    all_greedy, num_steps, tp (and extras' structure: the penalty token counts ride in the scan
-    carry only when given). Donated: cache. Returns (int32[B, num_steps], cache), or
-    ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs."""
-    ps = cache.config.page_size
-
-    def body(carry, i):
-        cache, tok, state = carry
-        pos = positions + i
-        active = pos < limits
-        page = jnp.take_along_axis(page_tables, (pos // ps)[:, None] % page_tables.shape[1],
-                                   axis=1)[:, 0]
-        slot = jnp.where(active, page * ps + pos % ps, 0)
-        seq_len = jnp.where(active, pos + 1, 0)
-        hidden, cache = transformer.forward(params, cache, tok[:, None], pos[:, None],
-                                            slot[:, None], page_tables, seq_len, cfg=cfg,
-                                            backend=backend, attend=_attend(tp))
-        logits = transformer.logits(params, hidden[:, 0])
-        nxt, state, lp = sample_step(logits, state, temperature, top_k, top_p, seeds,
-                                     counters + i, extras, all_greedy=all_greedy)
-        return (cache, nxt, state), (nxt if lp is None else (nxt, lp))
-
-    state = init_state(extras, cfg.vocab_size)
-    (cache, _, _), out = jax.lax.scan(body, (cache, tokens, state), jnp.arange(num_steps))
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), _placed(cache, tp)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("cache",))
-def _nll(params, cache, tokens, positions, slots, page_tables, seq_lens, targets, *, cfg,
-         backend, tp=None):
-    """Per-position NLL of ``targets`` [B, T]. Static: cfg, backend, tp. Donated: cache."""
-    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
-    logits = transformer.logits(params, hidden)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return nll, logits, _placed(cache, tp)
 
 
 class ModelRunner:
@@ -151,7 +82,7 @@ class ModelRunner:
                  max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
                  min_chunk: int = 16, page_widths: tuple[int, ...] | None = None,
                  prefill_one_row: bool = False, chunk_factor: int = 2,
-                 max_chunk: int | None = None, tp=None):
+                 max_chunk: int | None = None, tp=None, decode_gemm_autotune: str = "default"):
         """``decode_buckets``: allowed decode batch sizes (None: powers of two). Decode is
         memory-bound, so padding a batch up to a coarse bucket costs little and saves
         compiles. ``min_chunk``: the smallest prefill chunk bucket. ``page_widths``: decode
@@ -161,7 +92,8 @@ class ModelRunner:
         the bucket of ``max_chunk``. On a CPU device the matmul weights are held in float32
         (see the module docstring), and one executable per shape serves greedy and sampled
         batches alike (the branch is taken on the device: ``sampler.sample``). ``tp``: the
-        ``models.sharding.TensorParallel`` that params and cache are placed on, or None."""
+        ``models.sharding.TensorParallel`` that params and cache are placed on, or None.
+        ``decode_gemm_autotune``: which of ``steps.DECODE_JITS`` runs the decode steps."""
         self.cfg = model_cfg
         on_cpu = all(d.platform == "cpu" for d in jax.tree_util.tree_leaves(params)[0].devices())
         self.params = cpu_float32_weights(params) if on_cpu else params
@@ -178,6 +110,7 @@ class ModelRunner:
         self.max_chunk = max_chunk
         self.greedy_modes = (None,) if on_cpu else (True, False)  # decode's all_greedy values
         self.tp = tp
+        self._decode = steps.DECODE_JITS[decode_gemm_autotune]
 
     def decode_bucket(self, n: int) -> int:
         if self.decode_buckets is None:
@@ -263,9 +196,9 @@ class ModelRunner:
         zz = np.zeros((b, t), np.int32)
         sampling = SamplingArrays.empty(b).args()
         if kind == "decode":
-            return _decode, (self.params, cache, z, z, pt, z, *sampling), dict(
+            return self._decode, (self.params, cache, z, z, pt, z, *sampling), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp)
-        return _prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling), dict(
+        return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling), dict(
             cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp)
 
     def warmup(self, shapes, progress: bool = True) -> None:
@@ -357,7 +290,7 @@ class ModelRunner:
             t = self.chunk_bucket(max(len(c[0]) for c in part))
             tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(part, b, t)
             sub = sampling.rows(start, end).padded(b)
-            out, self.cache = _prefill(self.params, self.cache, tokens, positions, slots, pt,
+            out, self.cache = steps.prefill(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, last_idx, *sub.args(), cfg=self.cfg,
                                        backend=self.backend, all_greedy=None, tp=self.tp)
             parts.append((len(part), out))
@@ -379,7 +312,7 @@ class ModelRunner:
         tokens = tokens if input_tokens is None else input_tokens
         if self.tp is not None:  # one input placement, whether host- or device-made
             tokens = self.tp.replicate(tokens)
-        toks, self.cache = _decode(self.params, self.cache, tokens, positions, pt, limits,
+        toks, self.cache = self._decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *sampling.padded(b).args(), cfg=self.cfg,
                                    backend=self.backend, all_greedy=self._mode(all_greedy),
                                    tp=self.tp,
@@ -393,7 +326,7 @@ class ModelRunner:
         tokens, positions, slots, pt, seq_lens, _ = self._chunk_arrays([(ids, start, pages)], 1, t)
         tgt = np.zeros((1, t), np.int32)
         tgt[0, :len(targets)] = targets
-        nll, logits, self.cache = _nll(self.params, self.cache, tokens, positions, slots, pt,
+        nll, logits, self.cache = steps.nll(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, tgt, cfg=self.cfg, backend=self.backend,
                                        tp=self.tp)
         return nll[0], logits[0]

@@ -125,3 +125,20 @@ def test_aborts_while_a_step_is_in_flight(llama):
     for rid in ("r1", "r2"):  # aborted: what was read is a prefix of the full output
         assert a[rid].finish_reason == "abort"
         assert a["r0"].token_ids is not None
+
+
+def test_decode_gemm_autotune_picks_its_jit_and_keeps_the_tokens(llama):
+    """Each ``decode_gemm_autotune`` value runs its own decode jit (``steps.DECODE_JITS``);
+    the option only changes how XLA tiles the GEMMs on a GPU, so on the CPU the tokens are
+    the same."""
+    from jfp8kv.engine import steps
+
+    ps = _prompts(llama.config.vocab_size, [7, 19, 33], 5)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for choice in ("default", "exhaustive"):
+        llm = make(llama, True, decode_steps=2, decode_gemm_autotune=choice)
+        assert llm.engine.runner._decode is steps.DECODE_JITS[choice]
+        outs[choice] = [o.token_ids for o in llm.generate(ps, sp)]
+    assert outs["default"] == outs["exhaustive"]
+    assert steps.DECODE_JITS["default"] is not steps.DECODE_JITS["exhaustive"]

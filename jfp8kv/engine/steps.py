@@ -1,0 +1,100 @@
+"""The engine's device steps: pure functions of (params, cache, batch arrays), jitted once per
+static configuration with the cache donated. ``ModelRunner`` (``runner.py``) pads host
+batches into their buckets and calls these.
+
+* ``prefill``: a padded batch of new-token chunks [B, T]; one sampled token per row from
+  its last real position.
+* ``DECODE_JITS[...]``: ``num_steps`` decode steps in one ``lax.scan``, sampling on device
+  and feeding each token back; one jit per ``EngineConfig.decode_gemm_autotune`` value
+  ("exhaustive" has XLA time every Triton tiling of the small-batch GEMMs:
+  docs/engine-notes.md).
+* ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
+
+``tp`` (a ``models.sharding.TensorParallel``, static; None on one device) runs attention
+per device over its KV heads and pins the output cache to the pool's sharding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jfp8kv.engine.sampler import init_state, sample_step
+from jfp8kv.models import transformer
+
+
+def _attend(tp):
+    return None if tp is None else tp.attend
+
+
+def _placed(cache, tp):
+    return cache if tp is None else tp.constrain_cache(cache)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "tp"),
+                   donate_argnames=("cache",))
+def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
+            temperature, top_k, top_p, seeds, counters, extras=None, *, cfg, backend,
+            all_greedy, tp=None):
+    """Static: cfg, backend, all_greedy, tp (and extras' structure). Donated: cache. Returns
+    (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs."""
+    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
+                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
+    last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
+    logits = transformer.logits(params, last)
+    state = init_state(extras, logits.shape[-1])
+    toks, _, lp = sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras,
+                              all_greedy=all_greedy)
+    return (toks if lp is None else (toks, lp)), _placed(cache, tp)
+
+
+def _decode_steps(params, cache, tokens, positions, page_tables, limits, temperature, top_k,
+                  top_p, seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps,
+                  tp=None):
+    """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
+    inactive rows write to the sink page and attend nothing. Static: cfg, backend,
+    all_greedy, num_steps, tp (and extras' structure: the penalty token counts ride in the scan
+    carry only when given). Donated: cache. Returns (int32[B, num_steps], cache), or
+    ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs."""
+    ps = cache.config.page_size
+
+    def body(carry, i):
+        cache, tok, state = carry
+        pos = positions + i
+        active = pos < limits
+        page = jnp.take_along_axis(page_tables, (pos // ps)[:, None] % page_tables.shape[1],
+                                   axis=1)[:, 0]
+        slot = jnp.where(active, page * ps + pos % ps, 0)
+        seq_len = jnp.where(active, pos + 1, 0)
+        hidden, cache = transformer.forward(params, cache, tok[:, None], pos[:, None],
+                                            slot[:, None], page_tables, seq_len, cfg=cfg,
+                                            backend=backend, attend=_attend(tp))
+        logits = transformer.logits(params, hidden[:, 0])
+        nxt, state, lp = sample_step(logits, state, temperature, top_k, top_p, seeds,
+                                     counters + i, extras, all_greedy=all_greedy)
+        return (cache, nxt, state), (nxt if lp is None else (nxt, lp))
+
+    state = init_state(extras, cfg.vocab_size)
+    (cache, _, _), out = jax.lax.scan(body, (cache, tokens, state), jnp.arange(num_steps))
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), _placed(cache, tp)
+
+
+_DECODE_JIT = dict(static_argnames=("cfg", "backend", "all_greedy", "num_steps", "tp"),
+                   donate_argnames=("cache",))
+DECODE_JITS = {"default": jax.jit(_decode_steps, **_DECODE_JIT),
+               "exhaustive": jax.jit(_decode_steps, **_DECODE_JIT, compiler_options={
+                   "xla_gpu_exhaustive_tiling_search": True})}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("cache",))
+def nll(params, cache, tokens, positions, slots, page_tables, seq_lens, targets, *, cfg,
+        backend, tp=None):
+    """Per-position NLL of ``targets`` [B, T]. Static: cfg, backend, tp. Donated: cache."""
+    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
+                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
+    logits = transformer.logits(params, hidden)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return nll, logits, _placed(cache, tp)
