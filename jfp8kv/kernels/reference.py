@@ -58,7 +58,7 @@ def store_kv(layer: LayerKV, k_new: NewRows, v_new: NewRows, slots: Slots,
              cfg: CacheConfig) -> tuple[LayerKV, StatsRow]:
     valid = slots >= cfg.page_size  # page 0 is the padding sink
     vmask = valid[:, None, None]
-    h, p, s, d = cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim
+    h, p, s = cfg.num_kv_heads, cfg.num_pages, cfg.page_size
     # Statistics are over real tokens only: padding lanes are zeroed before counting.
     k_in = jnp.where(vmask, k_new, 0)
     v_in = jnp.where(vmask, v_new, 0)
