@@ -161,16 +161,17 @@ def test_overlap_decode_compiles_once_per_shape_under_tp(checkpoints):
     """With overlap scheduling a decode input is either host tokens or device tokens fed
     from the previous step; under TP both are placed replicated on the mesh, so TP 2
     compiles exactly the decode programs TP 1 does (not a second one per shape)."""
-    from jfp8kv.engine import runner
+    from jfp8kv.engine import steps
 
+    decode = steps.DECODE_JITS["default"]
     compiled = {}
     for tp in (1, 2):
-        before = runner._decode._cache_size()
+        before = decode._cache_size()
         llm = make_llm(checkpoints["kv4"], tp, overlap_scheduling=True, max_model_len=48)
         out = llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0,
                                                    ignore_eos=True))
         assert all(len(o.token_ids) == 9 for o in out)
-        compiled[tp] = runner._decode._cache_size() - before
+        compiled[tp] = decode._cache_size() - before
     assert compiled[2] == compiled[1] >= 1, compiled
 
 
