@@ -78,11 +78,11 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
                     q_positions: Positions, cfg: CacheConfig, sm_scale: float,
                     backend: str = "reference") -> Queries:
     """q [B, T, H, D]; T == 1 routes to the decode kernel on Pallas backends. The queries
-    are taken into the basis K is stored in (``k_transform.query_rows``) first."""
-    q = k_transform.query_rows(q, cfg)
+    are taken into the basis K is stored in (``k_transform.query_rows``): by the Pallas
+    kernels themselves (no extra pass over q), before ``reference`` otherwise."""
     if backend == "reference":
-        return reference.paged_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
-                                         sm_scale)
+        return reference.paged_attention(k_transform.query_rows(q, cfg), layer, page_tables,
+                                         seq_lens, q_positions, cfg, sm_scale)
     _check_pool(cfg, backend)
     interpret = backend == "pallas_interpret"
     if q.shape[1] == 1:

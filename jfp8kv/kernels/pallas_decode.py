@@ -41,10 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_dot_tile,
-                                  check_head_dim, cols, dequant_kv, init_state, k_variant,
-                                  key_loop, load_kv_raw, next_pow2, normalize, prepare_q,
-                                  scale_output, softmax_step)
+from jfp8kv.kernels.tiles import (LOG2E, KVLayout, QueryRotation, Variant, as_variant,
+                                  check_dot_tile, check_head_dim, cols, dequant_kv, init_state,
+                                  k_variant, key_loop, load_kv_raw, next_pow2, normalize,
+                                  prepare_q, scale_output, softmax_step)
 from jfp8kv.kvcache.cache import LayerKV
 
 NUM_SMS_H200 = 132
@@ -89,9 +89,12 @@ def default_tuning(cfg: CacheConfig) -> DecodeTuning:
 
 
 def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs,
-                   sm_scale, num_splits, num_groups, kv, block_k, split, variant):
+                   sm_scale, num_splits, num_groups, kv, block_k, split, variant, rot):
     # len_ref [B] i32; pt_ref [B, MP] i32; q_ref [B, Hkv, G, D]; k_ref/v_ref [Hkv, P*S, D]
-    # ks_ref/vs_ref: the policy's kernel layout (static [Hkv, D] | dynamic [Hkv, P*S*G])
+    # ks_ref/vs_ref: the policy's kernel layout (static [Hkv, D] | dynamic [Hkv, P*S*G]);
+    # with ``rot`` (kv_rotation rotates K) its matrix [D, D] comes first among out_refs
+    if rot is not None:
+        rot_ref, *out_refs = out_refs
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
     # Triton's dot needs M >= 16; the multiply-reduce products need only a power of two.
@@ -107,6 +110,8 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
     out_mask = jnp.broadcast_to(g_ok[:, None], (gp, d))
     q = plgpu.load(q_ref.at[b, h, g_idx[:, None], cols(d)], mask=out_mask,
                    other=0.0).astype(jnp.float32)  # [Gp, D]
+    if rot is not None:
+        q = rot.apply(q, rot_ref, q_ref.dtype)
     q = prepare_q(q, ks_ref, h, kv)
     if variant.nomma:
         q = q.astype(jnp.float32)  # f16 (exact for fp8 pages) -> the f32 products
@@ -117,12 +122,12 @@ def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_re
         k_raw = load_kv_raw(k_ref, ks_ref, h, rows, valid, kv)
         v_raw = load_kv_raw(v_ref, vs_ref, h, rows, valid, kv)
         k, k_tok = dequant_kv(*k_raw, valid, kv, kvar)
-        return softmax_step(state, q, k, k_tok, valid[None, :], qk_scale,
-                            lambda: dequant_kv(*v_raw, valid, kv, variant), kv.cdt,
+        return softmax_step(state, q, k, k_tok, None if valid is None else valid[None, :],
+                            qk_scale, lambda: dequant_kv(*v_raw, valid, kv, variant), kv.cdt,
                             variant.nomma)
 
     acc, m_i, l_i = key_loop(pt_ref, b, start, end, block_k, kv.page_size, init_state(gp, d),
-                             step, variant.page_prefetch)
+                             step, variant.page_prefetch, end if variant.split_loop else None)
     acc = scale_output(acc, vs_ref, h, kv)
     if not split:
         (o_ref,) = out_refs
@@ -164,7 +169,9 @@ def combine_splits(o, m, l):
 def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                      sm_scale: float, interpret: bool = False,
                      tuning: DecodeTuning | None = None):
-    """q [B, H, D] -> [B, H, D] (q's dtype); same contract as ``reference.decode_attention``.
+    """q [B, H, D] -> [B, H, D] (q's dtype); the contract of ``reference.decode_attention``
+    on ``k_transform.query_rows(q)``: when ``cfg.kv_rotation`` rotates K, the kernel rotates
+    the queries itself (``tiles.QueryRotation``), so q is given in the model's basis.
 
     Static: cfg, sm_scale, interpret, tuning. Nothing is donated.
     """
@@ -176,6 +183,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     check_dot_tile("block_k", tuning.block_k)
     check_head_dim(d)
     kv = KVLayout.of(cfg)
+    rot = QueryRotation.of(cfg)
     ns = choose_splits(b, hkv, max_pages * s, tuning)
     qg = q.reshape(b, hkv, g, d)
     split = ns > 1
@@ -187,7 +195,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
         out_shape = (jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),)
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_splits=ns, num_groups=g, kv=kv,
-        block_k=tuning.block_k, split=split, variant=tuning.variant.resolve(cfg, interpret))
+        block_k=tuning.block_k, split=split, variant=tuning.variant.resolve(cfg, interpret),
+        rot=rot)
     outs = pl.pallas_call(
         kernel,
         grid=(b, hkv, ns),
@@ -197,7 +206,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                                              num_stages=tuning.num_stages),
         name="jfp8kv_paged_decode",
     )(seq_lens.astype(jnp.int32), page_tables.astype(jnp.int32), qg,
-      *kv.operands(layer, hkv))
+      *kv.operands(layer, hkv), *([] if rot is None else [QueryRotation.matrix(cfg)]))
     if split:
         out = combine_splits(*outs)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from jfp8kv.kvcache import fp8, scale_modes
 
 LOG2E = 1.4426950408889634
 _VARIANT_NAMES = {"pagepf": "page_prefetch", "asm": "asm", "vmask": "vmask",
-                  "rowscale": "rowscale", "nomma": "nomma"}
+                  "rowscale": "rowscale", "nomma": "nomma", "split": "split_loop"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Variant:
     vmask: bool = False  # select on the upcast V tile (f16 transpose, not byte gathers)
     rowscale: bool = False  # per-token scales on the tile rows, not on logits/probabilities
     nomma: bool = False  # decode: q.K and P.V as f32 multiply-reduce over next_pow2(G) rows
+    split_loop: bool = False  # full tiles first, in a loop without masks ("split")
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
@@ -153,7 +155,8 @@ def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, col0: int = 
     """Gather a [BK, D] K or V tile (storage dtype) and its dynamic scales: [BK] f32 (one per
     token), [BK, G] (one per group), else None. Masked rows (and their scales) read as 0.
 
-    pages_ref [Hkv, P*S, D]; rows int32[BK] flat token rows; valid bool[BK]. Every index is
+    pages_ref [Hkv, P*S, D]; rows int32[BK] flat token rows; valid bool[BK], or None for
+    a tile of real tokens only (unmasked loads). Every index is
     an integer array (the interpret mode discharges only all-array or all-slice indexers).
     ``col0``/``width`` (static) gather the column chunk [col0, col0 + width) of the rows
     instead (MLA's latent and RoPE parts); with group scales the chunk must be group-aligned
@@ -162,17 +165,22 @@ def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, col0: int = 
     bk = rows.shape[0]
     full = pages_ref.shape[-1]
     d = full if width is None else width
-    x = plgpu.load(pages_ref.at[h, rows[:, None], col0 + cols(d)],
-                   mask=jnp.broadcast_to(valid[:, None], (bk, d)), other=0.0)
+
+    def mask(n):  # valid None: every row is a real token (``key_loop``'s full tiles)
+        return None if valid is None else jnp.broadcast_to(valid[:, None], (bk, n))
+
+    x = plgpu.load(pages_ref.at[h, rows[:, None], col0 + cols(d)], mask=mask(d),
+                   other=None if valid is None else 0.0)
     if kv.groups > 1:
         gw = full // kv.groups
         assert col0 % gw == 0 and d % gw == 0, "column chunk not aligned to scale groups"
         ng = d // gw
         idx = rows[:, None] * kv.groups + col0 // gw + cols(ng)  # [BK, ng] into [P*S*G]
-        return x, plgpu.load(scale_ref.at[h, idx], other=0.0,
-                             mask=jnp.broadcast_to(valid[:, None], (bk, ng)))
+        return x, plgpu.load(scale_ref.at[h, idx], mask=mask(ng),
+                             other=None if valid is None else 0.0)
     if kv.groups == 1:
-        return x, plgpu.load(scale_ref.at[h, rows], mask=valid, other=0.0)
+        return x, plgpu.load(scale_ref.at[h, rows], mask=valid,
+                             other=None if valid is None else 0.0)
     return x, None
 
 
@@ -190,7 +198,7 @@ def dequant_kv(x, sc, valid, kv: KVLayout, variant: Variant):
         # On the tile's rows in its load layout (each thread holds a few rows, so a few scale
         # loads) instead of on columns of the logits / probabilities.
         x, per_token = kv.mode.dequantize(x, per_token).astype(kv.cdt), None
-    if variant.vmask:
+    if variant.vmask and valid is not None:
         # A select on the upcast tile keeps the fp8->f16 conversion in the load layout, so
         # Triton transposes f16 (ldmatrix.trans) instead of gathering single bytes for P.V.
         x = jnp.where(jnp.broadcast_to(valid[:, None], x.shape), x, jnp.zeros((), kv.cdt))
@@ -206,6 +214,44 @@ def load_kv_tile(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, variant: Va
 def k_variant(variant: Variant) -> Variant:
     """The variant for K tiles: ``vmask`` concerns the V operand only."""
     return dataclasses.replace(variant, vmask=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryRotation:
+    """The queries' side of ``kv_rotation`` inside a kernel: q R, R = diag(s) H / sqrt(d)
+    (``kvcache.rotation``: one full Hadamard block, the kernels' head_dim being a power of
+    two), rounded to q's dtype as ``k_transform.query_rows`` does. The kernel gets the +-1
+    matrix diag(s) H as a bfloat16 [D, D] operand (``matrix``; exact) and multiplies the
+    query tile it loads by it, so no separate pass over the queries runs."""
+
+    scale: float  # 1 / sqrt(head_dim), rounded to f32 and applied after the product
+
+    @classmethod
+    def of(cls, cfg: CacheConfig) -> "QueryRotation | None":
+        from jfp8kv.kvcache import k_transform, rotation
+
+        if not k_transform.rotates(cfg.kv_rotation):
+            return None
+        check_head_dim(cfg.head_dim)
+        return cls(1.0 / math.sqrt(rotation.block_size(cfg.head_dim)))
+
+    @staticmethod
+    def matrix(cfg: CacheConfig):
+        """The kernel operand diag(s) H: bfloat16 [head_dim, head_dim] of +-1."""
+        from jfp8kv.kvcache import rotation
+
+        return jnp.asarray(rotation.signed_blocks(cfg.head_dim), jnp.bfloat16)
+
+    def apply(self, q, m_ref, q_dtype):
+        """q [M, D] f32 (values of ``q_dtype``) -> q R as f32 values of ``q_dtype``: the +-1
+        products are exact in q's dtype and summed in f32 (``rotation.rotate_dense``; only
+        the order of the f32 sums may differ)."""
+        d = q.shape[-1]
+        low = jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        cdt = q_dtype if low else jnp.float32
+        m = plgpu.load(m_ref.at[jnp.arange(d, dtype=jnp.int32)[:, None], cols(d)])
+        y = dot_nn(q.astype(cdt), m.astype(cdt)) * jnp.float32(self.scale)
+        return y.astype(q_dtype).astype(jnp.float32)
 
 
 def prepare_q(q, ks_ref, h, kv: KVLayout):
@@ -235,7 +281,8 @@ def normalize(acc, l_i):
 def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool = False):
     """One online-softmax update with a K tile [BK, D] (per-token scales ``k_tok`` or None).
 
-    visible: bool broadcastable to [M, BK]; ``load_v() -> (v [BK, D], v_tok or None)`` is
+    visible: bool broadcastable to [M, BK], or None (every key visible to every row);
+    ``load_v() -> (v [BK, D], v_tok or None)`` is
     called after the probabilities exist (so V is dequantized late). ``nomma``: both
     products by f32 multiply-reduce (``fma_nt`` / ``fma_nn``) instead of matrix-unit dots.
     ``q`` and ``k`` may also be equal-length tuples of column chunks of the same rows (MLA's
@@ -247,7 +294,7 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool
     s = functools.reduce(jnp.add, prods)  # [M, BK] f32
     if k_tok is not None:
         s = s * k_tok[None, :]
-    s = jnp.where(visible, s * qk_scale, -jnp.inf)
+    s = s * qk_scale if visible is None else jnp.where(visible, s * qk_scale, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
     alpha = jnp.exp2(m_i - m_use)
@@ -262,9 +309,14 @@ def softmax_step(state, q, k, k_tok, visible, qk_scale, load_v, cdt, nomma: bool
 
 
 def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
-             page_prefetch: bool):
+             page_prefetch: bool, full_end=None):
     """Run ``step(tok, valid, rows, state) -> state`` over the tiles of tokens [start, end)
     of batch row b (tok int32[BK], valid tok < end, rows the flat page rows).
+
+    ``full_end`` (<= end, or None): the tiles that lie wholly before it are ones where every
+    token is valid and every query row of the program may see every key; they run first, in
+    a loop of their own, with ``valid=None`` (the step then needs no masks: unmasked loads, no
+    select on the logits), and the remaining tiles after them with masks.
 
     With ``page_prefetch`` the page indices of tile i+1 are loaded during tile i and carried,
     so the K/V addresses come from a loop-carried value and Triton's pipeliner can keep
@@ -272,6 +324,7 @@ def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
     """
     max_pages = pt_ref.shape[1]
     n_iter = jnp.maximum(end - start + block_k - 1, 0) // block_k
+    n_full = 0 if full_end is None else jnp.clip((full_end - start) // block_k, 0, n_iter)
 
     def tile(i):
         tok = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
@@ -282,16 +335,23 @@ def key_loop(pt_ref, b, start, end, block_k: int, page_size: int, state, step,
         slot = jnp.minimum(tok // page_size, max_pages - 1)
         return plgpu.load(pt_ref.at[b, slot], mask=valid, other=0)  # [BK]
 
-    def run(i, st, page):
+    def run(i, st, page, masked):
         tok, valid = tile(i)
-        return step(tok, valid, page * page_size + tok % page_size, st)
+        return step(tok, valid if masked else None, page * page_size + tok % page_size, st)
+
+    def loops(body):
+        st = state
+        if full_end is not None:
+            st = jax.lax.fori_loop(0, n_full, functools.partial(body, masked=False), st)
+        return jax.lax.fori_loop(n_full, n_iter, functools.partial(body, masked=True), st)
 
     if not page_prefetch:
-        return jax.lax.fori_loop(0, n_iter, lambda i, st: run(i, st, pages(i)), state)
+        return loops(lambda i, st, masked: run(i, st, pages(i), masked))
 
-    def body(i, carry):
+    def body(i, carry, masked):
         *st, page = carry
-        return (*run(i, tuple(st), page), pages(i + 1))
+        return (*run(i, tuple(st), page, masked), pages(i + 1))
 
-    *state, _ = jax.lax.fori_loop(0, n_iter, body, (*state, pages(0)))
+    state = (*state, pages(0))
+    *state, _ = loops(body)
     return tuple(state)

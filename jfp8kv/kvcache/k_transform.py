@@ -17,9 +17,10 @@ Stored K is ``rotate(k - shift)`` (the butterfly, bit-exact with the numpy twin 
 quantization) in ``promote_types(k.dtype, float32)`` (float64 stays float64); the queries are
 ``rotate_dense(q)`` (the same R as one matmul) cast back to q's dtype. K is then quantized
 by the scale mode as usual; static scales must be measured in that basis
-(``engine.calibrate``). V is never transformed. The kernels see only the stored rows
-and the rotated queries (``kernels.store_kv`` / ``kernels.paged_attention`` call
-``store_rows`` / ``query_rows``), so every backend and scale mode gets the same numbers.
+(``engine.calibrate``). V is never transformed. ``kernels.store_kv`` calls ``store_rows``;
+``kernels.paged_attention`` calls ``query_rows`` before the reference, and the Pallas
+attention kernels apply the same R to the query tile they load (``tiles.QueryRotation``:
+no extra pass over the queries), so every backend and scale mode gets the same numbers.
 """
 
 from __future__ import annotations

@@ -10,12 +10,15 @@ a clean copy. Shapes cover page sizes 8..128, head_dim 64/128/256, GQA groups 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jfp8kv.kernels import pallas_decode, reference
+from jfp8kv.kvcache import k_transform
 from jfp8kv.kernels.tiles import Variant
 
 from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec, sweep
@@ -44,7 +47,7 @@ IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-bk{c[7]}" for c i
 
 
 @pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(7)))
-def test_decode_matches_reference(case, exec_mode, variant=None):
+def test_decode_matches_reference(case, exec_mode, variant=None, rotation="none"):
     storage, mode, s, d, nh, hkv, ns, bk = case
     rng = np.random.default_rng()
     max_pages = max(2, -(-150 // s))
@@ -52,7 +55,8 @@ def test_decode_matches_reference(case, exec_mode, variant=None):
     lens = np.array([0, 1, int(rng.integers(2, cap)), cap, int(rng.integers(2, s + 3))])
     rng.shuffle(lens)
     num_pages = 1 + sum(-(-int(n) // s) for n in lens) + 3
-    cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
+    cfg = dataclasses.replace(make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s,
+                                       num_pages=num_pages), kv_rotation=rotation)
     case_ = attention_case(rng, cfg, lens, max_pages)
     q_dtype = np.float32 if storage == "float32" else "bfloat16"
     q = jnp.asarray(rng.standard_normal((len(lens), nh, d)), q_dtype)
@@ -62,7 +66,7 @@ def test_decode_matches_reference(case, exec_mode, variant=None):
     tuning = pallas_decode.DecodeTuning(block_k=bk, num_splits=ns, variant=variant)
     out = on_exec(exec_mode, pallas_decode.decode_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, cfg, sm_scale, tuning=tuning)
-    ref = on_cpu(ref_decode, q, case_.clean, case_.page_tables,
+    ref = on_cpu(ref_decode, k_transform.query_rows(q, cfg), case_.clean, case_.page_tables,
                  case_.seq_lens, cfg, sm_scale)
     assert_close(out, ref, exact_f32=storage == "float32")
     empty = np.asarray(case_.seq_lens) == 0
@@ -116,3 +120,21 @@ def test_default_tuning_skips_splits_in_one_wave(storage):
     assert pallas_decode.choose_splits(8, 8, 4096, t) > 1
     assert pallas_decode.choose_splits(64, 8, 4096, t) > 1
     assert pallas_decode.choose_splits(32, 8, 4096, pallas_decode.DecodeTuning()) > 1
+
+
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(7)))
+def test_decode_split_loop_matches_reference(case, exec_mode):
+    """Full tiles in an unmasked loop of their own (``Variant.split_loop``), the rest masked:
+    the poisoned slots past each length must still never reach the output."""
+    cfg_variant = pallas_decode.default_tuning(make_cfg(case[0], case[1], heads_kv=case[5],
+                                                        head_dim=case[3], page_size=case[2],
+                                                        num_pages=4)).variant
+    test_decode_matches_reference(case, exec_mode,
+                                  dataclasses.replace(cfg_variant, split_loop=True))
+
+
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=(0, 1, 2, 4, 6)))
+def test_decode_rotates_the_queries_in_the_kernel(case, exec_mode):
+    """kv_rotation 'hadamard': the kernel takes q in the model's basis and rotates it
+    (``tiles.QueryRotation``) as ``k_transform.query_rows`` does before the reference."""
+    test_decode_matches_reference(case, exec_mode, rotation="hadamard")

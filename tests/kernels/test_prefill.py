@@ -8,12 +8,15 @@ shorter than T (padding queries). Unseen slots are NaN-poisoned as in the decode
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jfp8kv.kernels import pallas_prefill, reference
+from jfp8kv.kvcache import k_transform
 from jfp8kv.kernels.tiles import Variant
 
 from .cases import assert_close, attention_case, make_cfg, on_cpu, on_exec, sweep
@@ -41,15 +44,17 @@ IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-bm{c[7]}-bk{c[8]}"
 
 
 @pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(5)))
-def test_prefill_matches_reference(case, exec_mode):
+def test_prefill_matches_reference(case, exec_mode, extra_variant="", rotation="none"):
     storage, mode, s, d, nh, hkv, t, bm, bk, variant = case
+    variant = "+".join(filter(None, (variant, extra_variant)))
     rng = np.random.default_rng()
     prefix = [0, int(rng.integers(1, 3 * s)) | 1, int(rng.integers(0, 40)), 0, 5]
     chunk = [t, t, 1, 0, max(1, t - 3)]  # new tokens per row (<= T)
     lens = np.array([p + c for p, c in zip(prefix, chunk)])
     max_pages = int(max(-(-int(n) // s) for n in lens)) + 1
     num_pages = 1 + sum(-(-int(n) // s) for n in lens) + 2
-    cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
+    cfg = dataclasses.replace(make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s,
+                                       num_pages=num_pages), kv_rotation=rotation)
     case_ = attention_case(rng, cfg, lens, max_pages)
     pos = np.full((len(lens), t), -1, np.int32)
     for i, (p, c) in enumerate(zip(prefix, chunk)):
@@ -63,7 +68,20 @@ def test_prefill_matches_reference(case, exec_mode):
     out = on_exec(exec_mode, pallas_prefill.prefill_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
                   tuning=tuning)
-    ref = on_cpu(ref_attention, q, case_.clean, case_.page_tables, case_.seq_lens,
-                 jnp.asarray(pos), cfg, sm_scale)
+    ref = on_cpu(ref_attention, k_transform.query_rows(q, cfg), case_.clean,
+                 case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale)
     assert_close(out, ref, exact_f32=storage == "float32")
     assert (np.asarray(out, np.float32)[3] == 0).all(), "a row with no visible key is zero"
+
+
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(5)))
+def test_prefill_split_loop_matches_reference(case, exec_mode):
+    """Keys every query row sees run first in an unmasked loop (``Variant.split_loop``)."""
+    test_prefill_matches_reference(case, exec_mode, "split")
+
+
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(5)))
+def test_prefill_rotates_the_queries_in_the_kernel(case, exec_mode):
+    """kv_rotation 'hadamard': the kernel rotates the queries itself (as the reference's
+    ``k_transform.query_rows``), on the fp8 default's split loop too."""
+    test_prefill_matches_reference(case, exec_mode, "split", rotation="hadamard")
