@@ -123,3 +123,22 @@ def override_decode_tuning(variant: str | None = None, one_wave: bool = True) ->
         return t if one_wave else dataclasses.replace(t, unsplit_programs=(0, 0))
 
     pallas_decode.default_tuning = tuning
+
+
+def override_split_loop(on: bool | None) -> None:
+    """For this process, set ``Variant.split_loop`` (full tiles in an unmasked loop of their
+    own) in the decode and prefill kernels' default tunings, for an A/B in one run; None
+    keeps the defaults."""
+    if on is None:
+        return
+    import dataclasses
+
+    from jfp8kv.kernels import pallas_decode, pallas_prefill
+
+    for mod in (pallas_decode, pallas_prefill):
+        def tuning(cfg, default=mod.default_tuning):
+            t = default(cfg)
+            return dataclasses.replace(t, variant=dataclasses.replace(t.variant,
+                                                                      split_loop=on))
+
+        mod.default_tuning = tuning

@@ -27,7 +27,8 @@ import numpy as np
 
 from bench import internals, profile_trace
 from bench.common import (command_line, copy_bandwidth_tbps, machine_info,
-                          override_decode_tuning, write_result)
+                          override_decode_tuning, override_split_loop,
+                          write_result)
 from jfp8kv import LLM
 from jfp8kv.config import GEMM_AUTOTUNE
 
@@ -98,11 +99,15 @@ def main(argv=None) -> int:
                         "pagepf+asm+vmask")
     p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
                    help="off: the decode kernel splits as before the one-wave rule (A/B)")
+    p.add_argument("--split-loop", choices=("on", "off"), default=None,
+                   help="the attention kernels' unmasked loop over full tiles "
+                        "(Variant.split_loop; default: the kernels' default), for an A/B")
     p.add_argument("--decode-gemm-autotune", choices=GEMM_AUTOTUNE, default=None,
                    help="XLA's GEMM tiling search for the decode step (default: the engine's)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")
     args = p.parse_args(argv)
     override_decode_tuning(args.decode_variant, args.decode_one_wave == "on")
+    override_split_loop(None if args.split_loop is None else args.split_loop == "on")
     copy = copy_bandwidth_tbps()
     records = []
     for item in args.configs.split(","):
@@ -113,6 +118,7 @@ def main(argv=None) -> int:
         r["model_shape"] = args.model
         r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
         r["decode_one_wave"] = args.decode_one_wave
+        r["split_loop"] = args.split_loop or "default"
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
         records.append(r)

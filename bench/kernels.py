@@ -486,7 +486,8 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
 # store the engine runs (fp8 modes against bf16) and the decode P.V candidates, each next to
 # bf16 and today's default, with ratios, in one run.
 COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention",
-               "splits": "decode_splits", "waves": "decode_waves", "pages": "decode_pages"}
+               "splits": "decode_splits", "waves": "decode_waves", "pages": "decode_pages",
+               "split_loop": "split_loop"}
 # "splits": decode_attention with the default tunings' one-wave rule (no split, no combine
 # pass) against the same tunings without it, at batches whose batch * kv_heads it changes
 # (Qwen3-0.6B at B=32; Qwen3-8B at B=32 and at the 44 sequences an fp8 16 GB pool runs)
@@ -577,6 +578,8 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
         compare_waves(b, smoke, run)
     if "pages" in sections:
         compare_pages(b, smoke, run)
+    if "split_loop" in sections:
+        compare_split_loop(b, smoke, run)
     b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
         time.perf_counter() - t0, 1)
     b.save()
@@ -637,6 +640,62 @@ def compare_pages(b: Bench, smoke: bool, run):
         (2, 64, 8, 2, 64),)
     decode_series(b, run, "decode_pages", shapes,
                   lambda shape: [(f"S{s}", lambda t: t, s) for s in (16, 32, 64)])
+
+
+# "split_loop": each attention kernel's default tuning with ``Variant.split_loop`` off
+# ("masked": every tile masked) and on ("split": tiles every query row sees in full run
+# first, in a loop without masks), side by side: decode at the kernel table's shapes and
+# Qwen3-0.6B's short engine context, prefill at 2,048 after 2,048 and 8,192 x 8,192 causal
+# (32/8/128), bf16 and every fp8 scale mode.
+SPLIT_DECODE_SHAPES = ((32, 640, 16, 8, 128), (64, 8192, 32, 8, 128), (8, 32768, 32, 8, 128),
+                       (64, 8192, 9, 3, 64))
+SPLIT_PREFILL_SHAPES = ((1, 2048, 2048), (1, 8192, 0))  # (batch, chunk, prefix)
+SPLIT_PREFILL_KV = (("bfloat16", None), ("float8_e4m3fn", "token"), ("float8_e4m3fn", "tensor"),
+                    ("float8_e4m3fn", "block"), ("float8_e4m3fn", "channel"))
+
+
+def with_split_loop(on: bool):
+    return lambda t: dataclasses.replace(t, variant=dataclasses.replace(t.variant,
+                                                                        split_loop=on))
+
+
+SPLIT_SETTINGS = (("masked", with_split_loop(False)), ("split", with_split_loop(True)))
+
+
+def compare_split_loop(b: Bench, smoke: bool, run):
+    """"split_loop": rows (``kernel`` decode / prefill) with ``setting`` "masked" / "split"
+    and ``ratio_vs_first``; prefill rows also ``ratio_vs_bf16`` (bf16 in the same setting)."""
+    decode_series(b, run, "split_loop", SPLIT_DECODE_SHAPES if not smoke else
+                  ((2, 64, 8, 2, 64),),
+                  lambda shape: [(label, change, 16) for label, change in SPLIT_SETTINGS])
+    for r in b.doc["compare"]:
+        if r.get("op") == "split_loop":
+            r.setdefault("kernel", "decode")
+    shapes = SPLIT_PREFILL_SHAPES if not smoke else ((1, 32, 16),)
+    heads = dict(hq=32, hkv=8, d=128) if not smoke else dict(hq=8, hkv=2, d=64)
+    kvs = SPLIT_PREFILL_KV if not smoke else SPLIT_PREFILL_KV[:2]
+    for batch, chunk, prefix in shapes:
+        bf16 = {}
+        for storage, mode in kvs:
+            cfg = cache_cfg(storage, mode, heads["hkv"], heads["d"], 2)
+            first = None
+            for label, change in SPLIT_SETTINGS:
+                t = change(pallas_prefill.default_tuning(cfg))
+                r = run(f"prefill {storage} {mode} {label} {chunk}+{prefix}",
+                        lambda: b.prefill(storage, mode, batch, chunk, prefix, tuning=t,
+                                          where="compare", **heads))
+                if not r or "ms" not in r:
+                    continue
+                r.update(op="split_loop", kernel="prefill", setting=label)
+                if first is None:
+                    first = r
+                else:
+                    r["ratio_vs_first"] = round(r["ms"] / first["ms"], 3)
+                if storage == "bfloat16":
+                    bf16[label] = r
+                elif label in bf16:
+                    r["ratio_vs_bf16"] = round(r["ms"] / bf16[label]["ms"], 3)
+                b.save()
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated

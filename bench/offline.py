@@ -79,7 +79,8 @@ import numpy as np
 
 from bench import internals
 from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
-                          matmul_tflops, override_decode_tuning, write_result)
+                          matmul_tflops, override_decode_tuning, override_split_loop,
+                          write_result)
 from jfp8kv.config import GEMM_AUTOTUNE
 
 IDEAL_MODEL = (
@@ -301,7 +302,7 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
                 max_num_batched_tokens=ec.max_num_batched_tokens, decode_steps=ec.decode_steps)
     rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
-               decode_one_wave=args.decode_one_wave,
+               decode_one_wave=args.decode_one_wave, split_loop=args.split_loop or "default",
                decode_gemm_autotune=ec.decode_gemm_autotune)
     del llm
     gc.collect()
@@ -406,6 +407,9 @@ def parse_args(argv):
                    help="XLA's GEMM tiling search for the decode step (default: the engine's)")
     p.add_argument("--decode-one-wave", choices=("on", "off"), default="on",
                    help="off: the decode kernel splits as before the one-wave rule (A/B)")
+    p.add_argument("--split-loop", choices=("on", "off"), default=None,
+                   help="the attention kernels' unmasked loop over full tiles "
+                        "(Variant.split_loop; default: the kernels' default), for an A/B")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default: bench/results/offline-<machine>.json")
     p.add_argument("--append", action="store_true", help="add the runs to an existing --out")
@@ -428,6 +432,7 @@ def main(argv=None) -> int:
     from jfp8kv.models.loader import load_model
 
     override_decode_tuning(one_wave=args.decode_one_wave == "on")
+    override_split_loop(None if args.split_loop is None else args.split_loop == "on")
     machine = machine_info()
     out = args.out or os.path.join(RESULTS, f"offline-{machine_slug(machine)}.json")
     rates = {"matmul_tflops": matmul_tflops(), "copy_tbps": copy_bandwidth_tbps()}
