@@ -135,8 +135,11 @@ def _store_one(x, pages_ref, scale_in_ref, scale_out_ref, h, ok, slots, valid, c
         # instructions per tensor / channel program, bench/results/store-ptx-stats.json)
         static = (plgpu.load(scale_in_ref.at[h, jnp.broadcast_to(c, (bn, g, w))])
                   if mode.per_channel else jnp.full((1, 1, 1), scale_in_ref[h, 0], jnp.float32))
-    q, s, sat = mode.quantize(x, static, pages_ref.dtype, cast=cast,
-                              reciprocal=functools.partial(recip_rn, interpret=interpret))
+    # static scales arrive as their reciprocals (``_launch``), so the product x * (1/s) takes
+    # no per-element reciprocal here; dynamic scales are the kernel's own (one per row/group)
+    recip = (lambda inv: inv) if mode.is_static else functools.partial(recip_rn,
+                                                                      interpret=interpret)
+    q, s, sat = mode.quantize(x, static, pages_ref.dtype, cast=cast, reciprocal=recip)
     if s is not None:  # dynamic scales [BN, G] at flat index slot * G + group
         idx = slots[:, None] * g + jnp.arange(g, dtype=jnp.int32)[None, :]
         plgpu.store(scale_out_ref.at[h, idx], s, mask=jnp.broadcast_to(ok[:, None], (bn, g)))
@@ -156,7 +159,7 @@ class _Prologue:
 def _store_kernel(slots_ref, k_ref, v_ref, _k_pages_in, _v_pages_in, ks_in, vs_in, *refs,
                   cfg, block_n, dynamic, interpret, cast, pro):
     # slots_ref [N] i32; k_ref/v_ref [N, Hkv, D] compute dtype; pages [Hkv, P*S, D]
-    # scales: static [Hkv, D] f32 (read only) | token [Hkv, P*S] f32 | block [Hkv, P*S*nb] f16
+    # scales: static 1/s [Hkv, D] f32 (read only) | token [Hkv, P*S] f32 | block [Hkv, P*S*nb] f16
     # with a prologue (``pro``): k_ref and v_ref are both qkv [N, H + 2 Hkv, D] (q, k, v
     # heads), then inputs cos/sin [N, D] f32, [q_norm, k_norm [D]]
     # refs (outputs): k_pages, v_pages (aliased), [k_scale, v_scale (aliased)], stats
@@ -288,6 +291,12 @@ def _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps, fp8_
     k_pages = layer.k.reshape(hkv, p * s, d)
     v_pages = layer.v.reshape(hkv, p * s, d)
     ks, vs = mode.kernel_scales(layer.k_scale, hkv), mode.kernel_scales(layer.v_scale, hkv)
+    if mode.is_static:  # 1/s once per call ([Hkv, D], correctly rounded), not per element:
+        # channel mode's per-element rcp.rn took 20 MUFU.RCP and 16 slow-path calls per
+        # program in sm_90 SASS (docs/kernels-notes.md)
+        kin, vin = fp8.reciprocal(ks), fp8.reciprocal(vs)
+    else:
+        kin, vin = ks, vs
     pages_shape = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     out_shape = [pages_shape, pages_shape]
     aliases = {3: 0, 4: 1}
@@ -304,7 +313,7 @@ def _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps, fp8_
         input_output_aliases=aliases, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="jfp8kv_store_kv" if pro is None else "jfp8kv_prologue_store_kv",
-    )(slots.astype(jnp.int32), k_new, v_new, k_pages, v_pages, ks, vs, *pro_inputs)
+    )(slots.astype(jnp.int32), k_new, v_new, k_pages, v_pages, kin, vin, *pro_inputs)
     q_out = None
     if pro is not None:
         *outs, q_out = outs
