@@ -14,9 +14,9 @@ written), plus the tuning used. ``--sweep`` first times decode code-generation v
 and launch knobs and uses the best; ``--sweep-prefill`` does the same for prefill (tile
 shapes and warps, then stages and fp8 variants, per storage); ``--smoke`` runs tiny shapes
 in interpret mode (CPU). ``--kv-rotation hadamard,smooth,smooth+hadamard`` (or ``all``) times
-only the issue-14 K transform's cost: ``jfp8kv.kernels.store_kv`` / ``paged_attention`` (the
-transform runs there, outside the Pallas kernels) for e4m3 token/block/tensor with
-kv_rotation none and each transform side by side, rows under "rotation" with ``ratio_vs_none``
+only the issue-14 K transform's cost: ``jfp8kv.kernels.store_kv`` / ``paged_attention`` (K's
+transform runs there before the store kernel, the queries' inside the attention kernels)
+for e4m3 token/block/tensor with kv_rotation none and each transform side by side, rows under "rotation" with ``ratio_vs_none``
 and ``cost_pct``, "rotation_summary" (each op against its own time) and
 "rotation_phase_summary", the issue's < 3% target: per phase, the extra time of the step's
 store plus its attention over the attention time with kv_rotation none:
@@ -699,9 +699,9 @@ def compare_split_loop(b: Bench, smoke: bool, run):
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated
-# and/or smoothed before the store, queries rotated before attention). It runs outside the
-# Pallas kernels, in ``jfp8kv.kernels.store_kv`` / ``paged_attention``, so these rows time
-# those dispatcher functions (default tunings, as the engine runs them), for kv_rotation
+# and/or smoothed before the store kernel, in ``jfp8kv.kernels.store_kv``; queries rotated
+# inside the Pallas attention kernels), so these rows time the dispatchers ``store_kv`` /
+# ``paged_attention`` (default tunings, as the engine runs them), for kv_rotation
 # "none" and each transform, side by side on the same data, in one run.
 ROTATION_OPS = ("decode", "prefill", "store")
 ROTATION_MODES = ("token", "block", "tensor")
