@@ -135,7 +135,7 @@ def ptx_stats(args):
         rec = dict(kernel="mla_decode", kv_cache_dtype=key, tuning=dataclasses.asdict(t))
         try:
             ttirs = capture_ttir(lambda *a: f(*a), q, pages, scale, pt, lens, (lens - 1)[:, None])
-            ptx, info, shared = compile_ptx(ttirs[0], t.num_warps, t.num_stages)
+            ptx, info, shared, _ = compile_ptx(ttirs[0], t.num_warps, t.num_stages)
             rec.update(loop_stats(ptx, info), shared_bytes=shared)
         except Exception as e:  # noqa: BLE001 - a failed config is a result too
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"

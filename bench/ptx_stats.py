@@ -9,7 +9,9 @@ by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platfor
 ("cuda",))``, capturing the Triton IR Pallas emits), compiled for sm_90 by the pip Triton
 and its ptxas, and measured: instructions in the key loop's PTX body (per thread, per
 tile), the same normalized to warp-instructions per 1,000 (query row, key) pairs,
-registers, spill bytes and shared memory. No timing: these numbers only rank candidates
+registers, spill bytes and shared memory; and the SASS (``cuobjdump -sass``: instructions
+in all and in the key loop, counts of ``SASS_KEY_OPS``), which shows what one PTX line can
+hide (a correctly rounded reciprocal's slow path). No timing: these numbers only rank candidates
 for the GPU sweep (``python -m bench.kernels --sweep-prefill``); jaxlib's bundled Triton may
 generate different code than the pip one.
 """
@@ -74,7 +76,41 @@ def compile_ptx(ttir: str, num_warps: int, num_stages: int):
             fh.write(k.asm["ptx"])
         r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", p, "-o", p + ".cubin"],
                            capture_output=True, text=True, check=True)
-    return k.asm["ptx"], r.stdout + r.stderr, k.metadata.shared
+    return k.asm["ptx"], r.stdout + r.stderr, k.metadata.shared, k.asm["cubin"]
+
+
+# SASS ops that PTX hides or that mark the costs discussed in docs/kernels-notes.md: a PTX
+# ``rcp.rn.f32`` is one line but a MUFU.RCP plus a slow-path CALL in SASS; LDS.U8 / PRMT are
+# the byte transposes of fp8 B operands
+SASS_KEY_OPS = ("MUFU", "CALL", "BRA", "BAR", "LDS.U8", "PRMT", "HMMA", "F2FP", "LDGSTS")
+
+
+def sass_stats(cubin: bytes):
+    """sm_90 SASS of a cubin (the pip Triton's ``cuobjdump -sass``): instructions in all, in
+    the longest backward-branching block (a key loop, 0 if none) and counts of the
+    ``SASS_KEY_OPS`` families."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        text = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?);", text)]
+    loop = (0, -1)
+    for addr, txt in ins:
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr and addr - int(m.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(m.group(1), 16), addr)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", txt).split()[0] for _, txt in ins)
+    keys = {k: sum(n for op, n in ops.items() if op.startswith(k)) for k in SASS_KEY_OPS}
+    return dict(sass_instr=len(ins),
+                sass_loop_instr=sum(1 for a, _ in ins if loop[0] <= a <= loop[1]),
+                sass_ops={k: n for k, n in keys.items() if n})
 
 
 def loop_stats(ptx: str, ptxas_info: str):
@@ -112,8 +148,8 @@ def prefill_record(storage, mode, bm, bk, nw, ns, variant, hkv=8, d=128, hq=32):
                num_heads=hq, num_kv_heads=hkv, head_dim=d)
     try:
         (ttir,) = capture_ttir(lambda *a: f(*a), *args)
-        ptx, info, shared = compile_ptx(ttir, nw, ns)
-        rec.update(loop_stats(ptx, info), shared_bytes=shared)
+        ptx, info, shared, cubin = compile_ptx(ttir, nw, ns)
+        rec.update(loop_stats(ptx, info), shared_bytes=shared, **sass_stats(cubin))
         rec["warp_instr_per_1k_pairs"] = round(rec["loop_instr"] * nw / (bm * bk) * 1000, 1)
     except Exception as e:  # noqa: BLE001 - a failed config is a result too
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -157,10 +193,10 @@ def store_record(storage, mode, fp8_cast, block_n=32, nw=4, hkv=8, d=128, prolog
                num_kv_heads=hkv, head_dim=d)
     try:
         (ttir,) = capture_ttir(lambda *a: f(*a), *args)
-        ptx, info, shared = compile_ptx(ttir, nw, 1)
+        ptx, info, shared, cubin = compile_ptx(ttir, nw, 1)
         st = kernel_stats(ptx, info)
         ops = st.pop("ops")
-        rec.update(st, shared_bytes=shared,
+        rec.update(st, shared_bytes=shared, **sass_stats(cubin),
                    cvt_satfinite=sum(v for k, v in ops.items() if "satfinite" in k))
         # K and V: 2 * block_n * d elements per program
         rec["warp_instr_per_1k_elems"] = round(st["kernel_instr"] * nw / (2 * block_n * d)
@@ -187,8 +223,8 @@ def decode_record(storage, mode, variant, bk=128, nw=4, ns=3, hq=32, hkv=8, d=12
                head_dim=d)
     try:
         (ttir,) = capture_ttir(lambda *a: f(*a), *args)
-        ptx, info, shared = compile_ptx(ttir, nw, ns)
-        rec.update(loop_stats(ptx, info), shared_bytes=shared)
+        ptx, info, shared, cubin = compile_ptx(ttir, nw, ns)
+        rec.update(loop_stats(ptx, info), shared_bytes=shared, **sass_stats(cubin))
         item = jnp.dtype(storage).itemsize
         tile_bytes = 2 * bk * (d * item + (4 if mode == "token" else 0))
         rec["bytes_per_warp_instr"] = round(tile_bytes / (rec["loop_instr"] * nw), 2)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kvcache import fp8, scale_modes
+from jfp8kv.kvcache import fp8, k_transform, rotation, scale_modes
 
 LOG2E = 1.4426950408889634
 _VARIANT_NAMES = {"pagepf": "page_prefetch", "asm": "asm", "vmask": "vmask",
@@ -228,8 +228,6 @@ class QueryRotation:
 
     @classmethod
     def of(cls, cfg: CacheConfig) -> "QueryRotation | None":
-        from jfp8kv.kvcache import k_transform, rotation
-
         if not k_transform.rotates(cfg.kv_rotation):
             return None
         check_head_dim(cfg.head_dim)
@@ -238,8 +236,6 @@ class QueryRotation:
     @staticmethod
     def matrix(cfg: CacheConfig):
         """The kernel operand diag(s) H: bfloat16 [head_dim, head_dim] of +-1."""
-        from jfp8kv.kvcache import rotation
-
         return jnp.asarray(rotation.signed_blocks(cfg.head_dim), jnp.bfloat16)
 
     def apply(self, q, m_ref, q_dtype):
