@@ -1,9 +1,10 @@
 """The model through the Pallas kernels (interpret mode), with q/k norm and RoPE fused into the
 store, equals the model through the reference twins run one by one: a 2-layer Qwen3 shape
 (q/k norm, 2 query heads per KV head) in float32, a chunked prefill over non-contiguous
-pages then one decode step, for float32 and fp8 token pages, and so do the per-layer stats. (With fp8 pages the attention
-kernels run their dots in fp16, the reference in float32: the tolerance is then the GPU
-end-to-end test's.)"""
+pages then one decode step, for float32 and fp8 token pages (and fp8 with kv_rotation
+hadamard: K rotated before the store, the queries inside the attention kernels), and so do
+the per-layer stats. (With fp8 pages the attention kernels run their dots in fp16, the
+reference in float32: the tolerance is then the GPU end-to-end test's.)"""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ def _run(params, ccfg, backend, steps):
     return outs, cache
 
 
-@pytest.mark.parametrize("storage,mode", [("float32", None), ("float8_e4m3fn", "token")])
-def test_pallas_interpret_forward_matches_reference(storage, mode):
+@pytest.mark.parametrize("storage,mode,rotation", [
+    ("float32", None, "none"), ("float8_e4m3fn", "token", "none"),
+    ("float8_e4m3fn", "token", "hadamard")])  # K rotated before the store, q in the kernels
+def test_pallas_interpret_forward_matches_reference(storage, mode, rotation):
     rng = np.random.default_rng()
     params = transformer.init_random_params(CFG, jax.random.key(int(rng.integers(1 << 30))),
                                             jnp.float32, scale=0.1)
@@ -42,7 +45,7 @@ def test_pallas_interpret_forward_matches_reference(storage, mode):
                         for lp in params["layers"]]
     s, b = 8, 2
     ccfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, num_pages=12, page_size=s,
-                       storage_dtype=storage, scale_mode=mode)
+                       storage_dtype=storage, scale_mode=mode, kv_rotation=rotation)
     tables = np.zeros((b, 4), np.int32)
     tables[:, :3] = rng.permutation(np.arange(1, 12))[:6].reshape(b, 3)
 
