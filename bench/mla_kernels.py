@@ -121,7 +121,7 @@ def tunings(args):
 
 def ptx_stats(args):
     """sm_90 code statistics of the decode kernel per storage (pip Triton, no GPU)."""
-    from bench.ptx_stats import capture_ttir, compile_ptx, loop_stats
+    from bench.ptx_stats import capture_ttir, compile_ptx, loop_stats, sass_stats
 
     out = []
     for key, t in itertools.product(args.storages, tunings(args)):
@@ -135,8 +135,8 @@ def ptx_stats(args):
         rec = dict(kernel="mla_decode", kv_cache_dtype=key, tuning=dataclasses.asdict(t))
         try:
             ttirs = capture_ttir(lambda *a: f(*a), q, pages, scale, pt, lens, (lens - 1)[:, None])
-            ptx, info, shared, _ = compile_ptx(ttirs[0], t.num_warps, t.num_stages)
-            rec.update(loop_stats(ptx, info), shared_bytes=shared)
+            ptx, info, shared, cubin = compile_ptx(ttirs[0], t.num_warps, t.num_stages)
+            rec.update(loop_stats(ptx, info), shared_bytes=shared, **sass_stats(cubin))
         except Exception as e:  # noqa: BLE001 - a failed config is a result too
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(rec, flush=True)
