@@ -88,9 +88,6 @@ def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     qk_scale = sm_scale * LOG2E
     kvar = k_variant(variant)
 
-    # keys before every real row's position are seen by all rows: unmasked tiles
-    full_end = jnp.minimum(kv_end, jnp.min(jnp.where(row_ok, qpos, kv_end)) + 1)
-
     def step(tok, valid, rows, state):
         k, k_tok = load_kv_tile(k_ref, ks_ref, h, rows, valid, kv, kvar)
         visible = None if valid is None else valid[None, :] & (tok[None, :] <= qpos[:, None])
@@ -100,10 +97,16 @@ def _prefill_kernel(len_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
 
     acc, _, l_i = key_loop(pt_ref, b, 0, kv_end, block_k, kv.page_size,
                            init_state(block_m, d), step, variant.page_prefetch,
-                           full_end if variant.split_loop else None)
+                           full_tiles_end(kv_end, qpos, row_ok) if variant.split_loop else None)
     out = normalize(scale_output(acc, vs_ref, h, kv), l_i)
     plgpu.store(o_ref.at[b, t_idx[:, None], h, g_idx[:, None], cols(d)],
                 out.astype(o_ref.dtype), mask=row_mask)
+
+
+def full_tiles_end(kv_end, qpos, row_ok):
+    """Keys before the smallest real row's position + 1 are seen by every row of the block
+    (``key_loop``'s ``full_end``)."""
+    return jnp.minimum(kv_end, jnp.min(jnp.where(row_ok, qpos, kv_end)) + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))

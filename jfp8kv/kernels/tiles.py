@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -169,18 +168,16 @@ def load_kv_raw(pages_ref, scale_ref, h, rows, valid, kv: KVLayout, col0: int = 
     def mask(n):  # valid None: every row is a real token (``key_loop``'s full tiles)
         return None if valid is None else jnp.broadcast_to(valid[:, None], (bk, n))
 
-    x = plgpu.load(pages_ref.at[h, rows[:, None], col0 + cols(d)], mask=mask(d),
-                   other=None if valid is None else 0.0)
+    other = None if valid is None else 0.0
+    x = plgpu.load(pages_ref.at[h, rows[:, None], col0 + cols(d)], mask=mask(d), other=other)
     if kv.groups > 1:
         gw = full // kv.groups
         assert col0 % gw == 0 and d % gw == 0, "column chunk not aligned to scale groups"
         ng = d // gw
         idx = rows[:, None] * kv.groups + col0 // gw + cols(ng)  # [BK, ng] into [P*S*G]
-        return x, plgpu.load(scale_ref.at[h, idx], mask=mask(ng),
-                             other=None if valid is None else 0.0)
+        return x, plgpu.load(scale_ref.at[h, idx], mask=mask(ng), other=other)
     if kv.groups == 1:
-        return x, plgpu.load(scale_ref.at[h, rows], mask=valid,
-                             other=None if valid is None else 0.0)
+        return x, plgpu.load(scale_ref.at[h, rows], mask=valid, other=other)
     return x, None
 
 
@@ -224,14 +221,14 @@ class QueryRotation:
     matrix diag(s) H as a bfloat16 [D, D] operand (``matrix``; exact) and multiplies the
     query tile it loads by it, so no separate pass over the queries runs."""
 
-    scale: float  # 1 / sqrt(head_dim), rounded to f32 and applied after the product
+    scale: float  # ``rotation.scale``, rounded to f32 and applied after the product
 
     @classmethod
     def of(cls, cfg: CacheConfig) -> "QueryRotation | None":
         if not k_transform.rotates(cfg.kv_rotation):
             return None
         check_head_dim(cfg.head_dim)
-        return cls(1.0 / math.sqrt(rotation.block_size(cfg.head_dim)))
+        return cls(rotation.scale(cfg.head_dim))
 
     @staticmethod
     def matrix(cfg: CacheConfig):

@@ -93,7 +93,8 @@ def signs(head_dim: int, seed: int = DEFAULT_SEED) -> np.ndarray:
     return _signs_cached(int(head_dim), int(seed))
 
 
-def _scale(head_dim: int) -> float:
+def scale(head_dim: int) -> float:
+    """1 / sqrt(b), b = ``block_size(head_dim)``: R = ``signed_blocks`` times this."""
     return 1.0 / math.sqrt(block_size(head_dim))
 
 
@@ -148,7 +149,7 @@ def rotate(x, seed: int = DEFAULT_SEED):
     ct = _compute_dtype(x.dtype)
     s = jnp.asarray(signs(d, seed), ct)
     y = _fwht(x.astype(ct) * s, jnp, block_size(d))
-    return y * jnp.asarray(_scale(d), ct)
+    return y * jnp.asarray(scale(d), ct)
 
 
 @functools.partial(jax.jit, static_argnames="seed")
@@ -156,7 +157,7 @@ def unrotate(y, seed: int = DEFAULT_SEED):
     """Inverse of ``rotate``: y [..., D] -> y @ R^T (same dtype rule). Jitted."""
     d = y.shape[-1]
     ct = _compute_dtype(y.dtype)
-    x = _fwht(y.astype(ct), jnp, block_size(d)) * jnp.asarray(_scale(d), ct)
+    x = _fwht(y.astype(ct), jnp, block_size(d)) * jnp.asarray(scale(d), ct)
     return x * jnp.asarray(signs(d, seed), ct)
 
 
@@ -177,7 +178,7 @@ def rotate_dense(x, seed: int = DEFAULT_SEED):
     m = jnp.asarray(signed_blocks(d, seed), x.dtype if low else ct)
     y = jnp.matmul(x if low else x.astype(ct), m, preferred_element_type=ct,
                    precision=None if low else jax.lax.Precision.HIGHEST)
-    return y * jnp.asarray(_scale(d), ct)
+    return y * jnp.asarray(scale(d), ct)
 
 
 def rotate_np(x: np.ndarray, seed: int = DEFAULT_SEED) -> np.ndarray:
@@ -186,7 +187,7 @@ def rotate_np(x: np.ndarray, seed: int = DEFAULT_SEED) -> np.ndarray:
     d = x.shape[-1]
     ct = _compute_dtype(x.dtype)
     y = _fwht(x.astype(ct) * signs(d, seed).astype(ct), np, block_size(d))
-    return y * ct.type(_scale(d))
+    return y * ct.type(scale(d))
 
 
 def unrotate_np(y: np.ndarray, seed: int = DEFAULT_SEED) -> np.ndarray:
@@ -194,5 +195,5 @@ def unrotate_np(y: np.ndarray, seed: int = DEFAULT_SEED) -> np.ndarray:
     y = np.asarray(y)
     d = y.shape[-1]
     ct = _compute_dtype(y.dtype)
-    x = _fwht(y.astype(ct), np, block_size(d)) * ct.type(_scale(d))
+    x = _fwht(y.astype(ct), np, block_size(d)) * ct.type(scale(d))
     return x * signs(d, seed).astype(ct)

@@ -47,7 +47,8 @@ IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-bk{c[7]}" for c i
 
 
 @pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(7)))
-def test_decode_matches_reference(case, exec_mode, variant=None, rotation="none"):
+def test_decode_matches_reference(case, exec_mode, variant=None, rotation="none",
+                                  split_loop=False):
     storage, mode, s, d, nh, hkv, ns, bk = case
     rng = np.random.default_rng()
     max_pages = max(2, -(-150 // s))
@@ -63,6 +64,8 @@ def test_decode_matches_reference(case, exec_mode, variant=None, rotation="none"
     sm_scale = 1.0 / np.sqrt(d)
     if variant is None:
         variant = pallas_decode.default_tuning(cfg).variant
+    if split_loop:
+        variant = dataclasses.replace(variant, split_loop=True)
     tuning = pallas_decode.DecodeTuning(block_k=bk, num_splits=ns, variant=variant)
     out = on_exec(exec_mode, pallas_decode.decode_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, cfg, sm_scale, tuning=tuning)
@@ -126,11 +129,7 @@ def test_default_tuning_skips_splits_in_one_wave(storage):
 def test_decode_split_loop_matches_reference(case, exec_mode):
     """Full tiles in an unmasked loop of their own (``Variant.split_loop``), the rest masked:
     the poisoned slots past each length must still never reach the output."""
-    cfg_variant = pallas_decode.default_tuning(make_cfg(case[0], case[1], heads_kv=case[5],
-                                                        head_dim=case[3], page_size=case[2],
-                                                        num_pages=4)).variant
-    test_decode_matches_reference(case, exec_mode,
-                                  dataclasses.replace(cfg_variant, split_loop=True))
+    test_decode_matches_reference(case, exec_mode, split_loop=True)
 
 
 @pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=(0, 1, 2, 4, 6)))
