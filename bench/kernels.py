@@ -182,6 +182,11 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
         if kind == "jfp8kv":
             return pallas_decode.decode_attention(q, layer, pt, lens, cfg, sm,
                                                   interpret=interpret, tuning=tuning)
+        if kind == "mosaic":
+            from jfp8kv.kernels import mosaic_decode
+
+            return mosaic_decode.decode_attention(q, layer, pt, lens, cfg, sm,
+                                                  interpret=interpret, tuning=tuning)
         from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
         scales = (layer.k_scale, layer.v_scale) if cfg.is_fp8 else (None, None)
@@ -487,7 +492,7 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
 # bf16 and today's default, with ratios, in one run.
 COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention",
                "splits": "decode_splits", "waves": "decode_waves", "pages": "decode_pages",
-               "split_loop": "split_loop"}
+               "split_loop": "split_loop", "mosaic": "decode_mosaic"}
 # "splits": decode_attention with the default tunings' one-wave rule (no split, no combine
 # pass) against the same tunings without it, at batches whose batch * kv_heads it changes
 # (Qwen3-0.6B at B=32; Qwen3-8B at B=32 and at the 44 sequences an fp8 16 GB pool runs)
@@ -580,6 +585,8 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
         compare_pages(b, smoke, run)
     if "split_loop" in sections:
         compare_split_loop(b, smoke, run)
+    if "mosaic" in sections:
+        compare_mosaic(b, smoke, run)
     b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
         time.perf_counter() - t0, 1)
     b.save()
@@ -696,6 +703,47 @@ def compare_split_loop(b: Bench, smoke: bool, run):
                 elif label in bf16:
                     r["ratio_vs_bf16"] = round(r["ms"] / bf16[label]["ms"], 3)
                 b.save()
+
+
+# "mosaic": the Mosaic GPU decode kernel (``kernels.mosaic_decode``: warp-specialized, TMA
+# page copies, fp8 upcast once into shared memory, wgmma) next to the Triton kernel's default
+# for fp8 and bf16 pages, at the split-loop comparison's decode shapes, e4m3 token and tensor,
+# and at other stage counts (token).
+MOSAIC_STAGES = (4, 2)
+
+
+def compare_mosaic(b: Bench, smoke: bool, run):
+    """Rows ``op`` "decode_mosaic", ``setting`` (triton | mosaic stN), ``ratio_vs_bf16`` (the
+    Triton bf16 row of the shape) and, for mosaic rows, ``ratio_vs_triton`` (the Triton fp8
+    row of the same mode)."""
+    from jfp8kv.kernels.mosaic_decode import MosaicDecodeTuning
+
+    shapes = SPLIT_DECODE_SHAPES if not smoke else ((2, 64, 8, 2, 64),)
+
+    def row(label, impl, storage, mode, shape, tuning):
+        batch, ctx, hq, hkv, d = shape
+        r = run(f"mosaic {label} {storage} {mode} {batch}x{ctx} {hq}/{hkv}/{d}", lambda: b.decode(
+            impl, storage, mode, batch, ctx, hq, hkv, d, tuning, where="compare"))
+        if r:
+            r.update(op="decode_mosaic", setting=label)
+        return r if r and "ms" in r else None
+
+    for shape in shapes:
+        bf = row("triton", "jfp8kv", "bfloat16", None, shape, None)
+        for mode in ("token", "tensor"):
+            tri = row("triton", "jfp8kv", "float8_e4m3fn", mode, shape, None)
+            # --smoke: no mosaic rows (a chain of interpreted Mosaic kernels takes minutes;
+            # tests/kernels/test_mosaic_decode.py runs the kernel in interpret mode)
+            stages = () if smoke else MOSAIC_STAGES if mode == "token" else MOSAIC_STAGES[:1]
+            for st in stages:
+                r = row(f"mosaic st{st}", "mosaic", "float8_e4m3fn", mode, shape,
+                        MosaicDecodeTuning(stages=st))
+                for ref, key in ((bf, "ratio_vs_bf16"), (tri, "ratio_vs_triton")):
+                    if r and ref:
+                        r[key] = round(r["ms"] / ref["ms"], 3)
+            if tri and bf:
+                tri["ratio_vs_bf16"] = round(tri["ms"] / bf["ms"], 3)
+        b.save()
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated

@@ -1,0 +1,352 @@
+"""Paged decode attention over fp8 pages on Pallas Mosaic GPU (Hopper, sm_90a).
+
+The Triton kernel (``pallas_decode``) issues its page loads, the fp8 -> f16 upcast and its two
+``mma.sync`` products from the same warps, so each key tile's dependent chain is exposed at 12
+warps per SM (docs/kernels-notes.md). This kernel separates them, FlashAttention-3 style:
+
+* one *memory* warpgroup walks the sequence's page table and copies each tile's pages (K, V and,
+  in token mode, their scales) with TMA into ``stages`` fp8 slots of shared memory;
+* two *compute* warpgroups take alternate tiles. Each upcasts its tile's K and V to f16 into
+  its own swizzled shared-memory buffers (V's rows past the sequence's end set to zero), frees
+  the fp8 slot, and runs q.K^T and P.V as ``wgmma`` with the online softmax between them. Its
+  partial state (unnormalized acc, max, sum) is written like a split's; the two warpgroups of
+  every split are merged by ``pallas_decode.combine_splits``.
+
+The q block is the KV head's ``G`` query heads padded to 64 rows (wgmma's M); padded rows hold
+whatever shared memory held and are never stored (rows of a product are independent).
+
+Numerics: the contract of ``reference.decode_attention`` the way ``pallas_decode`` computes it
+(f16 operands, f32 accumulation, token scales on the logits and the probabilities). Static
+scales are applied outside the kernel: K's folded into the queries (``tiles.prepare_q``'s
+product, in XLA), V's on the merged output.
+
+Supported: fp8 pages, scale modes None / tensor / channel / token, head_dim 64 or 128, page
+sizes that divide the 64-key tile or are multiples of it (>= 8), no K rotation. Anything else
+raises ValueError: use ``pallas_decode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jfp8kv.config import CacheConfig
+from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
+from jfp8kv.kernels.tiles import LOG2E, KVLayout
+from jfp8kv.kvcache.cache import LayerKV
+
+BLOCK_K = 64  # keys per tile: wgmma's N for q.K^T and its K for P.V
+ROWS = 64  # wgmma's M: the q block
+COMPUTE_WGS = 2
+
+
+def _plgpu():
+    # Imported late: the Mosaic GPU module needs absl-py, which only this kernel uses.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeTuning:
+    """``stages``: fp8 tiles in flight per program (even: each compute warpgroup owns every
+    other slot). ``num_splits=0``: splits until the grid holds ``target_programs``."""
+
+    stages: int = 4
+    num_splits: int = 0
+    target_programs: int = NUM_SMS_H200
+
+
+def check_supported(cfg: CacheConfig, num_heads: int) -> None:
+    """ValueError naming what this kernel cannot run (``pallas_decode`` runs all of it)."""
+    kv = KVLayout.of(cfg)
+    problems = []
+    if not cfg.is_fp8:
+        problems.append(f"storage {cfg.storage_dtype} (fp8 pages only)")
+    if kv.groups > 1:
+        problems.append("block scales (token, tensor, channel or none)")
+    if cfg.head_dim not in (64, 128):
+        problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
+    s = cfg.page_size
+    if s < 8 or (BLOCK_K % s and s % BLOCK_K):
+        problems.append(f"page_size {s} (a divisor of {BLOCK_K} >= 8, or a multiple of it)")
+    if cfg.kv_rotation != "none":
+        problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
+    if num_heads % cfg.num_kv_heads or num_heads // cfg.num_kv_heads > ROWS:
+        problems.append(f"{num_heads} query heads over {cfg.num_kv_heads} KV heads "
+                        f"(at most {ROWS} per KV head)")
+    if problems:
+        raise ValueError("the Mosaic GPU decode kernel does not support " + "; ".join(problems)
+                         + "; use the Triton kernel (pallas_decode)")
+
+
+MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
+
+
+def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
+                   tuning: MosaicDecodeTuning) -> int:
+    ns = tuning.num_splits
+    if not ns:
+        ns = 1
+        while (batch * hkv * ns < tuning.target_programs
+               and max_tokens // (2 * ns) >= 2 * COMPUTE_WGS * BLOCK_K):
+            ns *= 2
+    while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
+        ns *= 2
+    return ns
+
+
+class _Layouts:
+    """The layout-carrying calls; interpret mode (no layouts on the CPU) gets the plain ops."""
+
+    def __init__(self, plgpu, interpret: bool):
+        self.plgpu, self.interpret = plgpu, interpret
+        self.wgmma = plgpu.Layout.WGMMA
+        self.row = self.wgmma.reduce(1)  # one value per q row
+        self.col = self.wgmma.reduce(0)  # one value per key
+
+    def cast(self, x, layout):
+        return x if self.interpret else self.plgpu.layout_cast(x, layout)
+
+    def iota(self, shape, dim):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma)
+
+    def qk(self, q_s, k16):
+        """q [ROWS, D] . K^T from shared memory -> f32 [ROWS, BK] (the interpreter has no
+        transposed wgmma operand: a jnp dot there)."""
+        if self.interpret:
+            return lax.dot_general(q_s[...], k16[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        plgpu = self.plgpu
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k16, (1, 0)))
+            return acc_ref[...]
+
+        return pl.run_scoped(body, plgpu.ACC((ROWS, k16.shape[0]), jnp.float32))
+
+    def pv(self, p16, v16):
+        """P [ROWS, BK] (registers) . V [BK, D] from shared memory -> f32 [ROWS, D]."""
+        if self.interpret:
+            return lax.dot_general(p16, v16[...], (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        plgpu = self.plgpu
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v16)
+            return acc_ref[...]
+
+        return pl.run_scoped(body, plgpu.ACC((p16.shape[0], v16.shape[1]), jnp.float32))
+
+    def load_cols(self, ref):
+        return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.col)
+
+
+def _swizzled(plgpu, shape, dtype):
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
+    (num_splits, tokens_per_split, page_size, stages, token_scales, qk_scale, d) = dims
+    if token_scales:
+        ks_ref, vs_ref, o_ref, ml_ref, smem, barriers = refs
+    else:
+        o_ref, ml_ref, smem, barriers = refs
+        ks_ref = vs_ref = None
+    q_s, pt_s, k8_s, v8_s, ks_s, vs_s, k16_s, v16_s, o_s, ml_s = smem
+    ready, consumed, q_bar, pt_bar = barriers
+    b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("sp")
+    wg = lax.axis_index("wg")
+    seq_len = len_ref[b]
+    start = sp * tokens_per_split
+    end = jnp.minimum(seq_len, start + tokens_per_split)
+    n_tiles = jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K
+    copy_rows = min(page_size, BLOCK_K)
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory_wg():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[pl.ds(0, q_ref.shape[2])], q_bar)
+        # The split's page-table entries, once: a page index read from shared memory per copy
+        # instead of a dependent global load (which serialized the copies' issue).
+        pps = pt_s.shape[0]
+        plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pps)], pt_s,
+                                pt_bar, oob_mode=in_bounds)
+        plgpu.barrier_wait(pt_bar)
+
+        @pl.loop(0, n_tiles)
+        def _tile(t):
+            slot = lax.rem(t, stages)
+
+            @pl.when(t >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            for j in range(BLOCK_K // copy_rows):
+                tok0 = start + t * BLOCK_K + j * copy_rows
+                pidx = tok0 // page_size
+                page = pt_s[pidx - sp * pps]
+                page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
+                row0 = page * page_size + (tok0 - pidx * page_size)
+                rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
+                dst = pl.ds(j * copy_rows, copy_rows)
+                plgpu.copy_gmem_to_smem(k_ref.at[h, rows], k8_s.at[slot, dst], ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[h, rows], v8_s.at[slot, dst], ready.at[slot])
+                if token_scales:  # 4 bytes a token: plain bulk copies (16-byte aligned)
+                    for src, dst_s in ((ks_ref, ks_s), (vs_ref, vs_s)):
+                        plgpu.copy_gmem_to_smem(src.at[h, rows], dst_s.at[slot, dst],
+                                                ready.at[slot], oob_mode=in_bounds)
+
+        # Observe every slot's last release too: a barrier ends its life with no phase unseen.
+        @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
+        def _drain(t):
+            plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        k16, v16 = k16_s.at[wg], v16_s.at[wg]
+        plgpu.barrier_wait(q_bar)
+
+        def body(i, carry):
+            acc, m_i, l_i = carry
+            t = wg + COMPUTE_WGS * i
+            slot = lax.rem(t, stages)
+            tok0 = start + t * BLOCK_K
+            plgpu.barrier_wait(ready.at[slot])
+            rows = lay.iota((BLOCK_K, d), 0)
+            k16[...] = k8_s[slot].astype(jnp.float16)
+            v = v8_s[slot].astype(jnp.float16)
+            v16[...] = jnp.where(rows + tok0 < end, v, jnp.zeros_like(v))
+            if token_scales:
+                k_tok = lay.load_cols(ks_s.at[slot])
+                v_tok = lay.load_cols(vs_s.at[slot])
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(consumed.at[slot])
+
+            s = lay.qk(q_s, k16)
+            cols = lay.iota((ROWS, BLOCK_K), 1)
+            visible = cols + tok0 < end
+            if token_scales:
+                s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
+            s = jnp.where(visible, s * qk_scale, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l_new = l_i * alpha + p.sum(axis=1)
+            if token_scales:
+                p = jnp.where(visible, p * lax.broadcast_in_dim(v_tok, s.shape, [1]), 0.0)
+            pv = lay.pv(p.astype(jnp.float16), v16)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            return acc, m_new, l_new
+
+        n_mine = jnp.maximum(n_tiles - wg + COMPUTE_WGS - 1, 0) // COMPUTE_WGS
+        init = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
+                lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
+                lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+        acc, m_i, l_i = lax.fori_loop(0, n_mine, body, init)
+        o_s[wg] = acc
+        ml_s[wg, 0] = m_i
+        ml_s[wg, 1] = l_i
+        plgpu.commit_smem()
+        gq = o_ref.shape[3]
+        split = sp * COMPUTE_WGS + wg
+        plgpu.copy_smem_to_gmem(o_s.at[wg, pl.ds(0, gq)], o_ref.at[b, h, split])
+        for r in range(2):
+            plgpu.copy_smem_to_gmem(ml_s.at[wg, r, pl.ds(0, gq)], ml_ref.at[b, h, split, r])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _prepare_q(q, layer: LayerKV, cfg: CacheConfig, kv: KVLayout, gq: int):
+    """q [B, H, D] -> f16 [B, Hkv, gq, D]: static K scales folded in per channel (as
+    ``tiles.prepare_q``), the G query heads of a KV head padded to ``gq`` rows."""
+    b, nh, d = q.shape
+    hkv = cfg.num_kv_heads
+    qg = q.astype(jnp.float32).reshape(b, hkv, nh // hkv, d)
+    if kv.mode.is_static:
+        qg = qg * kv.mode.kernel_scales(layer.k_scale, hkv)[None, :, None, :].astype(jnp.float32)
+    qg = qg.astype(jnp.float16)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, gq - qg.shape[2]), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))
+def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
+                     sm_scale: float, interpret: bool = False,
+                     tuning: MosaicDecodeTuning | None = None):
+    """q [B, H, D] -> [B, H, D] (q's dtype); ``pallas_decode.decode_attention``'s contract
+    for the configurations ``check_supported`` accepts. Static: cfg, sm_scale, interpret,
+    tuning. Nothing is donated."""
+    plgpu = _plgpu()
+    tuning = tuning or MosaicDecodeTuning()
+    b, nh, d = q.shape
+    check_supported(cfg, nh)
+    if tuning.stages % COMPUTE_WGS:
+        raise ValueError(f"stages must be a multiple of {COMPUTE_WGS}, got {tuning.stages}")
+    hkv, s = cfg.num_kv_heads, cfg.page_size
+    g = nh // hkv
+    gq = -(-g // 8) * 8  # rows copied in and out: whole 8-row tiles
+    kv = KVLayout.of(cfg)
+    max_pages = page_tables.shape[1]
+    ns = _choose_splits(b, hkv, max_pages * s, s, tuning)
+    # a split: whole tiles and whole groups of 4 pages (its page-table slice is copied in
+    # 16-byte units); the table padded so that every split's slice lies inside it
+    unit = max(BLOCK_K, 4 * s)
+    tokens_per_split = -(-max_pages * s // (ns * unit)) * unit
+    pps = tokens_per_split // s
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, ns * pps - max_pages)))
+    token_scales = kv.groups == 1
+    k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
+    fp8 = k_pages.dtype
+    st = tuning.stages
+    scratch = (
+        (_swizzled(plgpu, (ROWS, d), jnp.float16), plgpu.SMEM((pps,), jnp.int32),
+         _swizzled(plgpu, (st, BLOCK_K, d), fp8), _swizzled(plgpu, (st, BLOCK_K, d), fp8),
+         plgpu.SMEM((st, BLOCK_K), jnp.float32), plgpu.SMEM((st, BLOCK_K), jnp.float32),
+         _swizzled(plgpu, (COMPUTE_WGS, BLOCK_K, d), jnp.float16),
+         _swizzled(plgpu, (COMPUTE_WGS, BLOCK_K, d), jnp.float16),
+         plgpu.SMEM((COMPUTE_WGS, ROWS, d), jnp.float32),
+         plgpu.SMEM((COMPUTE_WGS, 2, ROWS), jnp.float32)),
+        (plgpu.Barrier(num_arrivals=(4 if token_scales else 2) * max(1, BLOCK_K // s),
+                       num_barriers=st),
+         plgpu.Barrier(num_barriers=st),
+         plgpu.Barrier(), plgpu.Barrier()),
+    )
+    nsp = ns * COMPUTE_WGS
+    out_type = (jax.ShapeDtypeStruct((b, hkv, nsp, gq, d), jnp.float32),
+                jax.ShapeDtypeStruct((b, hkv, nsp, 2, gq), jnp.float32))
+    dims = (ns, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d)
+    kwargs = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kwargs["interpret"] = InterpretGPUParams(detect_races=True)  # tests read the verdict
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=_Layouts(plgpu, interpret)),
+        out_type=out_type,
+        grid=(b, hkv, ns), grid_names=("b", "h", "sp"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="jfp8kv_mosaic_decode", **kwargs)
+    operands = [seq_lens.astype(jnp.int32), pt,
+                _prepare_q(q, layer, cfg, kv, gq), k_pages, v_pages]
+    if token_scales:
+        operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
+    o, ml = kernel(*operands)
+    out = combine_splits(o[:, :, :, :g], ml[:, :, :, 0, :g], ml[:, :, :, 1, :g])
+    if kv.mode.is_static:
+        out = out * v_sc[None, :, None, :].astype(jnp.float32)
+    return out.reshape(b, nh, d).astype(q.dtype)
