@@ -708,8 +708,11 @@ def compare_split_loop(b: Bench, smoke: bool, run):
 # "mosaic": the Mosaic GPU decode kernel (``kernels.mosaic_decode``: warp-specialized, TMA
 # page copies, fp8 upcast once into shared memory, wgmma) next to the Triton kernel's default
 # for fp8 and bf16 pages, at the split-loop comparison's decode shapes, e4m3 token and tensor,
-# and at other stage counts (token).
-MOSAIC_STAGES = (4, 2)
+# and at other stage and compute-warpgroup counts (token).
+MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)), ("st6", dict(stages=6)))
+# diagnostics (wrong results, timing only): the kernel with a part of its work skipped, at
+# the first shape with token scales
+MOSAIC_PROBES = ("compute", "convert", "mma")
 
 
 def compare_mosaic(b: Bench, smoke: bool, run):
@@ -734,16 +737,23 @@ def compare_mosaic(b: Bench, smoke: bool, run):
             tri = row("triton", "jfp8kv", "float8_e4m3fn", mode, shape, None)
             # --smoke: no mosaic rows (a chain of interpreted Mosaic kernels takes minutes;
             # tests/kernels/test_mosaic_decode.py runs the kernel in interpret mode)
-            stages = () if smoke else MOSAIC_STAGES if mode == "token" else MOSAIC_STAGES[:1]
-            for st in stages:
-                r = row(f"mosaic st{st}", "mosaic", "float8_e4m3fn", mode, shape,
-                        MosaicDecodeTuning(stages=st))
+            settings = () if smoke else MOSAIC_SETTINGS if mode == "token" else MOSAIC_SETTINGS[:1]
+            for label, knobs in settings:
+                r = row(f"mosaic {label}", "mosaic", "float8_e4m3fn", mode, shape,
+                        MosaicDecodeTuning(**knobs))
                 for ref, key in ((bf, "ratio_vs_bf16"), (tri, "ratio_vs_triton")):
                     if r and ref:
                         r[key] = round(r["ms"] / ref["ms"], 3)
             if tri and bf:
                 tri["ratio_vs_bf16"] = round(tri["ms"] / bf["ms"], 3)
         b.save()
+    for probe in () if smoke else MOSAIC_PROBES:
+        row(f"probe {probe}", "mosaic", "float8_e4m3fn", "token", shapes[1],
+            MosaicDecodeTuning(probe=probe))
+    if not smoke:  # three compute warpgroups (last: the newest configuration)
+        row("3wg st3", "mosaic", "float8_e4m3fn", "token", shapes[1],
+            MosaicDecodeTuning(compute_wgs=3, stages=3))
+    b.save()
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated

@@ -42,7 +42,6 @@ from jfp8kv.kvcache.cache import LayerKV
 
 BLOCK_K = 64  # keys per tile: wgmma's N for q.K^T and its K for P.V
 ROWS = 64  # wgmma's M: the q block
-COMPUTE_WGS = 2
 
 
 def _plgpu():
@@ -54,12 +53,15 @@ def _plgpu():
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeTuning:
-    """``stages``: fp8 tiles in flight per program (even: each compute warpgroup owns every
-    other slot). ``num_splits=0``: splits until the grid holds ``target_programs``."""
+    """``stages``: fp8 tiles in flight per program (a multiple of ``compute_wgs``: each
+    compute warpgroup owns the slots of its tiles). ``num_splits=0``: splits until the grid
+    holds ``target_programs``. ``compute_wgs``: 2 or 3 compute warpgroups."""
 
     stages: int = 4
     num_splits: int = 0
     target_programs: int = NUM_SMS_H200
+    compute_wgs: int = 2
+    probe: str = ""  # bench diagnostics, wrong results: "compute" | "convert" | "mma" skipped
 
 
 def check_supported(cfg: CacheConfig, num_heads: int) -> None:
@@ -94,7 +96,7 @@ def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
     if not ns:
         ns = 1
         while (batch * hkv * ns < tuning.target_programs
-               and max_tokens // (2 * ns) >= 2 * COMPUTE_WGS * BLOCK_K):
+               and max_tokens // (2 * ns) >= 2 * tuning.compute_wgs * BLOCK_K):
             ns *= 2
     while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
         ns *= 2
@@ -157,14 +159,14 @@ def _swizzled(plgpu, shape, dtype):
 
 
 def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
-    (num_splits, tokens_per_split, page_size, stages, token_scales, qk_scale, d) = dims
+    (cwgs, tokens_per_split, page_size, stages, token_scales, qk_scale, d, probe) = dims
     if token_scales:
         ks_ref, vs_ref, o_ref, ml_ref, smem, barriers = refs
     else:
         o_ref, ml_ref, smem, barriers = refs
         ks_ref = vs_ref = None
-    q_s, pt_s, k8_s, v8_s, ks_s, vs_s, k16_s, v16_s, o_s, ml_s = smem
-    ready, consumed, q_bar, pt_bar = barriers
+    q_s, pt_s, k8_s, v8_s, ks_s, vs_s, ((k16_s, v16_s), o_s), ml_s = smem
+    ready, consumed, q_bar, pt_bar, loops_done = barriers
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("sp")
     wg = lax.axis_index("wg")
     seq_len = len_ref[b]
@@ -174,7 +176,7 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
     copy_rows = min(page_size, BLOCK_K)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == cwgs)
     def _memory_wg():
         plgpu.set_max_registers(40, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[pl.ds(0, q_ref.shape[2])], q_bar)
@@ -213,29 +215,37 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
         def _drain(t):
             plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < cwgs)
     def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        # the register file (64K) split: 40 per memory thread, the rest to compute threads
+        plgpu.set_max_registers(232 if cwgs == 2 else 152, action="increase")
         k16, v16 = k16_s.at[wg], v16_s.at[wg]
         plgpu.barrier_wait(q_bar)
 
         def body(i, carry):
             acc, m_i, l_i = carry
-            t = wg + COMPUTE_WGS * i
+            t = wg + cwgs * i
             slot = lax.rem(t, stages)
             tok0 = start + t * BLOCK_K
             plgpu.barrier_wait(ready.at[slot])
+            if probe == "compute":
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc, m_i, l_i
             rows = lay.iota((BLOCK_K, d), 0)
-            k16[...] = k8_s[slot].astype(jnp.float16)
-            v = v8_s[slot].astype(jnp.float16)
-            v16[...] = jnp.where(rows + tok0 < end, v, jnp.zeros_like(v))
+            if probe != "convert":
+                k16[...] = k8_s[slot].astype(jnp.float16)
+                v = v8_s[slot].astype(jnp.float16)
+                v16[...] = jnp.where(rows + tok0 < end, v, jnp.zeros_like(v))
             if token_scales:
                 k_tok = lay.load_cols(ks_s.at[slot])
                 v_tok = lay.load_cols(vs_s.at[slot])
             plgpu.commit_smem()
             plgpu.barrier_arrive(consumed.at[slot])
 
-            s = lay.qk(q_s, k16)
+            if probe == "mma":
+                s = lay.cast(jnp.zeros((ROWS, BLOCK_K), jnp.float32), lay.wgmma)
+            else:
+                s = lay.qk(q_s, k16)
             cols = lay.iota((ROWS, BLOCK_K), 1)
             visible = cols + tok0 < end
             if token_scales:
@@ -248,21 +258,24 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
             l_new = l_i * alpha + p.sum(axis=1)
             if token_scales:
                 p = jnp.where(visible, p * lax.broadcast_in_dim(v_tok, s.shape, [1]), 0.0)
-            pv = lay.pv(p.astype(jnp.float16), v16)
+            pv = acc if probe == "mma" else lay.pv(p.astype(jnp.float16), v16)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
             return acc, m_new, l_new
 
-        n_mine = jnp.maximum(n_tiles - wg + COMPUTE_WGS - 1, 0) // COMPUTE_WGS
+        n_mine = jnp.maximum(n_tiles - wg + cwgs - 1, 0) // cwgs
         init = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
                 lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
                 lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
         acc, m_i, l_i = lax.fori_loop(0, n_mine, body, init)
+        # o_s shares memory with both warpgroups' f16 tiles: wait until neither reads them
+        plgpu.barrier_arrive(loops_done)
+        plgpu.barrier_wait(loops_done)
         o_s[wg] = acc
         ml_s[wg, 0] = m_i
         ml_s[wg, 1] = l_i
         plgpu.commit_smem()
         gq = o_ref.shape[3]
-        split = sp * COMPUTE_WGS + wg
+        split = sp * cwgs + wg
         plgpu.copy_smem_to_gmem(o_s.at[wg, pl.ds(0, gq)], o_ref.at[b, h, split])
         for r in range(2):
             plgpu.copy_smem_to_gmem(ml_s.at[wg, r, pl.ds(0, gq)], ml_ref.at[b, h, split, r])
@@ -292,8 +305,10 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     tuning = tuning or MosaicDecodeTuning()
     b, nh, d = q.shape
     check_supported(cfg, nh)
-    if tuning.stages % COMPUTE_WGS:
-        raise ValueError(f"stages must be a multiple of {COMPUTE_WGS}, got {tuning.stages}")
+    cwgs = tuning.compute_wgs
+    if cwgs not in (2, 3) or tuning.stages % cwgs:
+        raise ValueError(f"compute_wgs must be 2 or 3 and stages a multiple of it, got "
+                         f"{cwgs} and {tuning.stages}")
     hkv, s = cfg.num_kv_heads, cfg.page_size
     g = nh // hkv
     gq = -(-g // 8) * 8  # rows copied in and out: whole 8-row tiles
@@ -310,23 +325,26 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
     fp8 = k_pages.dtype
     st = tuning.stages
+    # the f16 tiles and the output staging share memory (the interpreter has no RefUnion)
+    union = (lambda groups: groups) if interpret else (lambda groups: plgpu.RefUnion(*groups))
     scratch = (
         (_swizzled(plgpu, (ROWS, d), jnp.float16), plgpu.SMEM((pps,), jnp.int32),
          _swizzled(plgpu, (st, BLOCK_K, d), fp8), _swizzled(plgpu, (st, BLOCK_K, d), fp8),
          plgpu.SMEM((st, BLOCK_K), jnp.float32), plgpu.SMEM((st, BLOCK_K), jnp.float32),
-         _swizzled(plgpu, (COMPUTE_WGS, BLOCK_K, d), jnp.float16),
-         _swizzled(plgpu, (COMPUTE_WGS, BLOCK_K, d), jnp.float16),
-         plgpu.SMEM((COMPUTE_WGS, ROWS, d), jnp.float32),
-         plgpu.SMEM((COMPUTE_WGS, 2, ROWS), jnp.float32)),
+         union(((_swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16),
+                 _swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16)),
+                plgpu.SMEM((cwgs, ROWS, d), jnp.float32))),
+         plgpu.SMEM((cwgs, 2, ROWS), jnp.float32)),
         (plgpu.Barrier(num_arrivals=(4 if token_scales else 2) * max(1, BLOCK_K // s),
                        num_barriers=st),
          plgpu.Barrier(num_barriers=st),
-         plgpu.Barrier(), plgpu.Barrier()),
+         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=cwgs)),
     )
-    nsp = ns * COMPUTE_WGS
+    nsp = ns * cwgs
     out_type = (jax.ShapeDtypeStruct((b, hkv, nsp, gq, d), jnp.float32),
                 jax.ShapeDtypeStruct((b, hkv, nsp, 2, gq), jnp.float32))
-    dims = (ns, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d)
+    dims = (cwgs, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d,
+            tuning.probe)
     kwargs = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -336,7 +354,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=_Layouts(plgpu, interpret)),
         out_type=out_type,
         grid=(b, hkv, ns), grid_names=("b", "h", "sp"),
-        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        num_threads=cwgs + 1, thread_name="wg",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

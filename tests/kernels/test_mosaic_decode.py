@@ -23,7 +23,8 @@ pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 
 ref_decode = jax.jit(reference.decode_attention, static_argnums=(4, 5))
 
-# (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, num_splits, stages)
+# (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, num_splits, stages);
+# an odd stage count runs three compute warpgroups
 CASES = [
     ("float8_e4m3fn", "token", 16, 128, 8, 2, 1, 4),
     ("float8_e5m2", "tensor", 32, 64, 9, 3, 2, 2),
@@ -33,6 +34,7 @@ CASES = [
     ("float8_e4m3fn", "token", 64, 64, 14, 2, 0, 6),
     ("float8_e4m3fn", "token", 128, 128, 4, 4, 2, 2),
     ("float8_e5m2", "token", 16, 128, 64, 1, 1, 4),
+    ("float8_e4m3fn", "token", 16, 128, 16, 8, 0, 3),  # stages 3: three compute warpgroups
 ]
 IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-st{c[7]}" for c in CASES]
 
@@ -59,7 +61,8 @@ def test_mosaic_decode_matches_reference(case, exec_mode):
     case_ = attention_case(rng, cfg, lens, max_pages)
     q = jnp.asarray(rng.standard_normal((len(lens), nh, d)), "bfloat16")
     sm_scale = 1.0 / np.sqrt(d)
-    tuning = mosaic_decode.MosaicDecodeTuning(stages=stages, num_splits=ns)
+    tuning = mosaic_decode.MosaicDecodeTuning(stages=stages, num_splits=ns,
+                                              compute_wgs=3 if stages % 2 else 2)
     out = on_exec(exec_mode, mosaic_decode.decode_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, cfg, sm_scale, tuning=tuning)
     ref = on_cpu(ref_decode, q, case_.clean, case_.page_tables, case_.seq_lens, cfg, sm_scale)
