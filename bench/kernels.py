@@ -709,7 +709,7 @@ def compare_split_loop(b: Bench, smoke: bool, run):
 # page copies, fp8 upcast once into shared memory, wgmma) next to the Triton kernel's default
 # for fp8 and bf16 pages, at the split-loop comparison's decode shapes, e4m3 token and tensor,
 # and at other stage and compute-warpgroup counts (token).
-MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)), ("st6", dict(stages=6)))
+MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)))
 # diagnostics (wrong results, timing only): the kernel with a part of its work skipped, at
 # the first shape with token scales
 MOSAIC_PROBES = ("compute", "convert", "mma")
@@ -723,10 +723,11 @@ def compare_mosaic(b: Bench, smoke: bool, run):
 
     shapes = SPLIT_DECODE_SHAPES if not smoke else ((2, 64, 8, 2, 64),)
 
-    def row(label, impl, storage, mode, shape, tuning):
+    def row(label, impl, storage, mode, shape, tuning, page_size=16):
         batch, ctx, hq, hkv, d = shape
         r = run(f"mosaic {label} {storage} {mode} {batch}x{ctx} {hq}/{hkv}/{d}", lambda: b.decode(
-            impl, storage, mode, batch, ctx, hq, hkv, d, tuning, where="compare"))
+            impl, storage, mode, batch, ctx, hq, hkv, d, tuning, where="compare",
+            page_size=page_size))
         if r:
             r.update(op="decode_mosaic", setting=label)
         return r if r and "ms" in r else None
@@ -750,9 +751,12 @@ def compare_mosaic(b: Bench, smoke: bool, run):
     for probe in () if smoke else MOSAIC_PROBES:
         row(f"probe {probe}", "mosaic", "float8_e4m3fn", "token", shapes[1],
             MosaicDecodeTuning(probe=probe))
-    if not smoke:  # three compute warpgroups (last: the newest configuration)
-        row("3wg st3", "mosaic", "float8_e4m3fn", "token", shapes[1],
-            MosaicDecodeTuning(compute_wgs=3, stages=3))
+    if not smoke:  # 64-token pages: one copy per tile and operand instead of four
+        for impl, label in (("jfp8kv", "triton S64"), ("mosaic", "mosaic st4 S64"),
+                            ("mosaic", "probe compute S64")):
+            row(label, impl, "float8_e4m3fn", "token", shapes[1],
+                MosaicDecodeTuning(probe="compute" if "probe" in label else "")
+                if impl == "mosaic" else None, page_size=64)
     b.save()
 
 

@@ -356,8 +356,13 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
         grid=(b, hkv, ns), grid_names=("b", "h", "sp"),
         num_threads=cwgs + 1, thread_name="wg",
         scratch_types=scratch,
+        # No automatic warpgroup barriers around every copy and shared-memory store (16 per
+        # tile in the memory warpgroup): the protocol's own barriers order the accesses
+        # (mbarriers between warpgroups, commit_smem before wgmma reads a tile, wgmma waits
+        # before a tile is overwritten).
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+            unsafe_no_auto_barriers=True),
         kernel_name="jfp8kv_mosaic_decode", **kwargs)
     operands = [seq_lens.astype(jnp.int32), pt,
                 _prepare_q(q, layer, cfg, kv, gq), k_pages, v_pages]
