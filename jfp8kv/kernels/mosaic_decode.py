@@ -1,28 +1,22 @@
-"""Paged decode attention over fp8 pages on Pallas Mosaic GPU (Hopper, sm_90a).
+"""Paged decode attention over fp8 pages on Pallas Mosaic GPU (Hopper, sm_90a): a prototype
+beside ``pallas_decode`` that the engine does not use (it takes 1.6-2.3x the Triton kernel's
+time on the H200; docs/kernels-notes.md has the measurements and what limits it).
 
-The Triton kernel (``pallas_decode``) issues its page loads, the fp8 -> f16 upcast and its two
-``mma.sync`` products from the same warps, so each key tile's dependent chain is exposed at 12
-warps per SM (docs/kernels-notes.md). This kernel separates them, FlashAttention-3 style:
+FlashAttention-3's structure: one *memory* warpgroup walks the split's page table (staged in
+shared memory) and copies each 64-key tile's pages (K, V and, in token mode, their scales)
+with TMA into ``stages`` fp8 slots; ``compute_wgs`` *compute* warpgroups take tiles in turn,
+upcast K and V to f16 into their own swizzled buffers (V rows past the end zeroed), free the
+slot, and run q.K^T and P.V as ``wgmma`` around the online softmax. Each writes its partial
+state (unnormalized acc, max, sum) like a split; ``pallas_decode.combine_splits`` merges them.
+The q block is the KV head's G query heads padded to 64 rows (wgmma's M); padded rows hold
+whatever shared memory held and are never stored.
 
-* one *memory* warpgroup walks the sequence's page table and copies each tile's pages (K, V and,
-  in token mode, their scales) with TMA into ``stages`` fp8 slots of shared memory;
-* two *compute* warpgroups take alternate tiles. Each upcasts its tile's K and V to f16 into
-  its own swizzled shared-memory buffers (V's rows past the sequence's end set to zero), frees
-  the fp8 slot, and runs q.K^T and P.V as ``wgmma`` with the online softmax between them. Its
-  partial state (unnormalized acc, max, sum) is written like a split's; the two warpgroups of
-  every split are merged by ``pallas_decode.combine_splits``.
-
-The q block is the KV head's ``G`` query heads padded to 64 rows (wgmma's M); padded rows hold
-whatever shared memory held and are never stored (rows of a product are independent).
-
-Numerics: the contract of ``reference.decode_attention`` the way ``pallas_decode`` computes it
-(f16 operands, f32 accumulation, token scales on the logits and the probabilities). Static
-scales are applied outside the kernel: K's folded into the queries (``tiles.prepare_q``'s
-product, in XLA), V's on the merged output.
-
-Supported: fp8 pages, scale modes None / tensor / channel / token, head_dim 64 or 128, page
-sizes that divide the 64-key tile or are multiples of it (>= 8), no K rotation. Anything else
-raises ValueError: use ``pallas_decode``.
+Numerics: ``reference.decode_attention``'s contract as ``pallas_decode`` computes it (f16
+operands, f32 accumulation, token scales on logits and probabilities); static scales outside
+the kernel (K's folded into q as ``tiles.prepare_q`` does, V's on the merged output).
+Supported: fp8 pages; scale modes token, tensor, channel; head_dim 64 or 128; page sizes >= 8
+that divide the 64-key tile or are multiples of it; no K rotation. ``check_supported`` raises
+ValueError for the rest.
 """
 
 from __future__ import annotations
@@ -45,8 +39,7 @@ ROWS = 64  # wgmma's M: the q block
 
 
 def _plgpu():
-    # Imported late: the Mosaic GPU module needs absl-py, which only this kernel uses.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # late: it needs absl-py
 
     return plgpu
 
@@ -71,11 +64,10 @@ def check_supported(cfg: CacheConfig, num_heads: int) -> None:
     if not cfg.is_fp8:
         problems.append(f"storage {cfg.storage_dtype} (fp8 pages only)")
     if kv.groups > 1:
-        problems.append("block scales (token, tensor, channel or none)")
+        problems.append("block scales (token, tensor or channel)")
     if cfg.head_dim not in (64, 128):
         problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
-    s = cfg.page_size
-    if s < 8 or (BLOCK_K % s and s % BLOCK_K):
+    if (s := cfg.page_size) < 8 or (BLOCK_K % s and s % BLOCK_K):
         problems.append(f"page_size {s} (a divisor of {BLOCK_K} >= 8, or a multiple of it)")
     if cfg.kv_rotation != "none":
         problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
@@ -121,31 +113,26 @@ class _Layouts:
         return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma)
 
     def qk(self, q_s, k16):
-        """q [ROWS, D] . K^T from shared memory -> f32 [ROWS, BK] (the interpreter has no
-        transposed wgmma operand: a jnp dot there)."""
+        """q [ROWS, D] . K^T, both in shared memory -> f32 [ROWS, BK] (the interpreter has no
+        transposed wgmma operand: jnp dots there)."""
         if self.interpret:
             return lax.dot_general(q_s[...], k16[...], (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
-        plgpu = self.plgpu
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, q_s, plgpu.transpose_ref(k16, (1, 0)))
-            return acc_ref[...]
-
-        return pl.run_scoped(body, plgpu.ACC((ROWS, k16.shape[0]), jnp.float32))
+        return self._wgmma((ROWS, k16.shape[0]), q_s, self.plgpu.transpose_ref(k16, (1, 0)))
 
     def pv(self, p16, v16):
-        """P [ROWS, BK] (registers) . V [BK, D] from shared memory -> f32 [ROWS, D]."""
+        """P [ROWS, BK] (registers) . V [BK, D] (shared memory) -> f32 [ROWS, D]."""
         if self.interpret:
             return lax.dot_general(p16, v16[...], (((1,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
-        plgpu = self.plgpu
+        return self._wgmma((p16.shape[0], v16.shape[1]), p16, v16)
 
+    def _wgmma(self, shape, a, b):
         def body(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v16)
+            self.plgpu.wgmma(acc_ref, a, b)
             return acc_ref[...]
 
-        return pl.run_scoped(body, plgpu.ACC((p16.shape[0], v16.shape[1]), jnp.float32))
+        return pl.run_scoped(body, self.plgpu.ACC(shape, jnp.float32))
 
     def load_cols(self, ref):
         return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.col)
@@ -158,128 +145,182 @@ def _swizzled(plgpu, shape, dtype):
         plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
 
 
+def _scratch(plgpu, d, pps, st, cwgs, fp8, copies_per_tile, interpret):
+    """Shared memory: q, the split's page-table slice, ``st`` fp8 slots of K, V and token
+    scales, per compute warpgroup the f16 K/V tiles (sharing memory with the output
+    staging, except in the interpreter, which has no RefUnion) and (m, l); barriers: slot
+    ready (one arrival per copy), slot consumed, q, page table, loops done."""
+    union = (lambda groups: groups) if interpret else (lambda groups: plgpu.RefUnion(*groups))
+    return (
+        (_swizzled(plgpu, (ROWS, d), jnp.float16), plgpu.SMEM((pps,), jnp.int32),
+         _swizzled(plgpu, (st, BLOCK_K, d), fp8), _swizzled(plgpu, (st, BLOCK_K, d), fp8),
+         plgpu.SMEM((st, BLOCK_K), jnp.float32), plgpu.SMEM((st, BLOCK_K), jnp.float32),
+         union(((_swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16),
+                 _swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16)),
+                plgpu.SMEM((cwgs, ROWS, d), jnp.float32))),
+         plgpu.SMEM((cwgs, 2, ROWS), jnp.float32)),
+        (plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=st),
+         plgpu.Barrier(num_barriers=st),
+         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=cwgs)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What every warpgroup of one (batch row, KV head, split) program knows."""
+
+    b: jax.Array
+    h: jax.Array
+    sp: jax.Array
+    wg: jax.Array
+    start: jax.Array  # the split's first token
+    end: jax.Array  # min(seq_len, the split's end)
+    n_tiles: jax.Array
+
+
 def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
-    (cwgs, tokens_per_split, page_size, stages, token_scales, qk_scale, d, probe) = dims
-    if token_scales:
+    cwgs, tokens_per_split = dims[:2]
+    if dims[4]:  # token scales
         ks_ref, vs_ref, o_ref, ml_ref, smem, barriers = refs
     else:
         o_ref, ml_ref, smem, barriers = refs
         ks_ref = vs_ref = None
-    q_s, pt_s, k8_s, v8_s, ks_s, vs_s, ((k16_s, v16_s), o_s), ml_s = smem
-    ready, consumed, q_bar, pt_bar, loops_done = barriers
-    b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("sp")
-    wg = lax.axis_index("wg")
-    seq_len = len_ref[b]
+    b, sp = lax.axis_index("b"), lax.axis_index("sp")
     start = sp * tokens_per_split
-    end = jnp.minimum(seq_len, start + tokens_per_split)
-    n_tiles = jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K
+    end = jnp.minimum(len_ref[b], start + tokens_per_split)
+    prog = _Program(b, lax.axis_index("h"), sp, lax.axis_index("wg"), start, end,
+                    jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K)
+    pl.when(prog.wg == cwgs)(functools.partial(
+        _memory_warpgroup, prog, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
+        dims=dims, plgpu=plgpu))
+    pl.when(prog.wg < cwgs)(functools.partial(
+        _compute_warpgroup, prog, o_ref, ml_ref, smem, barriers, dims=dims, plgpu=plgpu,
+        lay=lay))
+
+
+def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+                      barriers, *, dims, plgpu):
+    """Copies q, the split's page-table slice, then each tile's pages into its fp8 slot."""
+    _, _, page_size, stages, token_scales = dims[:5]
+    q_s, pt_s, k8_s, v8_s, ks_s, vs_s = smem[:6]
+    ready, consumed, q_bar, pt_bar, _ = barriers
+    b, h, sp, start, end = prog.b, prog.h, prog.sp, prog.start, prog.end
     copy_rows = min(page_size, BLOCK_K)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
+    plgpu.set_max_registers(40, action="decrease")
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[pl.ds(0, q_ref.shape[2])], q_bar)
+    # The split's page-table entries, once: a page index read from shared memory per copy
+    # instead of a dependent global load (which serialized the copies' issue).
+    pps = pt_s.shape[0]
+    plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pps)], pt_s,
+                            pt_bar, oob_mode=in_bounds)
+    plgpu.barrier_wait(pt_bar)
 
-    @pl.when(wg == cwgs)
-    def _memory_wg():
-        plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[pl.ds(0, q_ref.shape[2])], q_bar)
-        # The split's page-table entries, once: a page index read from shared memory per copy
-        # instead of a dependent global load (which serialized the copies' issue).
-        pps = pt_s.shape[0]
-        plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pps)], pt_s,
-                                pt_bar, oob_mode=in_bounds)
-        plgpu.barrier_wait(pt_bar)
+    @pl.loop(0, prog.n_tiles)
+    def _tile(t):
+        slot = lax.rem(t, stages)
 
-        @pl.loop(0, n_tiles)
-        def _tile(t):
-            slot = lax.rem(t, stages)
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
 
-            @pl.when(t >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
+        for j in range(BLOCK_K // copy_rows):
+            tok0 = start + t * BLOCK_K + j * copy_rows
+            pidx = tok0 // page_size
+            page = pt_s[pidx - sp * pps]
+            page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
+            row0 = page * page_size + (tok0 - pidx * page_size)
+            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
+            dst = pl.ds(j * copy_rows, copy_rows)
+            plgpu.copy_gmem_to_smem(k_ref.at[h, rows], k8_s.at[slot, dst], ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[h, rows], v8_s.at[slot, dst], ready.at[slot])
+            if token_scales:  # 4 bytes a token: plain bulk copies (16-byte aligned)
+                for src, dst_s in ((ks_ref, ks_s), (vs_ref, vs_s)):
+                    plgpu.copy_gmem_to_smem(src.at[h, rows], dst_s.at[slot, dst],
+                                            ready.at[slot], oob_mode=in_bounds)
 
-            for j in range(BLOCK_K // copy_rows):
-                tok0 = start + t * BLOCK_K + j * copy_rows
-                pidx = tok0 // page_size
-                page = pt_s[pidx - sp * pps]
-                page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
-                row0 = page * page_size + (tok0 - pidx * page_size)
-                rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
-                dst = pl.ds(j * copy_rows, copy_rows)
-                plgpu.copy_gmem_to_smem(k_ref.at[h, rows], k8_s.at[slot, dst], ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[h, rows], v8_s.at[slot, dst], ready.at[slot])
-                if token_scales:  # 4 bytes a token: plain bulk copies (16-byte aligned)
-                    for src, dst_s in ((ks_ref, ks_s), (vs_ref, vs_s)):
-                        plgpu.copy_gmem_to_smem(src.at[h, rows], dst_s.at[slot, dst],
-                                                ready.at[slot], oob_mode=in_bounds)
+    # Observe every slot's last release too: a barrier ends its life with no phase unseen.
+    @pl.loop(jnp.maximum(prog.n_tiles - stages, 0), prog.n_tiles)
+    def _drain(t):
+        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
-        # Observe every slot's last release too: a barrier ends its life with no phase unseen.
-        @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
-        def _drain(t):
-            plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
-    @pl.when(wg < cwgs)
-    def _compute_wg():
-        # the register file (64K) split: 40 per memory thread, the rest to compute threads
-        plgpu.set_max_registers(232 if cwgs == 2 else 152, action="increase")
-        k16, v16 = k16_s.at[wg], v16_s.at[wg]
-        plgpu.barrier_wait(q_bar)
+def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, plgpu, lay):
+    """Runs every ``cwgs``-th tile from its fp8 slot, then writes its partial state."""
+    cwgs, d = dims[0], dims[6]
+    _, _, _, _, _, _, ((k16_s, v16_s), o_s), ml_s = smem
+    _, _, q_bar, _, loops_done = barriers
+    wg = prog.wg
+    # the register file (64K) split: 40 per memory thread, the rest to compute threads
+    plgpu.set_max_registers(232 if cwgs == 2 else 152, action="increase")
+    plgpu.barrier_wait(q_bar)
+    step = functools.partial(_tile_step, prog, smem, barriers, k16_s.at[wg], v16_s.at[wg],
+                             dims=dims, plgpu=plgpu, lay=lay)
+    n_mine = jnp.maximum(prog.n_tiles - wg + cwgs - 1, 0) // cwgs
+    init = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
+            lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
+            lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+    acc, m_i, l_i = lax.fori_loop(0, n_mine, step, init)
+    # o_s shares memory with both warpgroups' f16 tiles: wait until neither reads them
+    plgpu.barrier_arrive(loops_done)
+    plgpu.barrier_wait(loops_done)
+    o_s[wg] = acc
+    ml_s[wg, 0] = m_i
+    ml_s[wg, 1] = l_i
+    plgpu.commit_smem()
+    gq = o_ref.shape[3]
+    split = prog.sp * cwgs + wg
+    plgpu.copy_smem_to_gmem(o_s.at[wg, pl.ds(0, gq)], o_ref.at[prog.b, prog.h, split])
+    for r in range(2):
+        plgpu.copy_smem_to_gmem(ml_s.at[wg, r, pl.ds(0, gq)],
+                                ml_ref.at[prog.b, prog.h, split, r])
+    plgpu.wait_smem_to_gmem(0)
 
-        def body(i, carry):
-            acc, m_i, l_i = carry
-            t = wg + cwgs * i
-            slot = lax.rem(t, stages)
-            tok0 = start + t * BLOCK_K
-            plgpu.barrier_wait(ready.at[slot])
-            if probe == "compute":
-                plgpu.barrier_arrive(consumed.at[slot])
-                return acc, m_i, l_i
-            rows = lay.iota((BLOCK_K, d), 0)
-            if probe != "convert":
-                k16[...] = k8_s[slot].astype(jnp.float16)
-                v = v8_s[slot].astype(jnp.float16)
-                v16[...] = jnp.where(rows + tok0 < end, v, jnp.zeros_like(v))
-            if token_scales:
-                k_tok = lay.load_cols(ks_s.at[slot])
-                v_tok = lay.load_cols(vs_s.at[slot])
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(consumed.at[slot])
 
-            if probe == "mma":
-                s = lay.cast(jnp.zeros((ROWS, BLOCK_K), jnp.float32), lay.wgmma)
-            else:
-                s = lay.qk(q_s, k16)
-            cols = lay.iota((ROWS, BLOCK_K), 1)
-            visible = cols + tok0 < end
-            if token_scales:
-                s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
-            s = jnp.where(visible, s * qk_scale, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            l_new = l_i * alpha + p.sum(axis=1)
-            if token_scales:
-                p = jnp.where(visible, p * lax.broadcast_in_dim(v_tok, s.shape, [1]), 0.0)
-            pv = acc if probe == "mma" else lay.pv(p.astype(jnp.float16), v16)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-            return acc, m_new, l_new
+def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgpu, lay):
+    """One tile of a compute warpgroup: upcast into ``k16``/``v16``, free the fp8 slot,
+    q.K^T, online softmax, P.V. carry = (acc [ROWS, D], m [ROWS], l [ROWS])."""
+    cwgs, _, _, stages, token_scales, qk_scale, d, probe = dims
+    q_s, _, k8_s, v8_s, ks_s, vs_s = smem[:6]
+    ready, consumed = barriers[:2]
+    acc, m_i, l_i = carry
+    t = prog.wg + cwgs * i
+    slot = lax.rem(t, stages)
+    tok0 = prog.start + t * BLOCK_K
+    plgpu.barrier_wait(ready.at[slot])
+    if probe == "compute":
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_i, l_i
+    rows = lay.iota((BLOCK_K, d), 0)
+    if probe != "convert":
+        k16[...] = k8_s[slot].astype(jnp.float16)
+        v = v8_s[slot].astype(jnp.float16)
+        v16[...] = jnp.where(rows + tok0 < prog.end, v, jnp.zeros_like(v))
+    if token_scales:
+        k_tok = lay.load_cols(ks_s.at[slot])
+        v_tok = lay.load_cols(vs_s.at[slot])
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(consumed.at[slot])
 
-        n_mine = jnp.maximum(n_tiles - wg + cwgs - 1, 0) // cwgs
-        init = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
-                lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
-                lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
-        acc, m_i, l_i = lax.fori_loop(0, n_mine, body, init)
-        # o_s shares memory with both warpgroups' f16 tiles: wait until neither reads them
-        plgpu.barrier_arrive(loops_done)
-        plgpu.barrier_wait(loops_done)
-        o_s[wg] = acc
-        ml_s[wg, 0] = m_i
-        ml_s[wg, 1] = l_i
-        plgpu.commit_smem()
-        gq = o_ref.shape[3]
-        split = sp * cwgs + wg
-        plgpu.copy_smem_to_gmem(o_s.at[wg, pl.ds(0, gq)], o_ref.at[b, h, split])
-        for r in range(2):
-            plgpu.copy_smem_to_gmem(ml_s.at[wg, r, pl.ds(0, gq)], ml_ref.at[b, h, split, r])
-        plgpu.wait_smem_to_gmem(0)
+    if probe == "mma":
+        s = lay.cast(jnp.zeros((ROWS, BLOCK_K), jnp.float32), lay.wgmma)
+    else:
+        s = lay.qk(q_s, k16)
+    cols = lay.iota((ROWS, BLOCK_K), 1)
+    visible = cols + tok0 < prog.end
+    if token_scales:
+        s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
+    s = jnp.where(visible, s * qk_scale, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    l_new = l_i * alpha + p.sum(axis=1)
+    if token_scales:
+        p = jnp.where(visible, p * lax.broadcast_in_dim(v_tok, s.shape, [1]), 0.0)
+    pv = acc if probe == "mma" else lay.pv(p.astype(jnp.float16), v16)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+    return acc, m_new, l_new
 
 
 def _prepare_q(q, layer: LayerKV, cfg: CacheConfig, kv: KVLayout, gq: int):
@@ -323,23 +364,9 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, ns * pps - max_pages)))
     token_scales = kv.groups == 1
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
-    fp8 = k_pages.dtype
     st = tuning.stages
-    # the f16 tiles and the output staging share memory (the interpreter has no RefUnion)
-    union = (lambda groups: groups) if interpret else (lambda groups: plgpu.RefUnion(*groups))
-    scratch = (
-        (_swizzled(plgpu, (ROWS, d), jnp.float16), plgpu.SMEM((pps,), jnp.int32),
-         _swizzled(plgpu, (st, BLOCK_K, d), fp8), _swizzled(plgpu, (st, BLOCK_K, d), fp8),
-         plgpu.SMEM((st, BLOCK_K), jnp.float32), plgpu.SMEM((st, BLOCK_K), jnp.float32),
-         union(((_swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16),
-                 _swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16)),
-                plgpu.SMEM((cwgs, ROWS, d), jnp.float32))),
-         plgpu.SMEM((cwgs, 2, ROWS), jnp.float32)),
-        (plgpu.Barrier(num_arrivals=(4 if token_scales else 2) * max(1, BLOCK_K // s),
-                       num_barriers=st),
-         plgpu.Barrier(num_barriers=st),
-         plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_arrivals=cwgs)),
-    )
+    scratch = _scratch(plgpu, d, pps, st, cwgs, k_pages.dtype,
+                       (4 if token_scales else 2) * max(1, BLOCK_K // s), interpret)
     nsp = ns * cwgs
     out_type = (jax.ShapeDtypeStruct((b, hkv, nsp, gq, d), jnp.float32),
                 jax.ShapeDtypeStruct((b, hkv, nsp, 2, gq), jnp.float32))
@@ -356,10 +383,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
         grid=(b, hkv, ns), grid_names=("b", "h", "sp"),
         num_threads=cwgs + 1, thread_name="wg",
         scratch_types=scratch,
-        # No automatic warpgroup barriers around every copy and shared-memory store (16 per
-        # tile in the memory warpgroup): the protocol's own barriers order the accesses
-        # (mbarriers between warpgroups, commit_smem before wgmma reads a tile, wgmma waits
-        # before a tile is overwritten).
+        # no automatic barrier at every copy and store (16 a tile in the memory warpgroup):
+        # the mbarriers, commit_smem before a wgmma and wgmma waits order the accesses
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
             unsafe_no_auto_barriers=True),
