@@ -1076,11 +1076,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
                     "decode,jax,store,prefill")
-    ap.add_argument("--compare", default="", help="comma list of store,prologue,decode: only the "
-                    "issue-13 comparison (fp8 store cast paths, the engine's fused prologue "
-                    "store, decode P.V variants, bf16 and today's "
-                    "default side by side, with ratios), added to --out under 'compare' (the "
-                    "file's other results are kept)")
+    ap.add_argument("--compare", default="", help=f"comma list of {','.join(COMPARE_OPS)}: "
+                    "only the issue-13 comparisons (fp8 store cast paths, the engine's fused "
+                    "prologue store, decode variants, the Mosaic GPU decode kernel, ...; bf16 "
+                    "and today's default side by side, with ratios), added to --out under "
+                    "'compare' (the file's other results are kept)")
     ap.add_argument("--kv-rotation", default="", metavar="LIST",
                     help="comma list of K transforms (hadamard, smooth, smooth+hadamard, or "
                     "all): only the issue-14 rotation cost, each fp8 row (e4m3 token, block, "

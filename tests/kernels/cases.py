@@ -70,6 +70,18 @@ def on_exec(exec_mode: str, fn, *args, **kwargs):
         return jax.block_until_ready(fn(*args, interpret=False, **kwargs))
 
 
+def decode_lengths(rng, page_size: int, span: int):
+    """A decode batch's lengths over a page table of at least ``span`` tokens: an empty
+    slot, a length-1 sequence, one off the page grid, a full table and a short one, shuffled.
+    -> (lens, max_pages, num_pages: the pages they need + the null page + 3 spare)."""
+    s = page_size
+    max_pages = max(2, -(-span // s))
+    cap = max_pages * s
+    lens = np.array([0, 1, int(rng.integers(2, cap)), cap, int(rng.integers(2, s + 3))])
+    rng.shuffle(lens)
+    return lens, max_pages, 1 + sum(-(-int(n) // s) for n in lens) + 3
+
+
 def make_cfg(storage: str, mode: str | None, *, heads_kv: int, head_dim: int, page_size: int,
              num_pages: int) -> CacheConfig:
     return CacheConfig(num_layers=1, num_kv_heads=heads_kv, head_dim=head_dim,

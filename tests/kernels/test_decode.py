@@ -21,7 +21,8 @@ from jfp8kv.kernels import pallas_decode, reference
 from jfp8kv.kvcache import k_transform
 from jfp8kv.kernels.tiles import Variant
 
-from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec, sweep
+from .cases import (assert_close, attention_case, decode_lengths, has_gpu, make_cfg, on_cpu,
+                    on_exec, sweep)
 
 ref_decode = jax.jit(reference.decode_attention, static_argnums=(4, 5))
 
@@ -51,11 +52,7 @@ def test_decode_matches_reference(case, exec_mode, variant=None, rotation="none"
                                   split_loop=False):
     storage, mode, s, d, nh, hkv, ns, bk = case
     rng = np.random.default_rng()
-    max_pages = max(2, -(-150 // s))
-    cap = max_pages * s
-    lens = np.array([0, 1, int(rng.integers(2, cap)), cap, int(rng.integers(2, s + 3))])
-    rng.shuffle(lens)
-    num_pages = 1 + sum(-(-int(n) // s) for n in lens) + 3
+    lens, max_pages, num_pages = decode_lengths(rng, s, 150)
     cfg = dataclasses.replace(make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s,
                                        num_pages=num_pages), kv_rotation=rotation)
     case_ = attention_case(rng, cfg, lens, max_pages)

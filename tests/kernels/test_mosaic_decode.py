@@ -17,7 +17,8 @@ import pytest
 
 from jfp8kv.kernels import mosaic_decode, reference
 
-from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec
+from .cases import (assert_close, attention_case, decode_lengths, has_gpu, make_cfg, on_cpu,
+                    on_exec)
 
 pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 
@@ -52,11 +53,7 @@ PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CAS
 def test_mosaic_decode_matches_reference(case, exec_mode):
     storage, mode, s, d, nh, hkv, ns, stages = case
     rng = np.random.default_rng()
-    max_pages = max(2, -(-300 // s))
-    cap = max_pages * s
-    lens = np.array([0, 1, int(rng.integers(2, cap)), cap, int(rng.integers(2, s + 3))])
-    rng.shuffle(lens)
-    num_pages = 1 + sum(-(-int(n) // s) for n in lens) + 3
+    lens, max_pages, num_pages = decode_lengths(rng, s, 300)
     cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
     case_ = attention_case(rng, cfg, lens, max_pages)
     q = jnp.asarray(rng.standard_normal((len(lens), nh, d)), "bfloat16")
