@@ -709,7 +709,7 @@ def compare_split_loop(b: Bench, smoke: bool, run):
 # page copies, fp8 upcast once into shared memory, wgmma) next to the Triton kernel's default
 # for fp8 and bf16 pages, at the split-loop comparison's decode shapes, e4m3 token and tensor,
 # and at other stage and compute-warpgroup counts (token).
-MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)))
+MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)), ("st4 overlap_v", dict(overlap_v=True)))
 # diagnostics (wrong results, timing only): the kernel with a part of its work skipped, at
 # the first shape with token scales
 MOSAIC_PROBES = ("compute", "convert", "mma")

@@ -30,12 +30,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
+from jfp8kv.kernels.mosaic_ops import ROWS, MosaicOps  # ROWS: wgmma's M, the q block
 from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
 BLOCK_K = 64  # keys per tile: wgmma's N for q.K^T and its K for P.V
-ROWS = 64  # wgmma's M: the q block
 
 
 def _plgpu():
@@ -55,6 +55,7 @@ class MosaicDecodeTuning:
     target_programs: int = NUM_SMS_H200
     compute_wgs: int = 2
     probe: str = ""  # bench diagnostics, wrong results: "compute" | "convert" | "mma" skipped
+    overlap_v: bool = False  # V's upcast while q.K^T runs (not yet measured)
 
 
 def check_supported(cfg: CacheConfig, num_heads: int) -> None:
@@ -93,49 +94,6 @@ def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
     while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
         ns *= 2
     return ns
-
-
-class _Layouts:
-    """The layout-carrying calls; interpret mode (no layouts on the CPU) gets the plain ops."""
-
-    def __init__(self, plgpu, interpret: bool):
-        self.plgpu, self.interpret = plgpu, interpret
-        self.wgmma = plgpu.Layout.WGMMA
-        self.row = self.wgmma.reduce(1)  # one value per q row
-        self.col = self.wgmma.reduce(0)  # one value per key
-
-    def cast(self, x, layout):
-        return x if self.interpret else self.plgpu.layout_cast(x, layout)
-
-    def iota(self, shape, dim):
-        if self.interpret:
-            return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma)
-
-    def qk(self, q_s, k16):
-        """q [ROWS, D] . K^T, both in shared memory -> f32 [ROWS, BK] (the interpreter has no
-        transposed wgmma operand: jnp dots there)."""
-        if self.interpret:
-            return lax.dot_general(q_s[...], k16[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-        return self._wgmma((ROWS, k16.shape[0]), q_s, self.plgpu.transpose_ref(k16, (1, 0)))
-
-    def pv(self, p16, v16):
-        """P [ROWS, BK] (registers) . V [BK, D] (shared memory) -> f32 [ROWS, D]."""
-        if self.interpret:
-            return lax.dot_general(p16, v16[...], (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-        return self._wgmma((p16.shape[0], v16.shape[1]), p16, v16)
-
-    def _wgmma(self, shape, a, b):
-        def body(acc_ref):
-            self.plgpu.wgmma(acc_ref, a, b)
-            return acc_ref[...]
-
-        return pl.run_scoped(body, self.plgpu.ACC(shape, jnp.float32))
-
-    def load_cols(self, ref):
-        return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.col)
 
 
 def _swizzled(plgpu, shape, dtype):
@@ -280,7 +238,7 @@ def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, p
 def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgpu, lay):
     """One tile of a compute warpgroup: upcast into ``k16``/``v16``, free the fp8 slot,
     q.K^T, online softmax, P.V. carry = (acc [ROWS, D], m [ROWS], l [ROWS])."""
-    cwgs, _, _, stages, token_scales, qk_scale, d, probe = dims
+    cwgs, _, _, stages, token_scales, qk_scale, d, probe, overlap_v = dims
     q_s, _, k8_s, v8_s, ks_s, vs_s = smem[:6]
     ready, consumed = barriers[:2]
     acc, m_i, l_i = carry
@@ -292,20 +250,33 @@ def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgp
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_i, l_i
     rows = lay.iota((BLOCK_K, d), 0)
-    if probe != "convert":
-        k16[...] = k8_s[slot].astype(jnp.float16)
+
+    def upcast_v():
         v = v8_s[slot].astype(jnp.float16)
         v16[...] = jnp.where(rows + tok0 < prog.end, v, jnp.zeros_like(v))
+
+    def upcast_v_visible():  # during q.K^T: V's upcast, made visible to P.V's wgmma
+        upcast_v()
+        plgpu.commit_smem()
+
+    overlap = overlap_v and not probe
+    if probe != "convert":
+        k16[...] = k8_s[slot].astype(jnp.float16)
+        if not overlap:
+            upcast_v()
     if token_scales:
         k_tok = lay.load_cols(ks_s.at[slot])
         v_tok = lay.load_cols(vs_s.at[slot])
     plgpu.commit_smem()
-    plgpu.barrier_arrive(consumed.at[slot])
+    if not overlap:
+        plgpu.barrier_arrive(consumed.at[slot])
 
     if probe == "mma":
         s = lay.cast(jnp.zeros((ROWS, BLOCK_K), jnp.float32), lay.wgmma)
     else:
-        s = lay.qk(q_s, k16)
+        s = lay.qk(q_s, k16, upcast_v_visible if overlap else None)
+    if overlap:
+        plgpu.barrier_arrive(consumed.at[slot])
     cols = lay.iota((ROWS, BLOCK_K), 1)
     visible = cols + tok0 < prog.end
     if token_scales:
@@ -371,14 +342,14 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     out_type = (jax.ShapeDtypeStruct((b, hkv, nsp, gq, d), jnp.float32),
                 jax.ShapeDtypeStruct((b, hkv, nsp, 2, gq), jnp.float32))
     dims = (cwgs, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d,
-            tuning.probe)
+            tuning.probe, tuning.overlap_v)
     kwargs = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kwargs["interpret"] = InterpretGPUParams(detect_races=True)  # tests read the verdict
     kernel = plgpu.kernel(
-        functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=_Layouts(plgpu, interpret)),
+        functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=out_type,
         grid=(b, hkv, ns), grid_names=("b", "h", "sp"),
         num_threads=cwgs + 1, thread_name="wg",

@@ -47,10 +47,11 @@ def _hopper() -> bool:
 _HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")]
 PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:2], IDS)]
           + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=_HOPPER) for c, i in zip(CASES, IDS)])
+OVERLAP_CASES = [0, 4]  # with V's upcast during q.K^T (``overlap_v``): interpret + native
 
 
 @pytest.mark.parametrize("case,exec_mode", PARAMS)
-def test_mosaic_decode_matches_reference(case, exec_mode):
+def test_mosaic_decode_matches_reference(case, exec_mode, overlap_v=False):
     storage, mode, s, d, nh, hkv, ns, stages = case
     rng = np.random.default_rng()
     lens, max_pages, num_pages = decode_lengths(rng, s, 300)
@@ -59,7 +60,8 @@ def test_mosaic_decode_matches_reference(case, exec_mode):
     q = jnp.asarray(rng.standard_normal((len(lens), nh, d)), "bfloat16")
     sm_scale = 1.0 / np.sqrt(d)
     tuning = mosaic_decode.MosaicDecodeTuning(stages=stages, num_splits=ns,
-                                              compute_wgs=3 if stages % 2 else 2)
+                                              compute_wgs=3 if stages % 2 else 2,
+                                              overlap_v=overlap_v)
     out = on_exec(exec_mode, mosaic_decode.decode_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, cfg, sm_scale, tuning=tuning)
     ref = on_cpu(ref_decode, q, case_.clean, case_.page_tables, case_.seq_lens, cfg, sm_scale)
@@ -70,6 +72,13 @@ def test_mosaic_decode_matches_reference(case, exec_mode):
         assert not gpu_callbacks.get_races().races_found, "a shared-memory race"
     empty = np.asarray(case_.seq_lens) == 0
     assert (np.asarray(out, np.float32)[empty] == 0).all(), "empty slots must return zeros"
+
+
+@pytest.mark.parametrize("case,exec_mode", [
+    pytest.param(CASES[0], "interpret", id=f"{IDS[0]}-interpret")] + [
+    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in OVERLAP_CASES])
+def test_mosaic_decode_overlap_v_matches_reference(case, exec_mode):
+    test_mosaic_decode_matches_reference(case, exec_mode, overlap_v=True)
 
 
 @pytest.mark.parametrize("storage,mode,page_size,head_dim,rotation,heads", [

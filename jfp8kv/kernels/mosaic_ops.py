@@ -1,0 +1,62 @@
+"""Mosaic GPU operations a warpgroup-semantics kernel body calls through one object, so that
+the same body runs natively (layouts, wgmma) and in the CPU's GPU interpret mode (jnp).
+
+Shapes: wgmma's M is ``ROWS`` (64) rows; vectors come in the WGMMA layout's row or column
+reductions.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+ROWS = 64  # wgmma's M
+
+
+class MosaicOps:
+    """The calls that carry a layout or a wgmma; in interpret mode (no layouts on the CPU, no
+    transposed wgmma operand) the plain jnp operations."""
+
+    def __init__(self, plgpu, interpret: bool):
+        self.plgpu, self.interpret = plgpu, interpret
+        self.wgmma = plgpu.Layout.WGMMA
+        self.row = self.wgmma.reduce(1)  # one value per q row
+        self.col = self.wgmma.reduce(0)  # one value per key
+
+    def cast(self, x, layout):
+        return x if self.interpret else self.plgpu.layout_cast(x, layout)
+
+    def iota(self, shape, dim):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma)
+
+    def qk(self, q_s, k16, during=None):
+        """q [ROWS, D] . K^T, both in shared memory -> f32 [ROWS, BK] (the interpreter has no
+        transposed wgmma operand: jnp dots there); ``during()`` runs while it computes."""
+        if self.interpret:
+            s = lax.dot_general(q_s[...], k16[...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+            return s if during is None else (during(), s)[1]
+        return self._wgmma((ROWS, k16.shape[0]), q_s, self.plgpu.transpose_ref(k16, (1, 0)),
+                           during)
+
+    def pv(self, p16, v16):
+        """P [ROWS, BK] (registers) . V [BK, D] (shared memory) -> f32 [ROWS, D]."""
+        if self.interpret:
+            return lax.dot_general(p16, v16[...], (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        return self._wgmma((p16.shape[0], v16.shape[1]), p16, v16)
+
+    def _wgmma(self, shape, a, b, during=None):
+        def body(acc_ref):
+            self.plgpu.wgmma(acc_ref, a, b)
+            if during is not None:
+                during()
+            return acc_ref[...]  # waits for the wgmma
+
+        return pl.run_scoped(body, self.plgpu.ACC(shape, jnp.float32))
+
+    def load_cols(self, ref):
+        return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.col)
