@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import ROWS, MosaicOps  # ROWS: wgmma's M, the q block
-from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
+from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
+                                          combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -85,12 +87,11 @@ MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8
 
 def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
                    tuning: MosaicDecodeTuning) -> int:
-    ns = tuning.num_splits
-    if not ns:
-        ns = 1
-        while (batch * hkv * ns < tuning.target_programs
-               and max_tokens // (2 * ns) >= 2 * tuning.compute_wgs * BLOCK_K):
-            ns *= 2
+    """``pallas_decode.choose_splits``' rule (a split's tile per compute warpgroup counts as
+    its block), then more splits until each split's page-table slice fits shared memory."""
+    ns = choose_splits(batch, hkv, max_tokens, DecodeTuning(
+        block_k=tuning.compute_wgs * BLOCK_K, num_splits=tuning.num_splits,
+        target_programs=tuning.target_programs))
     while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
         ns *= 2
     return ns
@@ -123,6 +124,20 @@ def _scratch(plgpu, d, pps, st, cwgs, fp8, copies_per_tile, interpret):
     )
 
 
+class _Dims(NamedTuple):
+    """The kernel's static parameters."""
+
+    cwgs: int  # compute warpgroups
+    tokens_per_split: int
+    page_size: int
+    stages: int
+    token_scales: bool
+    qk_scale: float  # sm_scale * log2(e)
+    d: int
+    probe: str
+    overlap_v: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class _Program:
     """What every warpgroup of one (batch row, KV head, split) program knows."""
@@ -137,8 +152,8 @@ class _Program:
 
 
 def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
-    cwgs, tokens_per_split = dims[:2]
-    if dims[4]:  # token scales
+    cwgs, tokens_per_split = dims.cwgs, dims.tokens_per_split
+    if dims.token_scales:
         ks_ref, vs_ref, o_ref, ml_ref, smem, barriers = refs
     else:
         o_ref, ml_ref, smem, barriers = refs
@@ -159,7 +174,7 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
 def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
                       barriers, *, dims, plgpu):
     """Copies q, the split's page-table slice, then each tile's pages into its fp8 slot."""
-    _, _, page_size, stages, token_scales = dims[:5]
+    page_size, stages, token_scales = dims.page_size, dims.stages, dims.token_scales
     q_s, pt_s, k8_s, v8_s, ks_s, vs_s = smem[:6]
     ready, consumed, q_bar, pt_bar, _ = barriers
     b, h, sp, start, end = prog.b, prog.h, prog.sp, prog.start, prog.end
@@ -205,7 +220,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
 
 def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, plgpu, lay):
     """Runs every ``cwgs``-th tile from its fp8 slot, then writes its partial state."""
-    cwgs, d = dims[0], dims[6]
+    cwgs, d = dims.cwgs, dims.d
     _, _, _, _, _, _, ((k16_s, v16_s), o_s), ml_s = smem
     _, _, q_bar, _, loops_done = barriers
     wg = prog.wg
@@ -238,7 +253,7 @@ def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, p
 def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgpu, lay):
     """One tile of a compute warpgroup: upcast into ``k16``/``v16``, free the fp8 slot,
     q.K^T, online softmax, P.V. carry = (acc [ROWS, D], m [ROWS], l [ROWS])."""
-    cwgs, _, _, stages, token_scales, qk_scale, d, probe, overlap_v = dims
+    cwgs, _, _, stages, token_scales, qk_scale, d, probe, overlap_v = dims  # every field
     q_s, _, k8_s, v8_s, ks_s, vs_s = smem[:6]
     ready, consumed = barriers[:2]
     acc, m_i, l_i = carry
@@ -341,8 +356,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     nsp = ns * cwgs
     out_type = (jax.ShapeDtypeStruct((b, hkv, nsp, gq, d), jnp.float32),
                 jax.ShapeDtypeStruct((b, hkv, nsp, 2, gq), jnp.float32))
-    dims = (cwgs, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d,
-            tuning.probe, tuning.overlap_v)
+    dims = _Dims(cwgs, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d,
+                 tuning.probe, tuning.overlap_v)
     kwargs = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
