@@ -45,13 +45,33 @@ def make(loaded, **kw):
 def test_short_sequences_decode_the_same_at_any_max_model_len(llama_bf16, kv):
     rng = np.random.default_rng()
     ps = [rng.integers(3, llama_bf16.config.vocab_size, n).tolist() for n in (5, 30, 70)]
-    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
     short = make(llama_bf16, kv_cache_dtype=kv, max_model_len=128)
     long = make(llama_bf16, kv_cache_dtype=kv, max_model_len=1024)
     assert short.engine.runner.page_widths == (16,)
     assert long.engine.runner.page_widths == (32, 128)
-    a, b = short.generate(ps, sp), long.generate(ps, sp)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for a, b in zip(short.generate(ps, sp), long.generate(ps, sp)):
+        assert_same_greedy_up_to_a_tie(a, b)
+
+
+def assert_same_greedy_up_to_a_tie(a, b, tol=0.1):
+    """``a`` and ``b`` (greedy outputs with ``logprobs >= 2``) agree token for token, with
+    log-probs within ``tol``, up to their first difference, where both runs must have seen a
+    near-tie between the two tokens. A wider page table changes the length of attention's
+    reductions, which moves bf16 logits in their last bits; a random tiny model has near-ties
+    often enough for that to flip a greedy pick now and then (CI saw it once in ~20 runs;
+    ``tol`` is a few bf16 ulps of a logit of magnitude 4-8)."""
+    n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+             min(len(a.token_ids), len(b.token_ids)))
+    assert len(a.token_ids) == len(b.token_ids)
+    for ea, eb in zip(a.logprobs[:n], b.logprobs[:n]):
+        assert abs(ea.logprob - eb.logprob) < tol
+    if n == len(a.token_ids):
+        return
+    for e, other in ((a.logprobs[n], b.token_ids[n]), (b.logprobs[n], a.token_ids[n])):
+        top = dict(e.top)
+        assert other in top, f"step {n}: token {other} is not the runner-up"
+        assert e.logprob - top[other] < tol, f"step {n}: not a near-tie"
 
 
 def batched_prefill(llm):
