@@ -235,9 +235,15 @@ def prologue_inputs(tokens: int, d: int) -> QKPrologue:
     return QKPrologue(cos, sin, w[0].astype(jnp.bfloat16), w[1].astype(jnp.bfloat16), 1e-6)
 
 
-def prefill_chain(cfg: CacheConfig, tuning, interpret: bool):
+def prefill_chain(cfg: CacheConfig, tuning, interpret: bool, kind: str = "jfp8kv"):
+    """reps -> jitted (q, layer, pt, lens, pos) running prefill reps times (``chain``);
+    ``kind`` "jfp8kv" (the Triton kernel) or "mosaic" (``kernels.mosaic_prefill``)."""
     sm = 1.0 / float(np.sqrt(cfg.head_dim))
-    return chain(lambda q, layer, pt, lens, pos: pallas_prefill.prefill_attention(
+    if kind == "mosaic":
+        from jfp8kv.kernels import mosaic_prefill as impl
+    else:
+        impl = pallas_prefill
+    return chain(lambda q, layer, pt, lens, pos: impl.prefill_attention(
         q, layer, pt, lens, pos, cfg, sm, interpret=interpret, tuning=tuning))
 
 
@@ -366,8 +372,8 @@ class Bench:
             return rec, None
 
     def prefill(self, storage, mode, batch, chunk, prefix, hq=32, hkv=8, d=128, tuning=None,
-                where="records"):
-        rec = dict(op="prefill_attention", impl="jfp8kv",
+                where="records", impl="jfp8kv"):
+        rec = dict(op="prefill_attention", impl=impl,
                    kv_cache_dtype=USER_NAME.get(storage, storage), kv_scale_mode=mode,
                    batch=batch, tokens=chunk, context=prefix + chunk, num_heads=hq,
                    num_kv_heads=hkv, head_dim=d)
@@ -378,11 +384,17 @@ class Bench:
             layer, pt, lens = make_layer(self.rng, cfg, batch, ctx)
             q = jax.random.normal(jax.random.key(4), (batch, chunk, hq, d), jnp.bfloat16)
             pos = jnp.broadcast_to(jnp.arange(prefix, ctx, dtype=jnp.int32), (batch, chunk))
-            tuning = tuning or pallas_prefill.default_tuning(cfg)
+            if impl == "jfp8kv":
+                tuning = tuning or pallas_prefill.default_tuning(cfg)
+            else:
+                from jfp8kv.kernels.mosaic_prefill import MosaicPrefillTuning
+
+                tuning = tuning or MosaicPrefillTuning()
             moved = kv_bytes(cfg, batch * ctx) + 2 * q.size * 2
             # causal: query i sees prefix + i + 1 keys
             flops = 4 * batch * hq * d * (chunk * prefix + chunk * (chunk + 1) / 2)
-            ms, reps = timed(prefill_chain(cfg, tuning, self.interpret), q, layer, pt, lens, pos,
+            ms, reps = timed(prefill_chain(cfg, tuning, self.interpret, impl), q, layer, pt,
+                             lens, pos,
                              est_ms=flops / 2e11, calls=3 if self.smoke else 8)
             rec.update(ms=round(ms, 5), tbps=round(moved / ms / 1e9, 4),
                        tflops=round(flops / ms / 1e9, 2), reps=reps,
@@ -492,7 +504,8 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
 # bf16 and today's default, with ratios, in one run.
 COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention",
                "splits": "decode_splits", "waves": "decode_waves", "pages": "decode_pages",
-               "split_loop": "split_loop", "mosaic": "decode_mosaic"}
+               "split_loop": "split_loop", "mosaic": "decode_mosaic",
+               "mosaic_prefill": "prefill_mosaic"}
 # "splits": decode_attention with the default tunings' one-wave rule (no split, no combine
 # pass) against the same tunings without it, at batches whose batch * kv_heads it changes
 # (Qwen3-0.6B at B=32; Qwen3-8B at B=32 and at the 44 sequences an fp8 16 GB pool runs)
@@ -587,6 +600,8 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
         compare_split_loop(b, smoke, run)
     if "mosaic" in sections:
         compare_mosaic(b, smoke, run)
+    if "mosaic_prefill" in sections:
+        compare_mosaic_prefill(b, smoke, run)
     b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
         time.perf_counter() - t0, 1)
     b.save()
@@ -758,6 +773,50 @@ def compare_mosaic(b: Bench, smoke: bool, run):
                 MosaicDecodeTuning(probe="compute" if "probe" in label else "")
                 if impl == "mosaic" else None, page_size=64)
     b.save()
+
+
+# "mosaic_prefill": the Mosaic GPU prefill kernel (``kernels.mosaic_prefill``: FA3's structure,
+# TMA page copies, wgmma) next to the Triton kernel's default, bf16 and e4m3 token / tensor,
+# at the prefill sweep's shapes (batch, chunk, cached prefix): 8k x 8k causal and 2k after 4k.
+MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
+MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st2", dict(stages=2)), ("st4", dict(stages=4)))
+
+
+def compare_mosaic_prefill(b: Bench, smoke: bool, run):
+    """Rows ``op`` "prefill_mosaic", ``setting`` (triton | mosaic stN), ``ratio_vs_bf16`` (the
+    Triton bf16 row of the shape) and, for mosaic rows, ``ratio_vs_triton`` (the Triton row
+    of the same storage and mode)."""
+    from jfp8kv.kernels.mosaic_prefill import MosaicPrefillTuning
+
+    shapes = MOSAIC_PREFILL_SHAPES if not smoke else ((1, 32, 16),)
+
+    def row(label, impl, storage, mode, shape, tuning):
+        batch, chunk, prefix = shape
+        r = run(f"mosaic prefill {label} {storage} {mode} {batch}x{chunk}+{prefix}",
+                lambda: b.prefill(storage, mode, batch, chunk, prefix, tuning=tuning,
+                                  where="compare", impl=impl))
+        if r:
+            r.update(op="prefill_mosaic", setting=label)
+        return r if r and "ms" in r else None
+
+    for shape in shapes:
+        bf = None
+        for storage, mode in (("bfloat16", None), ("float8_e4m3fn", "token"),
+                              ("float8_e4m3fn", "tensor")):
+            tri = row("triton", "jfp8kv", storage, mode, shape, None)
+            bf = tri if storage == "bfloat16" else bf
+            # --smoke: no mosaic rows (tests/kernels/test_mosaic_prefill.py interprets it)
+            settings = () if smoke else (MOSAIC_PREFILL_SETTINGS if storage == "bfloat16"
+                                         else MOSAIC_PREFILL_SETTINGS[:1])
+            for label, knobs in settings:
+                r = row(f"mosaic {label}", "mosaic", storage, mode, shape,
+                        MosaicPrefillTuning(**knobs))
+                for ref, key in ((bf, "ratio_vs_bf16"), (tri, "ratio_vs_triton")):
+                    if r and ref:
+                        r[key] = round(r["ms"] / ref["ms"], 3)
+            if tri and bf and tri is not bf:
+                tri["ratio_vs_bf16"] = round(tri["ms"] / bf["ms"], 3)
+        b.save()
 
 
 # Issue 14 (``--kv-rotation``): the K transform's cost (``kvcache.k_transform``: K rotated

@@ -31,19 +31,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import ROWS, MosaicOps  # ROWS: wgmma's M, the q block
+from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the q block
+                                       interpret_kwargs, load_plgpu, swizzled)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
 BLOCK_K = 64  # keys per tile: wgmma's N for q.K^T and its K for P.V
-
-
-def _plgpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # late: it needs absl-py
-
-    return plgpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +92,6 @@ def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
     return ns
 
 
-def _swizzled(plgpu, shape, dtype):
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(shape[-1] * bits)
-    return plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
-
-
 def _scratch(plgpu, d, pps, st, cwgs, fp8, copies_per_tile, interpret):
     """Shared memory: q, the split's page-table slice, ``st`` fp8 slots of K, V and token
     scales, per compute warpgroup the f16 K/V tiles (sharing memory with the output
@@ -111,11 +99,11 @@ def _scratch(plgpu, d, pps, st, cwgs, fp8, copies_per_tile, interpret):
     ready (one arrival per copy), slot consumed, q, page table, loops done."""
     union = (lambda groups: groups) if interpret else (lambda groups: plgpu.RefUnion(*groups))
     return (
-        (_swizzled(plgpu, (ROWS, d), jnp.float16), plgpu.SMEM((pps,), jnp.int32),
-         _swizzled(plgpu, (st, BLOCK_K, d), fp8), _swizzled(plgpu, (st, BLOCK_K, d), fp8),
+        (swizzled(plgpu, (ROWS, d), jnp.float16), plgpu.SMEM((pps,), jnp.int32),
+         swizzled(plgpu, (st, BLOCK_K, d), fp8), swizzled(plgpu, (st, BLOCK_K, d), fp8),
          plgpu.SMEM((st, BLOCK_K), jnp.float32), plgpu.SMEM((st, BLOCK_K), jnp.float32),
-         union(((_swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16),
-                 _swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16)),
+         union(((swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16),
+                 swizzled(plgpu, (cwgs, BLOCK_K, d), jnp.float16)),
                 plgpu.SMEM((cwgs, ROWS, d), jnp.float32))),
          plgpu.SMEM((cwgs, 2, ROWS), jnp.float32)),
         (plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=st),
@@ -328,7 +316,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     """q [B, H, D] -> [B, H, D] (q's dtype); ``pallas_decode.decode_attention``'s contract
     for the configurations ``check_supported`` accepts. Static: cfg, sm_scale, interpret,
     tuning. Nothing is donated."""
-    plgpu = _plgpu()
+    plgpu = load_plgpu()
     tuning = tuning or MosaicDecodeTuning()
     b, nh, d = q.shape
     check_supported(cfg, nh)
@@ -358,11 +346,6 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                 jax.ShapeDtypeStruct((b, hkv, nsp, 2, gq), jnp.float32))
     dims = _Dims(cwgs, tokens_per_split, s, st, token_scales, float(sm_scale) * LOG2E, d,
                  tuning.probe, tuning.overlap_v)
-    kwargs = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        kwargs["interpret"] = InterpretGPUParams(detect_races=True)  # tests read the verdict
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=out_type,
@@ -374,7 +357,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
             unsafe_no_auto_barriers=True),
-        kernel_name="jfp8kv_mosaic_decode", **kwargs)
+        kernel_name="jfp8kv_mosaic_decode", **interpret_kwargs(interpret))
     operands = [seq_lens.astype(jnp.int32), pt,
                 _prepare_q(q, layer, cfg, kv, gq), k_pages, v_pages]
     if token_scales:

@@ -14,6 +14,31 @@ from jax.experimental import pallas as pl
 ROWS = 64  # wgmma's M
 
 
+def load_plgpu():
+    """``jax.experimental.pallas.mosaic_gpu``, imported late: it needs absl-py."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def swizzled(plgpu, shape, dtype):
+    """Shared memory for a wgmma operand or a TMA tile: (8, 128-byte) tiles, swizzled."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
+
+
+def interpret_kwargs(interpret: bool) -> dict:
+    """``plgpu.kernel`` keywords: the CPU's GPU interpret mode with its race detector on
+    (tests read its verdict), or nothing."""
+    if not interpret:
+        return {}
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return {"interpret": InterpretGPUParams(detect_races=True)}
+
+
 class MosaicOps:
     """The calls that carry a layout or a wgmma; in interpret mode (no layouts on the CPU, no
     transposed wgmma operand) the plain jnp operations."""
@@ -59,4 +84,9 @@ class MosaicOps:
         return pl.run_scoped(body, self.plgpu.ACC(shape, jnp.float32))
 
     def load_cols(self, ref):
+        """A vector in shared memory, one value per column of a WGMMA-layout array."""
         return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.col)
+
+    def load_rows(self, ref):
+        """A vector in shared memory, one value per row (``ROWS``) of a WGMMA-layout array."""
+        return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.row)

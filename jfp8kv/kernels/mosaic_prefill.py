@@ -1,0 +1,354 @@
+"""Paged prefill / extend attention on Pallas Mosaic GPU (Hopper, sm_90a): a prototype beside
+``pallas_prefill`` that the engine does not use yet (not yet timed on the H200).
+
+FlashAttention-3's structure over pages. One program per (batch row, query head, block of
+128 queries): two *compute* warpgroups hold 64 query rows each (wgmma's M) and one *memory*
+warpgroup walks the KV head's page table, copying each 64-key tile's pages (K, V and, in
+token mode, their scales) with TMA into ``stages`` slots that both compute warpgroups read.
+bf16/f16 pages are wgmma operands as they land; fp8 pages are upcast to f16 by each compute
+warpgroup into its own buffers. q.K^T and P.V run as wgmma around the online softmax.
+
+Masking follows ``reference.paged_attention``'s contract by position: query (b, t) sees key
+j iff j < seq_lens[b] and j <= q_positions[b, t], with positions in any order. Per 64-row
+block XLA computes the keys it needs (min(seq_len, max position + 1)) and the keys every
+row sees (min(seq_len, min position + 1)): tiles below the latter run unmasked, the rest
+masked; V rows past seq_len are zeroed before P.V (unwritten slots may hold NaN). Rows that
+see no key are zero.
+
+Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pages, bf16
+for bf16 pages; f32 accumulation; token scales on logits and probabilities; static K scales
+folded into q outside, static V scales on the accumulator). Supported: bf16/f16 and fp8
+pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes >= 8 that divide
+the 64-key tile or are multiples of it; no K rotation. ``check_supported`` raises ValueError
+for the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jfp8kv.config import CacheConfig
+from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, interpret_kwargs, load_plgpu,
+                                       swizzled)
+from jfp8kv.kernels.tiles import LOG2E, KVLayout
+from jfp8kv.kvcache.cache import LayerKV
+
+BLOCK_K = 64  # keys per tile
+CWGS = 2  # compute warpgroups: a program's query block is CWGS * ROWS queries
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillTuning:
+    """``stages``: K/V tiles in flight per program."""
+
+    stages: int = 3
+
+
+def check_supported(cfg: CacheConfig, num_heads: int) -> None:
+    """ValueError naming what this kernel cannot run (``pallas_prefill`` runs all of it)."""
+    kv = KVLayout.of(cfg)
+    problems = []
+    if not cfg.is_fp8 and jnp.dtype(cfg.storage_dtype) not in (jnp.bfloat16, jnp.float16):
+        problems.append(f"storage {cfg.storage_dtype} (bfloat16, float16 or fp8)")
+    if kv.groups > 1:
+        problems.append("block scales (token, tensor or channel)")
+    if cfg.head_dim not in (64, 128):
+        problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
+    if (s := cfg.page_size) < 8 or (BLOCK_K % s and s % BLOCK_K):
+        problems.append(f"page_size {s} (a divisor of {BLOCK_K} >= 8, or a multiple of it)")
+    if cfg.kv_rotation != "none":
+        problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
+    if num_heads % cfg.num_kv_heads:
+        problems.append(f"{num_heads} query heads over {cfg.num_kv_heads} KV heads")
+    if problems:
+        raise ValueError("the Mosaic GPU prefill kernel does not support " + "; ".join(problems)
+                         + "; use the Triton kernel (pallas_prefill)")
+
+
+class _Dims(NamedTuple):
+    """The kernel's static parameters."""
+
+    page_size: int
+    stages: int
+    fp8: bool
+    token_scales: bool
+    static_v: bool
+    qk_scale: float  # sm_scale * log2(e)
+    d: int
+    group: int  # query heads per KV head
+    cdt: str  # the dot operands' dtype (``KVLayout.cdt``)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What every warpgroup of one (batch row, query head, query block) program knows."""
+
+    b: jax.Array
+    h: jax.Array  # query head
+    hkv: jax.Array
+    qb: jax.Array
+    wg: jax.Array
+    seq_len: jax.Array
+
+
+def _tiles(end):
+    return (end + BLOCK_K - 1) // BLOCK_K
+
+
+def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
+    # len_ref [B]; pt_ref [B, MP]; end_ref [B, blocks, 2] (keys needed, keys every row sees)
+    # per 64-row block; pos_ref [B, Tp]; q_ref / o_ref [B, Tp, H, D]; k_ref / v_ref
+    # [Hkv, P*S, D]; then token scales [Hkv, P*S] x 2, or static V scales [Hkv, D]
+    refs = list(refs)
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if dims.token_scales else (None, None)
+    vsc_ref = refs.pop(0) if dims.static_v else None
+    o_ref, smem, barriers = refs
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    prog = _Program(b, h, h // dims.group, lax.axis_index("qb"), lax.axis_index("wg"),
+                    len_ref[b])
+
+    @pl.when(prog.wg == CWGS)
+    def _():
+        plgpu.set_max_registers(40, action="decrease")
+        n = jnp.maximum(_tiles(end_ref[b, prog.qb * CWGS, 0]),
+                        _tiles(end_ref[b, prog.qb * CWGS + 1, 0]))
+        _memory_warpgroup(prog, n, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
+                          dims=dims, plgpu=plgpu)
+
+    @pl.when(prog.wg < CWGS)
+    def _():
+        plgpu.set_max_registers(232, action="increase")
+        _compute_warpgroup(prog, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem, barriers,
+                           dims=dims, plgpu=plgpu, lay=lay)
+
+
+def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+                      barriers, *, dims, plgpu):
+    """Copies each of the program's tiles' pages into its slot once both compute
+    warpgroups have released the slot's previous tile."""
+    page_size, stages = dims.page_size, dims.stages
+    k_s, v_s, ks_s, vs_s = smem["k"], smem["v"], smem.get("ks"), smem.get("vs")
+    ready, consumed = barriers["ready"], barriers["consumed"]
+    copy_rows = min(page_size, BLOCK_K)
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
+    kv_end = n_tiles * BLOCK_K
+
+    @pl.loop(0, n_tiles)
+    def _tile(t):
+        slot = lax.rem(t, stages)
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        for j in range(BLOCK_K // copy_rows):
+            tok0 = t * BLOCK_K + j * copy_rows
+            pidx = tok0 // page_size
+            page = jnp.where(tok0 < jnp.minimum(kv_end, prog.seq_len), pt_ref[prog.b, pidx], 0)
+            row0 = page * page_size + (tok0 - pidx * page_size)
+            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
+            dst = pl.ds(j * copy_rows, copy_rows)
+            plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], k_s.at[slot, dst], ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], v_s.at[slot, dst], ready.at[slot])
+            if ks_s is not None:  # 4 bytes a token: plain bulk copies (16-byte aligned)
+                for src, dst_s in ((ks_ref, ks_s), (vs_ref, vs_s)):
+                    plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst],
+                                            ready.at[slot], oob_mode=in_bounds)
+
+    @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
+    def _drain(t):  # observe every slot's last release: no barrier phase left unseen
+        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+
+def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem,
+                       barriers, *, dims, plgpu, lay):
+    """Loads its 64 query rows and their positions, runs the program's tiles (unmasked,
+    masked, the last with V's rows past the sequence zeroed), then writes its rows."""
+    d, wg = dims.d, prog.wg
+    qo_s, pos_s = smem["qo"].at[wg], smem["pos"].at[wg]
+    blk = prog.qb * CWGS + wg
+    t0 = pl.multiple_of(blk * ROWS, ROWS)
+    q_bar = barriers["q"].at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[prog.b, pl.ds(t0, ROWS), prog.h], qo_s, q_bar)
+    plgpu.copy_gmem_to_smem(pos_ref.at[prog.b, pl.ds(t0, ROWS)], pos_s, q_bar)
+    if vsc_ref is not None:
+        plgpu.copy_gmem_to_smem(vsc_ref.at[prog.hkv], smem["vsc"].at[wg], q_bar)
+    plgpu.barrier_wait(q_bar)
+    pos = lay.load_rows(pos_s)
+
+    n_mine = _tiles(end_ref[prog.b, blk, 0])
+    n_full = jnp.minimum(end_ref[prog.b, blk, 1] // BLOCK_K, jnp.maximum(n_mine - 1, 0))
+    other = prog.qb * CWGS + (1 - wg)
+    n_prog = jnp.maximum(n_mine, _tiles(end_ref[prog.b, other, 0]))
+    step = functools.partial(_tile_step, prog, qo_s, pos, smem, barriers, dims=dims,
+                             plgpu=plgpu, lay=lay)
+    carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
+             lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
+             lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+    n_body = jnp.maximum(n_mine - 1, 0)  # the last tile (if any) runs on its own
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(n_full, n_body, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(n_body, n_mine, functools.partial(step, masked=True, last=True),
+                          carry)
+
+    @pl.loop(n_mine, n_prog)
+    def _skip(t):  # tiles only the other warpgroup needs: release them unread
+        slot = lax.rem(t, dims.stages)
+        plgpu.barrier_wait(barriers["ready"].at[slot])
+        plgpu.barrier_arrive(barriers["consumed"].at[slot])
+
+    acc, _, l_i = carry
+    if vsc_ref is not None:
+        acc = acc * lax.broadcast_in_dim(lay.load_cols(smem["vsc"].at[wg]), acc.shape, [1])
+    l_safe = jnp.where(l_i > 0, l_i, 1.0)
+    qo_s[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(qo_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_s, o_ref.at[prog.b, pl.ds(t0, ROWS), prog.h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _operands(smem, slot, tok0, seq_len, *, dims, lay, wg, last):
+    """(K, V) wgmma operands of the tile in ``slot``: fp8 pages upcast into this warpgroup's
+    f16 buffers (V rows at or past ``seq_len`` zeroed); other pages as they are, except in the
+    last tile, whose V goes through this warpgroup's buffer with those rows zeroed."""
+    d = dims.d
+    rows = lay.iota((BLOCK_K, d), 0) + tok0
+
+    def zero_past_end(x):
+        return jnp.where(rows < seq_len, x, jnp.zeros_like(x))
+
+    if dims.fp8:
+        k16, v16 = smem["k16"].at[wg], smem["v16"].at[wg]
+        k16[...] = smem["k"][slot].astype(jnp.float16)
+        v16[...] = zero_past_end(smem["v"][slot].astype(jnp.float16))
+        return k16, v16
+    if last:
+        v_own = smem["v_own"].at[wg]
+        v_own[...] = zero_past_end(smem["v"][slot])
+        return smem["k"].at[slot], v_own
+    return smem["k"].at[slot], smem["v"].at[slot]
+
+
+def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu, lay,
+               masked: bool, last: bool = False):
+    """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l)."""
+    acc, m_i, l_i = carry
+    slot = lax.rem(t, dims.stages)
+    tok0 = t * BLOCK_K
+    ready, consumed = barriers["ready"], barriers["consumed"]
+    plgpu.barrier_wait(ready.at[slot])
+    k_op, v_op = _operands(smem, slot, tok0, prog.seq_len, dims=dims, lay=lay, wg=prog.wg,
+                           last=last)
+    if dims.token_scales:
+        k_tok = lay.load_cols(smem["ks"].at[slot])
+        v_tok = lay.load_cols(smem["vs"].at[slot])
+    plgpu.commit_smem()
+    if dims.fp8:  # the slot is read: the memory warpgroup may refill it
+        plgpu.barrier_arrive(consumed.at[slot])
+    s = lay.qk(q_s, k_op)
+    if dims.token_scales:
+        s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
+    s = s * dims.qk_scale
+    if masked:
+        key = lay.iota((ROWS, BLOCK_K), 1) + tok0
+        visible = (key < prog.seq_len) & (key <= lax.broadcast_in_dim(pos, s.shape, [0]))
+        s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    l_new = l_i * alpha + p.sum(axis=1)
+    if dims.token_scales:
+        p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
+        if masked:  # past the sequence the scales are unwritten (NaN in the tests)
+            p = jnp.where(visible, p, 0.0)
+    pv = lay.pv(p.astype(dims.cdt), v_op)
+    if not dims.fp8:  # P.V has read the slot (the wgmma is waited for)
+        plgpu.barrier_arrive(consumed.at[slot])
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_new
+
+
+def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, st: int, token_scales: bool,
+             static_v: bool):
+    d, pages = cfg.head_dim, jnp.dtype(cfg.storage_dtype)
+    smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), q_dtype),
+            "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32),
+            "k": swizzled(plgpu, (st, BLOCK_K, d), pages),
+            "v": swizzled(plgpu, (st, BLOCK_K, d), pages)}
+    if token_scales:
+        smem["ks"] = plgpu.SMEM((st, BLOCK_K), jnp.float32)
+        smem["vs"] = plgpu.SMEM((st, BLOCK_K), jnp.float32)
+    if static_v:
+        smem["vsc"] = plgpu.SMEM((CWGS, d), jnp.float32)
+    if cfg.is_fp8:
+        smem["k16"] = swizzled(plgpu, (CWGS, BLOCK_K, d), kv.cdt)
+        smem["v16"] = swizzled(plgpu, (CWGS, BLOCK_K, d), kv.cdt)
+    else:
+        smem["v_own"] = swizzled(plgpu, (CWGS, BLOCK_K, d), pages)
+    copies = (4 if token_scales else 2) * max(1, BLOCK_K // cfg.page_size)
+    barriers = {"ready": plgpu.Barrier(num_arrivals=copies, num_barriers=st),
+                "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
+                "q": plgpu.Barrier(num_arrivals=3 if static_v else 2, num_barriers=CWGS)}
+    return smem, barriers
+
+
+def _block_ends(q_positions, seq_lens, tp: int):
+    """int32 [B, tp / ROWS, 2]: per 64-row block, the keys it needs (min(seq_len, max
+    position + 1)) and the keys every row sees (min(seq_len, min position + 1))."""
+    pos = q_positions.reshape(q_positions.shape[0], tp // ROWS, ROWS)
+    n = seq_lens[:, None]
+    return jnp.stack([jnp.minimum(n, pos.max(-1) + 1), jnp.clip(pos.min(-1) + 1, 0, n)], -1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))
+def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: CacheConfig,
+                      sm_scale: float, interpret: bool = False,
+                      tuning: MosaicPrefillTuning | None = None):
+    """q [B, T, H, D] -> [B, T, H, D] (q's dtype); ``pallas_prefill.prefill_attention``'s
+    contract for the configurations ``check_supported`` accepts. Static: cfg, sm_scale,
+    interpret, tuning. Nothing is donated."""
+    plgpu = load_plgpu()
+    tuning = tuning or MosaicPrefillTuning()
+    b, t, nh, d = q.shape
+    check_supported(cfg, nh)
+    hkv, s = cfg.num_kv_heads, cfg.page_size
+    kv = KVLayout.of(cfg)
+    token_scales, static_v = kv.groups == 1, kv.mode.is_static
+    tp = -(-t // (CWGS * ROWS)) * CWGS * ROWS  # whole programs; padded rows dropped
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
+    k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
+    qk = q.astype(jnp.float32)
+    if static_v:  # static K scales folded into q per channel (as ``tiles.prepare_q``)
+        qk = (qk.reshape(b, t, hkv, nh // hkv, d)
+              * k_sc.astype(jnp.float32)[None, None, :, None, :]).reshape(b, t, nh, d)
+    qk = jnp.pad(qk.astype(kv.cdt), ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    per_tile = max(1, BLOCK_K // s)  # page-table entries a tile reads: padded to whole tiles
+    mp = page_tables.shape[1]
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -(-mp // per_tile) * per_tile - mp)))
+    st = tuning.stages
+    dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
+                 nh // hkv, kv.cdt.name)
+    smem, barriers = _scratch(plgpu, cfg, kv, kv.cdt, st, token_scales, static_v)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
+        out_type=jax.ShapeDtypeStruct((b, tp, nh, d), kv.cdt),
+        grid=(b, nh, tp // (CWGS * ROWS)), grid_names=("b", "h", "qb"),
+        num_threads=CWGS + 1, thread_name="wg",
+        scratch_types=(smem, barriers),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+        kernel_name="jfp8kv_mosaic_prefill", **interpret_kwargs(interpret))
+    seq_lens = seq_lens.astype(jnp.int32)
+    operands = [seq_lens, pt, _block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages]
+    if token_scales:
+        operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
+    if static_v:
+        operands.append(v_sc.astype(jnp.float32))
+    return kernel(*operands)[:, :t].astype(q.dtype)

@@ -1,0 +1,95 @@
+"""The Mosaic GPU prefill kernel vs the reference twin: GPU interpret mode on the CPU (shared
+memory, TMA copies and barriers simulated, unwritten memory NaN, races between warpgroups
+detected) and natively on a Hopper GPU under ``-m gpu``.
+
+Cases as ``test_prefill``: each batch row gets a chunk of new queries at the end of its
+cached length (a fresh prefill from 0, an extend after a prefix off the page grid, a 1-token
+chunk, an empty slot with positions -1, a chunk shorter than T whose padding queries repeat
+its last position); unseen slots and scales NaN-poisoned; fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfp8kv.kernels import mosaic_prefill, reference
+
+from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec
+
+pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
+
+ref_attention = jax.jit(reference.paged_attention, static_argnums=(5, 6))
+
+CASES = [  # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, T, stages)
+    ("bfloat16", None, 16, 64, 4, 2, 70, 2),
+    ("float8_e4m3fn", "token", 8, 64, 3, 1, 40, 3),
+    # GPU only:
+    ("float8_e5m2", "channel", 32, 64, 4, 2, 70, 2),
+    ("bfloat16", None, 16, 128, 32, 8, 300, 3),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, 300, 3),
+    ("float8_e4m3fn", "tensor", 128, 128, 16, 8, 129, 4),
+    ("float16", None, 64, 128, 8, 8, 64, 2),
+]
+IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-st{c[7]}" for c in CASES]
+
+
+def _hopper() -> bool:
+    return has_gpu() and jax.devices("gpu")[0].compute_capability.startswith("9")
+
+
+_HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")]
+PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:2], IDS)]
+          + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=_HOPPER) for c, i in zip(CASES, IDS)])
+
+
+def _positions(rng, t: int, s: int):
+    """Per row: (cached prefix, new tokens) and the chunk's positions [B, T]."""
+    prefix = [0, int(rng.integers(1, 3 * s)) | 1, int(rng.integers(0, 200)), 0, 5]
+    chunk = [t, t, 1, 0, max(1, t - 3)]
+    pos = np.full((len(prefix), t), -1, np.int32)
+    for i, (p, c) in enumerate(zip(prefix, chunk)):
+        pos[i, :c] = np.arange(p, p + c)
+        pos[i, c:] = p + c - 1  # padding queries repeat the last position
+    pos[3] = -1  # an empty slot
+    return np.array([p + c for p, c in zip(prefix, chunk)]), pos
+
+
+@pytest.mark.parametrize("case,exec_mode", PARAMS)
+def test_mosaic_prefill_matches_reference(case, exec_mode):
+    storage, mode, s, d, nh, hkv, t, stages = case
+    rng = np.random.default_rng()
+    lens, pos = _positions(rng, t, s)
+    max_pages = int(max(-(-int(n) // s) for n in lens)) + 1
+    num_pages = 1 + sum(-(-int(n) // s) for n in lens) + 2
+    cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
+    case_ = attention_case(rng, cfg, lens, max_pages)
+    q = jnp.asarray(rng.standard_normal((len(lens), t, nh, d)), "bfloat16")
+    sm_scale = 1.0 / np.sqrt(d)
+    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages)
+    out = on_exec(exec_mode, mosaic_prefill.prefill_attention, q, case_.poisoned,
+                  case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
+                  tuning=tuning)
+    ref = on_cpu(ref_attention, q, case_.clean, case_.page_tables, case_.seq_lens,
+                 jnp.asarray(pos), cfg, sm_scale)
+    assert_close(out, ref)
+    if exec_mode == "interpret":
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+        assert not gpu_callbacks.get_races().races_found, "a shared-memory race"
+    assert (np.asarray(out, np.float32)[3] == 0).all(), "a row with no visible key is zero"
+
+
+@pytest.mark.parametrize("storage,mode,kw,what", [
+    ("float32", None, {}, "storage float32"),
+    ("float8_e4m3fn", "block", {}, "block scales"),
+    ("bfloat16", None, {"head_dim": 96}, "head_dim 96"),
+    ("bfloat16", None, {"page_size": 24}, "page_size 24"),
+])
+def test_mosaic_prefill_refuses_what_it_cannot_run(storage, mode, kw, what):
+    args = {"heads_kv": 2, "head_dim": 64, "page_size": 16, **kw}
+    cfg = make_cfg(storage, mode, num_pages=4, **args)
+    with pytest.raises(ValueError, match=what + r".*pallas_prefill"):
+        mosaic_prefill.check_supported(cfg, 4)
