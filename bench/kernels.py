@@ -779,7 +779,8 @@ def compare_mosaic(b: Bench, smoke: bool, run):
 # TMA page copies, wgmma) next to the Triton kernel's default, bf16 and e4m3 token / tensor,
 # at the prefill sweep's shapes (batch, chunk, cached prefix): 8k x 8k causal and 2k after 4k.
 MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
-MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st2", dict(stages=2)), ("st4", dict(stages=4)))
+MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st2", dict(stages=2)), ("st4", dict(stages=4)),
+                           ("st3 no pingpong", dict(pingpong=False)))
 
 
 def compare_mosaic_prefill(b: Bench, smoke: bool, run):

@@ -46,9 +46,12 @@ CWGS = 2  # compute warpgroups: a program's query block is CWGS * ROWS queries
 
 @dataclasses.dataclass(frozen=True)
 class MosaicPrefillTuning:
-    """``stages``: K/V tiles in flight per program."""
+    """``stages``: K/V tiles in flight per program. ``pingpong``: FA3's schedule barrier, the
+    two compute warpgroups taking turns at the tensor cores (one's softmax runs while the
+    other's wgmma does)."""
 
     stages: int = 3
+    pingpong: bool = True
 
 
 def check_supported(cfg: CacheConfig, num_heads: int) -> None:
@@ -84,6 +87,8 @@ class _Dims(NamedTuple):
     d: int
     group: int  # query heads per KV head
     cdt: str  # the dot operands' dtype (``KVLayout.cdt``)
+    pingpong: bool
+    num_blocks: int  # query blocks (programs per batch row and head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +116,9 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     vsc_ref = refs.pop(0) if dims.static_v else None
     o_ref, smem, barriers = refs
     b, h = lax.axis_index("b"), lax.axis_index("h")
-    prog = _Program(b, h, h // dims.group, lax.axis_index("qb"), lax.axis_index("wg"),
-                    len_ref[b])
+    # the last query blocks (the longest causal key ranges) launch first: a shorter tail
+    qb = dims.num_blocks - 1 - lax.axis_index("qb")
+    prog = _Program(b, h, h // dims.group, qb, lax.axis_index("wg"), len_ref[b])
 
     @pl.when(prog.wg == CWGS)
     def _():
@@ -192,6 +198,8 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
              lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
              lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
+    turn = functools.partial(_take_turns, plgpu, barriers, dims)
+    pl.when(wg == 1)(turn)
     n_body = jnp.maximum(n_mine - 1, 0)  # the last tile (if any) runs on its own
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(n_full, n_body, functools.partial(step, masked=True), carry)
@@ -203,7 +211,10 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
         slot = lax.rem(t, dims.stages)
         plgpu.barrier_wait(barriers["ready"].at[slot])
         plgpu.barrier_arrive(barriers["consumed"].at[slot])
+        turn()
+        turn()
 
+    pl.when(wg == 0)(turn)
     acc, _, l_i = carry
     if vsc_ref is not None:
         acc = acc * lax.broadcast_in_dim(lay.load_cols(smem["vsc"].at[wg]), acc.shape, [1])
@@ -252,7 +263,8 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     plgpu.commit_smem()
     if dims.fp8:  # the slot is read: the memory warpgroup may refill it
         plgpu.barrier_arrive(consumed.at[slot])
-    s = lay.qk(q_s, k_op)
+    turn = functools.partial(_take_turns, plgpu, barriers, dims)
+    s = lay.qk(q_s, k_op, during=turn if dims.pingpong else None)
     if dims.token_scales:
         s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
     s = s * dims.qk_scale
@@ -269,6 +281,7 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
         p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
         if masked:  # past the sequence the scales are unwritten (NaN in the tests)
             p = jnp.where(visible, p, 0.0)
+    turn()  # softmax done: P.V when the other warpgroup's products are issued
     pv = lay.pv(p.astype(dims.cdt), v_op)
     if not dims.fp8:  # P.V has read the slot (the wgmma is waited for)
         plgpu.barrier_arrive(consumed.at[slot])
@@ -276,7 +289,7 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
 
 
 def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, st: int, token_scales: bool,
-             static_v: bool):
+             static_v: bool, pingpong: bool):
     d, pages = cfg.head_dim, jnp.dtype(cfg.storage_dtype)
     smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), q_dtype),
             "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32),
@@ -296,7 +309,18 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, st: int, token_scal
     barriers = {"ready": plgpu.Barrier(num_arrivals=copies, num_barriers=st),
                 "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
                 "q": plgpu.Barrier(num_arrivals=3 if static_v else 2, num_barriers=CWGS)}
+    if pingpong:
+        barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
     return smem, barriers
+
+
+def _take_turns(plgpu, barriers, dims):
+    """The ping-pong's turn (nothing without it): both compute warpgroups arrive, each waits
+    for the other. Every warpgroup passes it twice per program tile; the second warpgroup
+    once more before its first tile, the first once more after its last."""
+    if dims.pingpong:
+        plgpu.barrier_arrive(barriers["sched"])
+        plgpu.barrier_wait(barriers["sched"])
 
 
 def _block_ends(q_positions, seq_lens, tp: int):
@@ -334,8 +358,9 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -(-mp // per_tile) * per_tile - mp)))
     st = tuning.stages
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
-                 nh // hkv, kv.cdt.name)
-    smem, barriers = _scratch(plgpu, cfg, kv, kv.cdt, st, token_scales, static_v)
+                 nh // hkv, kv.cdt.name, tuning.pingpong, tp // (CWGS * ROWS))
+    smem, barriers = _scratch(plgpu, cfg, kv, kv.cdt, st, token_scales, static_v,
+                              tuning.pingpong)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=jax.ShapeDtypeStruct((b, tp, nh, d), kv.cdt),

@@ -24,7 +24,7 @@ pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 ref_attention = jax.jit(reference.paged_attention, static_argnums=(5, 6))
 
 CASES = [  # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, T, stages)
-    ("bfloat16", None, 16, 64, 4, 2, 70, 2),
+    ("bfloat16", None, 16, 64, 2, 1, 150, 2),  # two query blocks
     ("float8_e4m3fn", "token", 8, 64, 3, 1, 40, 3),
     # GPU only:
     ("float8_e5m2", "channel", 32, 64, 4, 2, 70, 2),
@@ -58,7 +58,7 @@ def _positions(rng, t: int, s: int):
 
 
 @pytest.mark.parametrize("case,exec_mode", PARAMS)
-def test_mosaic_prefill_matches_reference(case, exec_mode):
+def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True):
     storage, mode, s, d, nh, hkv, t, stages = case
     rng = np.random.default_rng()
     lens, pos = _positions(rng, t, s)
@@ -68,7 +68,7 @@ def test_mosaic_prefill_matches_reference(case, exec_mode):
     case_ = attention_case(rng, cfg, lens, max_pages)
     q = jnp.asarray(rng.standard_normal((len(lens), t, nh, d)), "bfloat16")
     sm_scale = 1.0 / np.sqrt(d)
-    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages)
+    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, pingpong=pingpong)
     out = on_exec(exec_mode, mosaic_prefill.prefill_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
                   tuning=tuning)
@@ -80,6 +80,13 @@ def test_mosaic_prefill_matches_reference(case, exec_mode):
 
         assert not gpu_callbacks.get_races().races_found, "a shared-memory race"
     assert (np.asarray(out, np.float32)[3] == 0).all(), "a row with no visible key is zero"
+
+
+@pytest.mark.parametrize("case,exec_mode", [
+    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")] + [
+    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in (3, 4)])
+def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
+    test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=False)
 
 
 @pytest.mark.parametrize("storage,mode,kw,what", [
