@@ -98,3 +98,22 @@ def test_mosaic_decode_refuses_what_it_cannot_run(storage, mode, page_size, head
                               kv_rotation=rotation)
     with pytest.raises(ValueError, match="Triton kernel"):
         mosaic_decode.check_supported(cfg, heads)
+
+
+@pytest.mark.parametrize("mode,overlap_v", [("token", False), ("token", True),
+                                             ("tensor", False)])
+def test_mosaic_decode_lowers_for_hopper_on_any_machine(mode, overlap_v):
+    """As ``test_mosaic_prefill_lowers_for_hopper_on_any_machine``: Pallas's lowering for
+    CUDA (layout inference down to NVVM) runs in Python, GPU or not."""
+    cfg = make_cfg("float8_e4m3fn", mode, heads_kv=8, head_dim=128, page_size=16,
+                   num_pages=64)
+    case_ = attention_case(np.random.default_rng(), cfg, np.array([300, 1]), 20)
+    q = jnp.zeros((2, 32, 128), "bfloat16")
+    tuning = mosaic_decode.MosaicDecodeTuning(overlap_v=overlap_v)
+    lowered = jax.jit(mosaic_decode.decode_attention, static_argnums=(4, 5),
+                      static_argnames="tuning").trace(
+        q, case_.clean, case_.page_tables, case_.seq_lens, cfg, 0.1, tuning=tuning).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    for op in ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity", "nvvm.cp.async.bulk"):
+        assert op in text, op

@@ -100,3 +100,24 @@ def test_mosaic_prefill_refuses_what_it_cannot_run(storage, mode, kw, what):
     cfg = make_cfg(storage, mode, num_pages=4, **args)
     with pytest.raises(ValueError, match=what + r".*pallas_prefill"):
         mosaic_prefill.check_supported(cfg, 4)
+
+
+@pytest.mark.parametrize("storage,mode", [("bfloat16", None), ("float16", None),
+                                          ("float8_e4m3fn", "token"),
+                                          ("float8_e5m2", "channel")])
+def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode):
+    """Pallas lowers the kernel for CUDA in Python (layout inference and the Mosaic GPU
+    dialect down to NVVM's wgmma, mbarrier and TMA operations) even without a GPU: what
+    fails there fails here, before device time is spent."""
+    cfg = make_cfg(storage, mode, heads_kv=8, head_dim=128, page_size=16, num_pages=64)
+    rng = np.random.default_rng()
+    case_ = attention_case(rng, cfg, np.array([300, 1]), 20)
+    q = jnp.zeros((2, 256, 32, 128), "bfloat16")
+    pos = jnp.zeros((2, 256), jnp.int32)
+    lowered = jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6)).trace(
+        q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    for op in ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity",
+               "nvvm.cp.async.bulk.tensor"):
+        assert op in text, op
