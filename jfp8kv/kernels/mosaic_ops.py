@@ -74,6 +74,17 @@ class MosaicOps:
                                    preferred_element_type=jnp.float32)
         return self._wgmma((p16.shape[0], v16.shape[1]), p16, v16)
 
+    def pv_into(self, acc, p16, v16):
+        """acc + P [ROWS, BK] (registers) . V [BK, D] (shared memory): the wgmma accumulates
+        into ``acc`` itself (no second accumulator to add)."""
+        if self.interpret:
+            return acc + self.pv(p16, v16)
+
+        def body(acc_ref):
+            self.plgpu.wgmma(acc_ref, p16, v16)
+
+        return pl.run_state(body)(self.plgpu.ACC.init(acc))
+
     def _wgmma(self, shape, a, b, during=None):
         def body(acc_ref):
             self.plgpu.wgmma(acc_ref, a, b)
