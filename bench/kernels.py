@@ -780,7 +780,8 @@ def compare_mosaic(b: Bench, smoke: bool, run):
 # at the prefill sweep's shapes (batch, chunk, cached prefix): 8k x 8k causal and 2k after 4k.
 MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
 MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st2", dict(stages=2)), ("st4", dict(stages=4)),
-                           ("st3 no pingpong", dict(pingpong=False)))
+                           ("st3 no pingpong", dict(pingpong=False)),
+                           ("bk128 st2", dict(block_k=128, stages=2)))  # 16-bit pages only
 
 
 def compare_mosaic_prefill(b: Bench, smoke: bool, run):

@@ -57,6 +57,12 @@ class MosaicOps:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return self.plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=self.wgmma)
 
+    def row_iota(self):
+        """0 .. ROWS-1, one value per row of a WGMMA-layout array."""
+        if self.interpret:
+            return lax.iota(jnp.int32, ROWS)
+        return self.plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=self.row)
+
     def qk(self, q_s, k16, during=None):
         """q [ROWS, D] . K^T, both in shared memory -> f32 [ROWS, BK] (the interpreter has no
         transposed wgmma operand: jnp dots there); ``during()`` runs while it computes."""

@@ -3,27 +3,28 @@
 
 FlashAttention-3's structure over pages. One program per (batch row, query head, block of
 128 queries): two *compute* warpgroups hold 64 query rows each (wgmma's M) and one *memory*
-warpgroup walks the KV head's page table, copying each 64-key tile's pages (K, V and, in
-token mode, their scales) with TMA into ``stages`` slots that both compute warpgroups read.
+warpgroup walks the KV head's page table, copying each tile's pages (``block_k`` keys of K,
+V and, in token mode, their scales) with TMA into ``stages`` slots that both compute
+warpgroups read.
 bf16/f16 pages are wgmma operands as they land; fp8 pages are upcast to f16 by each compute
 warpgroup into its own buffers. q.K^T and P.V run as wgmma around the online softmax, the
 two warpgroups taking turns at the tensor cores (``pingpong``, FA3's schedule barrier).
-64-key tiles: 128 would not fit shared memory (the CPU lowering reports 232,504 bytes for
-bf16 at 2 stages, over the 232,448 available, because of each warpgroup's V buffer for the
-last tile).
 
 Masking follows ``reference.paged_attention``'s contract by position: query (b, t) sees key
 j iff j < seq_lens[b] and j <= q_positions[b, t], with positions in any order. Per 64-row
 block XLA computes the keys it needs (min(seq_len, max position + 1)) and the keys every
 row sees (min(seq_len, min position + 1)): tiles below the latter run unmasked, the rest
-masked; V rows past seq_len are zeroed before P.V (unwritten slots may hold NaN). Rows that
+masked. Unwritten slots may hold anything (NaN in the tests): K's are masked out of the
+logits, and the memory warpgroup zeroes V's rows past seq_len in the program's last tile
+before the compute warpgroups may read it (P is 0 there, but 0 x NaN is NaN). Rows that
 see no key are zero.
 
 Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pages, bf16
 for bf16 pages; f32 accumulation; token scales on logits and probabilities; static K scales
 folded into q outside, static V scales on the accumulator). Supported: bf16/f16 and fp8
 pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes >= 8 that divide
-the 64-key tile or are multiples of it; no K rotation. ``check_supported`` raises ValueError
+the key tile or are multiples of it; 128-key tiles for 16-bit pages only (fp8's f16 buffers
+would not fit shared memory); no K rotation. ``check_supported`` raises ValueError
 for the rest.
 """
 
@@ -44,7 +45,7 @@ from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, interpret_kwargs, load_p
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
-BLOCK_K = 64  # keys per tile
+BLOCK_KS = (64, 128)  # keys per tile (``MosaicPrefillTuning.block_k``)
 CWGS = 2  # compute warpgroups: a program's query block is CWGS * ROWS queries
 
 
@@ -52,13 +53,15 @@ CWGS = 2  # compute warpgroups: a program's query block is CWGS * ROWS queries
 class MosaicPrefillTuning:
     """``stages``: K/V tiles in flight per program. ``pingpong``: FA3's schedule barrier, the
     two compute warpgroups taking turns at the tensor cores (one's softmax runs while the
-    other's wgmma does)."""
+    other's wgmma does). ``block_k``: keys per tile, 64 or 128 (16-bit pages, 2 stages: the
+    CPU lowering counts 3 stages of 128 keys 102 bytes over the 232,448 of shared memory)."""
 
     stages: int = 3
     pingpong: bool = True
+    block_k: int = 64
 
 
-def check_supported(cfg: CacheConfig, num_heads: int) -> None:
+def check_supported(cfg: CacheConfig, num_heads: int, block_k: int = 64) -> None:
     """ValueError naming what this kernel cannot run (``pallas_prefill`` runs all of it)."""
     kv = KVLayout.of(cfg)
     problems = []
@@ -68,8 +71,10 @@ def check_supported(cfg: CacheConfig, num_heads: int) -> None:
         problems.append("block scales (token, tensor or channel)")
     if cfg.head_dim not in (64, 128):
         problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
-    if (s := cfg.page_size) < 8 or (BLOCK_K % s and s % BLOCK_K):
-        problems.append(f"page_size {s} (a divisor of {BLOCK_K} >= 8, or a multiple of it)")
+    if (s := cfg.page_size) < 8 or (block_k % s and s % block_k):
+        problems.append(f"page_size {s} (a divisor of {block_k} >= 8, or a multiple of it)")
+    if block_k != 64 and cfg.is_fp8:
+        problems.append(f"block_k {block_k} with fp8 pages (64)")
     if cfg.kv_rotation != "none":
         problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
     if num_heads % cfg.num_kv_heads:
@@ -92,6 +97,7 @@ class _Dims(NamedTuple):
     group: int  # query heads per KV head
     cdt: str  # the dot operands' dtype (``KVLayout.cdt``)
     pingpong: bool
+    block_k: int
     num_blocks: int  # query blocks (programs per batch row and head)
 
 
@@ -107,8 +113,8 @@ class _Program:
     seq_len: jax.Array
 
 
-def _tiles(end):
-    return (end + BLOCK_K - 1) // BLOCK_K
+def _tiles(end, block_k: int):
+    return (end + block_k - 1) // block_k
 
 
 def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
@@ -127,10 +133,10 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     @pl.when(prog.wg == CWGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        n = jnp.maximum(_tiles(end_ref[b, prog.qb * CWGS, 0]),
-                        _tiles(end_ref[b, prog.qb * CWGS + 1, 0]))
+        n = jnp.maximum(_tiles(end_ref[b, prog.qb * CWGS, 0], dims.block_k),
+                        _tiles(end_ref[b, prog.qb * CWGS + 1, 0], dims.block_k))
         _memory_warpgroup(prog, n, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
-                          dims=dims, plgpu=plgpu)
+                          dims=dims, plgpu=plgpu, lay=lay)
 
     @pl.when(prog.wg < CWGS)
     def _():
@@ -140,15 +146,18 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
 
 
 def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-                      barriers, *, dims, plgpu):
+                      barriers, *, dims, plgpu, lay):
     """Copies each of the program's tiles' pages into its slot once both compute
-    warpgroups have released the slot's previous tile."""
-    page_size, stages = dims.page_size, dims.stages
-    k_s, v_s, ks_s, vs_s = smem["k"], smem["v"], smem.get("ks"), smem.get("vs")
+    warpgroups have released the slot's previous tile. 16-bit pages: the last tile's copies
+    land on a barrier of their own, V's rows past the sequence are zeroed, then the slot is
+    made ready with as many arrivals as the copies would have made (fp8 pages: the compute
+    warpgroups zero them as they upcast; Mosaic has no 8-bit select)."""
+    stages, bk = dims.stages, dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
-    copy_rows = min(page_size, BLOCK_K)
-    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
-    kv_end = n_tiles * BLOCK_K
+    last = n_tiles - 1
+    copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
+                             ks_ref=ks_ref, vs_ref=vs_ref, smem=smem, kv_end=n_tiles * bk,
+                             dims=dims, plgpu=plgpu)
 
     @pl.loop(0, n_tiles)
     def _tile(t):
@@ -158,29 +167,72 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
         def _():
             plgpu.barrier_wait(consumed.at[slot])
 
-        for j in range(BLOCK_K // copy_rows):
-            tok0 = t * BLOCK_K + j * copy_rows
-            pidx = tok0 // page_size
-            page = jnp.where(tok0 < jnp.minimum(kv_end, prog.seq_len), pt_ref[prog.b, pidx], 0)
-            row0 = page * page_size + (tok0 - pidx * page_size)
-            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
-            dst = pl.ds(j * copy_rows, copy_rows)
-            plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], k_s.at[slot, dst], ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], v_s.at[slot, dst], ready.at[slot])
-            if ks_s is not None:  # 4 bytes a token: plain bulk copies (16-byte aligned)
-                for src, dst_s in ((ks_ref, ks_s), (vs_ref, vs_s)):
-                    plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst],
-                                            ready.at[slot], oob_mode=in_bounds)
+        if dims.fp8:
+            copy(t, slot, barrier=ready.at[slot])
+            return
+
+        @pl.when(t < last)
+        def _():
+            copy(t, slot, barrier=ready.at[slot])
+
+        @pl.when(t == last)
+        def _():
+            copies = copy(t, slot, barrier=barriers["last"])
+            plgpu.barrier_wait(barriers["last"])
+            _zero_rows_from(smem["v"].at[slot], prog.seq_len - t * bk, lay)
+            plgpu.commit_smem()  # visible to the wgmma (async proxy) before the arrivals
+            for _ in range(copies):
+                plgpu.barrier_arrive(ready.at[slot])
 
     @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
     def _drain(t):  # observe every slot's last release: no barrier phase left unseen
         plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
 
+def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+               barrier, kv_end, dims, plgpu) -> int:
+    """Issues tile ``t``'s page copies (K, V, token scales) into ``slot``, each arriving on
+    ``barrier``; returns how many. Pages past the needed keys copy any real page (page 0)."""
+    page_size, bk = dims.page_size, dims.block_k
+    copy_rows = min(page_size, bk)
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
+    copies = 0
+    for j in range(bk // copy_rows):
+        tok0 = t * bk + j * copy_rows
+        pidx = tok0 // page_size
+        page = jnp.where(tok0 < jnp.minimum(kv_end, prog.seq_len), pt_ref[prog.b, pidx], 0)
+        row0 = page * page_size + (tok0 - pidx * page_size)
+        rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
+        dst = pl.ds(j * copy_rows, copy_rows)
+        plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], smem["k"].at[slot, dst], barrier)
+        plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], smem["v"].at[slot, dst], barrier)
+        copies += 2
+        if ks_ref is not None:  # 4 bytes a token: plain bulk copies (16-byte aligned)
+            for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):
+                plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst], barrier,
+                                        oob_mode=in_bounds)
+                copies += 1
+    return copies
+
+
+def _zero_rows_from(v, n_valid, lay):
+    """v [BK, D] (shared memory): rows at or past ``n_valid`` set to 0, in [64, 128-byte]
+    chunks (the memory warpgroup's 40 registers hold one)."""
+    bk, d = v.shape
+    width = min(d, 128 // v.dtype.itemsize)
+    keep = lay.row_iota()
+    for r0 in range(0, bk, ROWS):
+        rows = lax.broadcast_in_dim(keep + r0 < n_valid, (ROWS, width), [0])
+        for c0 in range(0, d, width):
+            chunk = v.at[pl.ds(r0, ROWS), pl.ds(c0, width)]
+            x = chunk[...]
+            chunk[...] = jnp.where(rows, x, jnp.zeros_like(x))
+
+
 def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem,
                        barriers, *, dims, plgpu, lay):
-    """Loads its 64 query rows and their positions, runs the program's tiles (unmasked,
-    masked, the last with V's rows past the sequence zeroed), then writes its rows."""
+    """Loads its 64 query rows and their positions, runs the program's tiles it needs
+    (unmasked, then masked), releases the others unread, then writes its rows."""
     d, wg = dims.d, prog.wg
     qo_s, pos_s = smem["qo"].at[wg], smem["pos"].at[wg]
     blk = prog.qb * CWGS + wg
@@ -193,10 +245,12 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     plgpu.barrier_wait(q_bar)
     pos = lay.load_rows(pos_s)
 
-    n_mine = _tiles(end_ref[prog.b, blk, 0])
-    n_full = jnp.minimum(end_ref[prog.b, blk, 1] // BLOCK_K, jnp.maximum(n_mine - 1, 0))
+    bk = dims.block_k
+    n_mine = _tiles(end_ref[prog.b, blk, 0], bk)
+    # the last tile is always masked: its keys may run past the sequence
+    n_full = jnp.minimum(end_ref[prog.b, blk, 1] // bk, jnp.maximum(n_mine - 1, 0))
     other = prog.qb * CWGS + (1 - wg)
-    n_prog = jnp.maximum(n_mine, _tiles(end_ref[prog.b, other, 0]))
+    n_prog = jnp.maximum(n_mine, _tiles(end_ref[prog.b, other, 0], bk))
     step = functools.partial(_tile_step, prog, qo_s, pos, smem, barriers, dims=dims,
                              plgpu=plgpu, lay=lay)
     carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
@@ -204,11 +258,8 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
              lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
     turn = functools.partial(_take_turns, plgpu, barriers, dims)
     pl.when(wg == 1)(turn)
-    n_body = jnp.maximum(n_mine - 1, 0)  # the last tile (if any) runs on its own
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(n_full, n_body, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(n_body, n_mine, functools.partial(step, masked=True, last=True),
-                          carry)
+    carry = lax.fori_loop(n_full, n_mine, functools.partial(step, masked=True), carry)
 
     @pl.loop(n_mine, n_prog)
     def _skip(t):  # tiles only the other warpgroup needs: release them unread
@@ -229,38 +280,32 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _operands(smem, slot, tok0, seq_len, *, dims, lay, wg, last):
+def _operands(smem, slot, tok0, seq_len, *, dims, lay, wg, masked):
     """(K, V) wgmma operands of the tile in ``slot``: fp8 pages upcast into this warpgroup's
-    f16 buffers (V rows at or past ``seq_len`` zeroed); other pages as they are, except in the
-    last tile, whose V goes through this warpgroup's buffer with those rows zeroed."""
-    d = dims.d
-    rows = lay.iota((BLOCK_K, d), 0) + tok0
-
-    def zero_past_end(x):
-        return jnp.where(rows < seq_len, x, jnp.zeros_like(x))
-
-    if dims.fp8:
-        k16, v16 = smem["k16"].at[wg], smem["v16"].at[wg]
-        k16[...] = smem["k"][slot].astype(jnp.float16)
-        v16[...] = zero_past_end(smem["v"][slot].astype(jnp.float16))
-        return k16, v16
-    if last:
-        v_own = smem["v_own"].at[wg]
-        v_own[...] = zero_past_end(smem["v"][slot])
-        return smem["k"].at[slot], v_own
-    return smem["k"].at[slot], smem["v"].at[slot]
+    f16 buffers (in masked tiles V's rows at or past ``seq_len`` zeroed), other pages as they
+    landed (the memory warpgroup zeroed those rows)."""
+    if not dims.fp8:
+        return smem["k"].at[slot], smem["v"].at[slot]
+    k16, v16 = smem["k16"].at[wg], smem["v16"].at[wg]
+    k16[...] = smem["k"][slot].astype(jnp.float16)
+    v = smem["v"][slot].astype(jnp.float16)
+    if masked:
+        rows = lay.iota((dims.block_k, dims.d), 0) + tok0
+        v = jnp.where(rows < seq_len, v, jnp.zeros_like(v))
+    v16[...] = v
+    return k16, v16
 
 
 def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu, lay,
-               masked: bool, last: bool = False):
+               masked: bool):
     """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l)."""
     acc, m_i, l_i = carry
     slot = lax.rem(t, dims.stages)
-    tok0 = t * BLOCK_K
+    tok0 = t * dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
     k_op, v_op = _operands(smem, slot, tok0, prog.seq_len, dims=dims, lay=lay, wg=prog.wg,
-                           last=last)
+                           masked=masked)
     if dims.token_scales:
         k_tok = lay.load_cols(smem["ks"].at[slot])
         v_tok = lay.load_cols(smem["vs"].at[slot])
@@ -273,7 +318,7 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
         s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
     s = s * dims.qk_scale
     if masked:
-        key = lay.iota((ROWS, BLOCK_K), 1) + tok0
+        key = lay.iota((ROWS, dims.block_k), 1) + tok0
         visible = (key < prog.seq_len) & (key <= lax.broadcast_in_dim(pos, s.shape, [0]))
         s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -293,28 +338,27 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     return acc, m_new, l_new
 
 
-def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, st: int, token_scales: bool,
-             static_v: bool, pingpong: bool):
-    d, pages = cfg.head_dim, jnp.dtype(cfg.storage_dtype)
+def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, dims: _Dims):
+    d, pages, st, bk = cfg.head_dim, jnp.dtype(cfg.storage_dtype), dims.stages, dims.block_k
     smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), q_dtype),
             "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32),
-            "k": swizzled(plgpu, (st, BLOCK_K, d), pages),
-            "v": swizzled(plgpu, (st, BLOCK_K, d), pages)}
-    if token_scales:
-        smem["ks"] = plgpu.SMEM((st, BLOCK_K), jnp.float32)
-        smem["vs"] = plgpu.SMEM((st, BLOCK_K), jnp.float32)
-    if static_v:
+            "k": swizzled(plgpu, (st, bk, d), pages),
+            "v": swizzled(plgpu, (st, bk, d), pages)}
+    if dims.token_scales:
+        smem["ks"] = plgpu.SMEM((st, bk), jnp.float32)
+        smem["vs"] = plgpu.SMEM((st, bk), jnp.float32)
+    if dims.static_v:
         smem["vsc"] = plgpu.SMEM((CWGS, d), jnp.float32)
     if cfg.is_fp8:
-        smem["k16"] = swizzled(plgpu, (CWGS, BLOCK_K, d), kv.cdt)
-        smem["v16"] = swizzled(plgpu, (CWGS, BLOCK_K, d), kv.cdt)
-    else:
-        smem["v_own"] = swizzled(plgpu, (CWGS, BLOCK_K, d), pages)
-    copies = (4 if token_scales else 2) * max(1, BLOCK_K // cfg.page_size)
+        smem["k16"] = swizzled(plgpu, (CWGS, bk, d), kv.cdt)
+        smem["v16"] = swizzled(plgpu, (CWGS, bk, d), kv.cdt)
+    copies = (4 if dims.token_scales else 2) * max(1, bk // cfg.page_size)
     barriers = {"ready": plgpu.Barrier(num_arrivals=copies, num_barriers=st),
                 "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
-                "q": plgpu.Barrier(num_arrivals=3 if static_v else 2, num_barriers=CWGS)}
-    if pingpong:
+                "q": plgpu.Barrier(num_arrivals=3 if dims.static_v else 2, num_barriers=CWGS)}
+    if not dims.fp8:  # the last tile's copies (its V is zeroed past the sequence first)
+        barriers["last"] = plgpu.Barrier(num_arrivals=copies)
+    if dims.pingpong:
         barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
     return smem, barriers
 
@@ -346,7 +390,10 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     plgpu = load_plgpu()
     tuning = tuning or MosaicPrefillTuning()
     b, t, nh, d = q.shape
-    check_supported(cfg, nh)
+    bk = tuning.block_k
+    if bk not in BLOCK_KS:
+        raise ValueError(f"block_k must be one of {BLOCK_KS}, got {bk}")
+    check_supported(cfg, nh, bk)
     hkv, s = cfg.num_kv_heads, cfg.page_size
     kv = KVLayout.of(cfg)
     token_scales, static_v = kv.groups == 1, kv.mode.is_static
@@ -358,14 +405,13 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         qk = (qk.reshape(b, t, hkv, nh // hkv, d)
               * k_sc.astype(jnp.float32)[None, None, :, None, :]).reshape(b, t, nh, d)
     qk = jnp.pad(qk.astype(kv.cdt), ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-    per_tile = max(1, BLOCK_K // s)  # page-table entries a tile reads: padded to whole tiles
+    per_tile = max(1, bk // s)  # page-table entries a tile reads: padded to whole tiles
     mp = page_tables.shape[1]
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -(-mp // per_tile) * per_tile - mp)))
     st = tuning.stages
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
-                 nh // hkv, kv.cdt.name, tuning.pingpong, tp // (CWGS * ROWS))
-    smem, barriers = _scratch(plgpu, cfg, kv, kv.cdt, st, token_scales, static_v,
-                              tuning.pingpong)
+                 nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS))
+    smem, barriers = _scratch(plgpu, cfg, kv, kv.cdt, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=jax.ShapeDtypeStruct((b, tp, nh, d), kv.cdt),

@@ -23,17 +23,22 @@ pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 
 ref_attention = jax.jit(reference.paged_attention, static_argnums=(5, 6))
 
-CASES = [  # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, T, stages)
-    ("bfloat16", None, 16, 64, 2, 1, 150, 2),  # two query blocks
-    ("float8_e4m3fn", "token", 8, 64, 3, 1, 40, 3),
+CASES = [  # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, T, stages,
+    #         block_k)
+    ("bfloat16", None, 16, 64, 2, 1, 150, 2, 64),  # two query blocks
+    ("float8_e4m3fn", "token", 8, 64, 3, 1, 40, 3, 64),
+    ("float16", None, 32, 64, 2, 2, 40, 2, 128),
     # GPU only:
-    ("float8_e5m2", "channel", 32, 64, 4, 2, 70, 2),
-    ("bfloat16", None, 16, 128, 32, 8, 300, 3),
-    ("float8_e4m3fn", "token", 16, 128, 32, 8, 300, 3),
-    ("float8_e4m3fn", "tensor", 128, 128, 16, 8, 129, 4),
-    ("float16", None, 64, 128, 8, 8, 64, 2),
+    ("float8_e5m2", "channel", 32, 64, 4, 2, 70, 2, 64),
+    ("bfloat16", None, 16, 128, 32, 8, 300, 3, 64),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, 300, 3, 64),
+    ("float8_e4m3fn", "tensor", 128, 128, 16, 8, 129, 4, 64),
+    ("float16", None, 64, 128, 8, 8, 64, 2, 64),
+    ("bfloat16", None, 16, 128, 32, 8, 300, 2, 128),
+    ("bfloat16", None, 256, 128, 16, 2, 200, 2, 128),
 ]
-IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-st{c[7]}" for c in CASES]
+IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-st{c[7]}-bk{c[8]}"
+       for c in CASES]
 
 
 def _hopper() -> bool:
@@ -41,7 +46,7 @@ def _hopper() -> bool:
 
 
 _HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")]
-PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:2], IDS)]
+PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:3], IDS)]
           + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=_HOPPER) for c, i in zip(CASES, IDS)])
 
 
@@ -59,7 +64,7 @@ def _positions(rng, t: int, s: int):
 
 @pytest.mark.parametrize("case,exec_mode", PARAMS)
 def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True):
-    storage, mode, s, d, nh, hkv, t, stages = case
+    storage, mode, s, d, nh, hkv, t, stages, bk = case
     rng = np.random.default_rng()
     lens, pos = _positions(rng, t, s)
     max_pages = int(max(-(-int(n) // s) for n in lens)) + 1
@@ -68,7 +73,7 @@ def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True):
     case_ = attention_case(rng, cfg, lens, max_pages)
     q = jnp.asarray(rng.standard_normal((len(lens), t, nh, d)), "bfloat16")
     sm_scale = 1.0 / np.sqrt(d)
-    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, pingpong=pingpong)
+    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, pingpong=pingpong, block_k=bk)
     out = on_exec(exec_mode, mosaic_prefill.prefill_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
                   tuning=tuning)
@@ -84,7 +89,7 @@ def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True):
 
 @pytest.mark.parametrize("case,exec_mode", [
     pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")] + [
-    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in (3, 4)])
+    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in (4, 5)])
 def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=False)
 
@@ -94,18 +99,21 @@ def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
     ("float8_e4m3fn", "block", {}, "block scales"),
     ("bfloat16", None, {"head_dim": 96}, "head_dim 96"),
     ("bfloat16", None, {"page_size": 24}, "page_size 24"),
+    ("bfloat16", None, {"page_size": 192, "block_k": 128}, "page_size 192"),
+    ("float8_e4m3fn", "token", {"block_k": 128}, "block_k 128 with fp8 pages"),
 ])
 def test_mosaic_prefill_refuses_what_it_cannot_run(storage, mode, kw, what):
     args = {"heads_kv": 2, "head_dim": 64, "page_size": 16, **kw}
+    bk = args.pop("block_k", 64)
     cfg = make_cfg(storage, mode, num_pages=4, **args)
     with pytest.raises(ValueError, match=what + r".*pallas_prefill"):
-        mosaic_prefill.check_supported(cfg, 4)
+        mosaic_prefill.check_supported(cfg, 4, bk)
 
 
-@pytest.mark.parametrize("storage,mode", [("bfloat16", None), ("float16", None),
-                                          ("float8_e4m3fn", "token"),
-                                          ("float8_e5m2", "channel")])
-def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode):
+@pytest.mark.parametrize("storage,mode,stages,bk", [
+    ("bfloat16", None, 3, 64), ("float16", None, 3, 64), ("float8_e4m3fn", "token", 3, 64),
+    ("float8_e5m2", "channel", 3, 64), ("bfloat16", None, 2, 128)])
+def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, bk):
     """Pallas lowers the kernel for CUDA in Python (layout inference and the Mosaic GPU
     dialect down to NVVM's wgmma, mbarrier and TMA operations) even without a GPU: what
     fails there fails here, before device time is spent."""
@@ -114,8 +122,10 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode):
     case_ = attention_case(rng, cfg, np.array([300, 1]), 20)
     q = jnp.zeros((2, 256, 32, 128), "bfloat16")
     pos = jnp.zeros((2, 256), jnp.int32)
-    lowered = jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6)).trace(
-        q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1).lower(
+    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, block_k=bk)
+    lowered = jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
+                      static_argnames="tuning").trace(
+        q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning).lower(
         lowering_platforms=("cuda",))
     text = lowered.as_text()
     for op in ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity",
