@@ -162,18 +162,24 @@ class KVQuantizer:
     """
 
     def __init__(self, fmt: str, mode: str, static_k=None, static_v=None,
-                 rotate_k: bool = False, k_mean=None):
+                 rotate_k: bool = False, k_mean=None, sink_tokens: int = 0):
         if mode in ("tensor", "channel") and (static_k is None or static_v is None):
             raise ValueError(f"mode {mode!r} needs static scales")
         self.fmt, self.mode = fmt, mode
         self.static_k, self.static_v = static_k, static_v
         self.rotate_k, self.k_mean = rotate_k, k_mean
+        self.sink_tokens = sink_tokens  # an experiment: the first tokens left unquantized
 
     def __call__(self, layer: int, k: np.ndarray, v: np.ndarray):
         sk = None if self.static_k is None else self.static_k[layer]
         sv = None if self.static_v is None else self.static_v[layer]
-        return (fake_quant_rows(k, self.fmt, self.mode, sk),
-                fake_quant_rows(v, self.fmt, self.mode, sv))
+        kq = fake_quant_rows(k, self.fmt, self.mode, sk)
+        vq = fake_quant_rows(v, self.fmt, self.mode, sv)
+        if self.sink_tokens:  # [B, H, T, D]: positions < sink_tokens keep their values
+            n = self.sink_tokens
+            kq = np.concatenate([np.asarray(k)[:, :, :n], np.asarray(kq)[:, :, n:]], axis=2)
+            vq = np.concatenate([np.asarray(v)[:, :, :n], np.asarray(vq)[:, :, n:]], axis=2)
+        return kq, vq
 
 
 class AmaxRecorder:

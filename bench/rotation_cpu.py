@@ -130,6 +130,11 @@ def calibrate_mean(hf, ids) -> np.ndarray:
     return rec.mean()
 
 
+def run_key(r: dict) -> tuple:
+    """A stored run's identity: format, scale mode, K transform, unquantized first tokens."""
+    return r["kv_cache_dtype"], r["kv_scale_mode"], r["rotation"], r.get("sink_tokens", 0)
+
+
 def summarize(base, res, offsets) -> dict:
     pooled = lambda rs: float(np.concatenate([r["nll"] for r in rs]).mean())  # noqa: E731
     inc = lambda q, b: 100 * (pooled(q) / pooled(b) - 1)  # noqa: E731
@@ -146,14 +151,14 @@ def summarize(base, res, offsets) -> dict:
 
 def targets(runs: list[dict]) -> dict:
     """The issue's targets for every run, against e4m3 token unrotated (today's default)."""
-    ref = next((r for r in runs if (r["kv_cache_dtype"], r["kv_scale_mode"], r["rotation"])
-                == ("fp8_e4m3", "token", "none")), None)
+    ref = next((r for r in runs if run_key(r) == ("fp8_e4m3", "token", "none", 0)), None)
     if ref is None:
         return {}
     out = {"reference": "fp8_e4m3 token none", "reference_kl": ref["kl"]}
     for r in runs:
         ratio = r["kl"] / ref["kl"]
-        out[f"{r['kv_cache_dtype']} {r['kv_scale_mode']} {r['rotation']}"] = {
+        sink = f" sink {r['sink_tokens']}" if r.get("sink_tokens") else ""
+        out[f"{r['kv_cache_dtype']} {r['kv_scale_mode']} {r['rotation']}{sink}"] = {
             "kl_ratio": round(ratio, 3), "meets_kl": ratio <= TARGET_KL_RATIO,
             "meets_nll": r["nll_increase_pct"] <= TARGET_NLL_PCT}
     return out
@@ -168,6 +173,9 @@ def main(argv=None):
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="fmt:mode,...")
     ap.add_argument("--rotations", default=",".join(ROTATIONS))
+    ap.add_argument("--sink-tokens", type=int, default=0,
+                    help="an experiment: leave each window's first N tokens unquantized "
+                    "(attention sinks); runs are stored apart from the N = 0 runs")
     ap.add_argument("--out", default=os.path.join(RESULTS, "rotation-cpu.json"))
     ap.add_argument("--skip-existing", action="store_true",
                     help="skip (format, mode, rotation) runs already stored for these windows")
@@ -219,9 +227,8 @@ def main(argv=None):
             if rotation not in TRANSFORMS:
                 raise SystemExit(f"--rotations: {rotation!r} is not one of {list(TRANSFORMS)}")
             smooth, rk = TRANSFORMS[rotation]
-            key = (fmt, mode, rotation)
-            if args.skip_existing and any((r["kv_cache_dtype"], r["kv_scale_mode"],
-                                           r["rotation"]) == key for r in entry["runs"]):
+            key = (fmt, mode, rotation, args.sink_tokens)
+            if args.skip_existing and any(run_key(r) == key for r in entry["runs"]):
                 print(f"{fmt} {mode} {rotation}: stored, skipped", flush=True)
                 continue
             if smooth and k_mean is None:
@@ -233,19 +240,19 @@ def main(argv=None):
                     amax[rotation] = calibrate(hf, calib_ids, rk, km)
                 sk, sv = fq.static_scales(fmt, mode, cfg.num_hidden_layers, heads, head_dim,
                                           amax=amax[rotation])
-            res = run(hf, windows, fq.KVQuantizer(fmt, mode, sk, sv, rotate_k=rk, k_mean=km),
-                      base)
+            res = run(hf, windows, fq.KVQuantizer(fmt, mode, sk, sv, rotate_k=rk, k_mean=km,
+                                                  sink_tokens=args.sink_tokens), base)
             rec = {"kv_cache_dtype": fmt, "kv_scale_mode": mode, "rotation": rotation,
+                   **({"sink_tokens": args.sink_tokens} if args.sink_tokens else {}),
                    "scales": "calibrated" if sk is not None else "dynamic",
                    "command": command_line(),
                    **summarize(base, res, offsets)}
-            entry["runs"] = [r for r in entry["runs"] if (
-                r["kv_cache_dtype"], r["kv_scale_mode"], r["rotation"]) != key] + [rec]
+            entry["runs"] = [r for r in entry["runs"] if run_key(r) != key] + [rec]
             entry["targets"] = targets(entry["runs"])
             entry["wall_s"] = round(time.time() - t0, 1)
             doc["models"][name] = entry
             write_result(args.out, doc)
-            print(f"{fmt} {mode:7s} {rotation:8s}: NLL {rec['nll_increase_pct']:+.3f}% "
+            print(f"{fmt} {mode:7s} {rotation:8s} sink {args.sink_tokens}: NLL {rec['nll_increase_pct']:+.3f}% "
                   f"(sem {rec['nll_increase_window_sem_pp']}) KL {rec['kl']:.5f} "
                   f"agree {rec['greedy_agreement']:.4f} ({time.time() - t:.0f}s)", flush=True)
 
