@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the q block
-                                       interpret_kwargs, load_plgpu, swizzled)
+                                       interpret_kwargs, layout_problems, load_plgpu,
+                                       swizzled)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -57,18 +58,8 @@ class MosaicDecodeTuning:
 
 def check_supported(cfg: CacheConfig, num_heads: int) -> None:
     """ValueError naming what this kernel cannot run (``pallas_decode`` runs all of it)."""
-    kv = KVLayout.of(cfg)
-    problems = []
-    if not cfg.is_fp8:
-        problems.append(f"storage {cfg.storage_dtype} (fp8 pages only)")
-    if kv.groups > 1:
-        problems.append("block scales (token, tensor or channel)")
-    if cfg.head_dim not in (64, 128):
-        problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
-    if (s := cfg.page_size) < 8 or (BLOCK_K % s and s % BLOCK_K):
-        problems.append(f"page_size {s} (a divisor of {BLOCK_K} >= 8, or a multiple of it)")
-    if cfg.kv_rotation != "none":
-        problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
+    problems = [] if cfg.is_fp8 else [f"storage {cfg.storage_dtype} (fp8 pages only)"]
+    problems += layout_problems(cfg, BLOCK_K)
     if num_heads % cfg.num_kv_heads or num_heads // cfg.num_kv_heads > ROWS:
         problems.append(f"{num_heads} query heads over {cfg.num_kv_heads} KV heads "
                         f"(at most {ROWS} per KV head)")

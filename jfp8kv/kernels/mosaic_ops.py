@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jfp8kv.kernels.tiles import KVLayout
+
 ROWS = 64  # wgmma's M
 
 
@@ -27,6 +29,22 @@ def swizzled(plgpu, shape, dtype):
     swizzle = plgpu.find_swizzle(shape[-1] * bits)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
+
+
+def layout_problems(cfg, block_k: int) -> list[str]:
+    """What the Mosaic kernels' page walk and upcast cannot take of ``cfg`` (a
+    ``CacheConfig``), each naming what works: block scales, head sizes other than 64/128,
+    page sizes that neither divide the key tile nor are multiples of it, K rotation."""
+    problems = []
+    if KVLayout.of(cfg).groups > 1:
+        problems.append("block scales (token, tensor or channel)")
+    if cfg.head_dim not in (64, 128):
+        problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
+    if (s := cfg.page_size) < 8 or (block_k % s and s % block_k):
+        problems.append(f"page_size {s} (a divisor of {block_k} >= 8, or a multiple of it)")
+    if cfg.kv_rotation != "none":
+        problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
+    return problems
 
 
 def interpret_kwargs(interpret: bool) -> dict:

@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, interpret_kwargs, load_plgpu,
-                                       swizzled)
+from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, interpret_kwargs, layout_problems,
+                                       load_plgpu, swizzled)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -63,20 +63,12 @@ class MosaicPrefillTuning:
 
 def check_supported(cfg: CacheConfig, num_heads: int, block_k: int = 64) -> None:
     """ValueError naming what this kernel cannot run (``pallas_prefill`` runs all of it)."""
-    kv = KVLayout.of(cfg)
     problems = []
     if not cfg.is_fp8 and jnp.dtype(cfg.storage_dtype) not in (jnp.bfloat16, jnp.float16):
         problems.append(f"storage {cfg.storage_dtype} (bfloat16, float16 or fp8)")
-    if kv.groups > 1:
-        problems.append("block scales (token, tensor or channel)")
-    if cfg.head_dim not in (64, 128):
-        problems.append(f"head_dim {cfg.head_dim} (64 or 128)")
-    if (s := cfg.page_size) < 8 or (block_k % s and s % block_k):
-        problems.append(f"page_size {s} (a divisor of {block_k} >= 8, or a multiple of it)")
+    problems += layout_problems(cfg, block_k)
     if block_k != 64 and cfg.is_fp8:
         problems.append(f"block_k {block_k} with fp8 pages (64)")
-    if cfg.kv_rotation != "none":
-        problems.append(f"kv_rotation {cfg.kv_rotation!r} (none)")
     if num_heads % cfg.num_kv_heads:
         problems.append(f"{num_heads} query heads over {cfg.num_kv_heads} KV heads")
     if problems:
