@@ -87,9 +87,9 @@ def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True):
     assert (np.asarray(out, np.float32)[3] == 0).all(), "a row with no visible key is zero"
 
 
-@pytest.mark.parametrize("case,exec_mode", [
-    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")] + [
-    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in (4, 5)])
+@pytest.mark.parametrize("case,exec_mode", [  # GPU only: the default (ping-pong) is the
+    # path with the extra barrier, and an interpret case costs ~35 s of CI
+    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in (1, 4, 5)])
 def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=False)
 
