@@ -14,9 +14,9 @@ Masking follows ``reference.paged_attention``'s contract by position: query (b, 
 j iff j < seq_lens[b] and j <= q_positions[b, t], with positions in any order. Per 64-row
 block XLA computes the keys it needs (min(seq_len, max position + 1)) and the keys every
 row sees (min(seq_len, min position + 1)): tiles below the latter run unmasked, the rest
-masked. Unwritten slots may hold anything (NaN in the tests): K's are masked out of the
-logits, and the memory warpgroup zeroes V's rows past seq_len in the program's last tile
-before the compute warpgroups may read it (P is 0 there, but 0 x NaN is NaN). Rows that
+masked. Rows past the program's keys may hold anything (unwritten slots, or page 0 where a
+page lies past them; NaN in the tests): K's are masked out of the logits, and V's are zeroed
+in the program's last tile before P.V reads them (P is 0 there, but 0 x NaN is NaN). Rows that
 see no key are zero.
 
 Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pages, bf16
@@ -103,6 +103,7 @@ class _Program:
     qb: jax.Array
     wg: jax.Array
     seq_len: jax.Array
+    kv_end: jax.Array  # keys the program needs: min(seq_len, its largest position + 1)
 
 
 def _tiles(end, block_k: int):
@@ -120,14 +121,13 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     b, h = lax.axis_index("b"), lax.axis_index("h")
     # the last query blocks (the longest causal key ranges) launch first: a shorter tail
     qb = dims.num_blocks - 1 - lax.axis_index("qb")
-    prog = _Program(b, h, h // dims.group, qb, lax.axis_index("wg"), len_ref[b])
+    kv_end = jnp.maximum(end_ref[b, qb * CWGS, 0], end_ref[b, qb * CWGS + 1, 0])
+    prog = _Program(b, h, h // dims.group, qb, lax.axis_index("wg"), len_ref[b], kv_end)
 
     @pl.when(prog.wg == CWGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        n = jnp.maximum(_tiles(end_ref[b, prog.qb * CWGS, 0], dims.block_k),
-                        _tiles(end_ref[b, prog.qb * CWGS + 1, 0], dims.block_k))
-        _memory_warpgroup(prog, n, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
+        _memory_warpgroup(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
                           dims=dims, plgpu=plgpu, lay=lay)
 
     @pl.when(prog.wg < CWGS)
@@ -141,15 +141,15 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
                       barriers, *, dims, plgpu, lay):
     """Copies each of the program's tiles' pages into its slot once both compute
     warpgroups have released the slot's previous tile. 16-bit pages: the last tile's copies
-    land on a barrier of their own, V's rows past the sequence are zeroed, then the slot is
-    made ready with as many arrivals as the copies would have made (fp8 pages: the compute
-    warpgroups zero them as they upcast; Mosaic has no 8-bit select)."""
+    land on a barrier of their own, V's rows past the program's keys (``kv_end``: unwritten
+    slots, or page 0 where a page lies past it) are zeroed, then the slot is made ready with
+    as many arrivals as the copies would have made (fp8 pages: the compute warpgroups zero
+    them as they upcast; Mosaic has no 8-bit select)."""
     stages, bk = dims.stages, dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     last = n_tiles - 1
     copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
-                             ks_ref=ks_ref, vs_ref=vs_ref, smem=smem, kv_end=n_tiles * bk,
-                             dims=dims, plgpu=plgpu)
+                             ks_ref=ks_ref, vs_ref=vs_ref, smem=smem, dims=dims, plgpu=plgpu)
 
     @pl.loop(0, n_tiles)
     def _tile(t):
@@ -171,7 +171,7 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
         def _():
             copies = copy(t, slot, barrier=barriers["last"])
             plgpu.barrier_wait(barriers["last"])
-            _zero_rows_from(smem["v"].at[slot], prog.seq_len - t * bk, lay)
+            _zero_rows_from(smem["v"].at[slot], prog.kv_end - t * bk, lay)
             plgpu.commit_smem()  # visible to the wgmma (async proxy) before the arrivals
             for _ in range(copies):
                 plgpu.barrier_arrive(ready.at[slot])
@@ -182,9 +182,9 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
 
 
 def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-               barrier, kv_end, dims, plgpu) -> int:
+               barrier, dims, plgpu) -> int:
     """Issues tile ``t``'s page copies (K, V, token scales) into ``slot``, each arriving on
-    ``barrier``; returns how many. Pages past the needed keys copy any real page (page 0)."""
+    ``barrier``; returns how many. Pages past ``prog.kv_end`` copy any real page (page 0)."""
     page_size, bk = dims.page_size, dims.block_k
     copy_rows = min(page_size, bk)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
@@ -192,7 +192,7 @@ def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref,
     for j in range(bk // copy_rows):
         tok0 = t * bk + j * copy_rows
         pidx = tok0 // page_size
-        page = jnp.where(tok0 < jnp.minimum(kv_end, prog.seq_len), pt_ref[prog.b, pidx], 0)
+        page = jnp.where(tok0 < prog.kv_end, pt_ref[prog.b, pidx], 0)
         row0 = page * page_size + (tok0 - pidx * page_size)
         rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
         dst = pl.ds(j * copy_rows, copy_rows)
@@ -272,9 +272,9 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _operands(smem, slot, tok0, seq_len, *, dims, lay, wg, masked):
+def _operands(smem, slot, tok0, kv_end, *, dims, lay, wg, masked):
     """(K, V) wgmma operands of the tile in ``slot``: fp8 pages upcast into this warpgroup's
-    f16 buffers (in masked tiles V's rows at or past ``seq_len`` zeroed), other pages as they
+    f16 buffers (in masked tiles V's rows at or past ``kv_end`` zeroed), other pages as they
     landed (the memory warpgroup zeroed those rows)."""
     if not dims.fp8:
         return smem["k"].at[slot], smem["v"].at[slot]
@@ -283,7 +283,7 @@ def _operands(smem, slot, tok0, seq_len, *, dims, lay, wg, masked):
     v = smem["v"][slot].astype(jnp.float16)
     if masked:
         rows = lay.iota((dims.block_k, dims.d), 0) + tok0
-        v = jnp.where(rows < seq_len, v, jnp.zeros_like(v))
+        v = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
     v16[...] = v
     return k16, v16
 
@@ -296,7 +296,7 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     tok0 = t * dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
-    k_op, v_op = _operands(smem, slot, tok0, prog.seq_len, dims=dims, lay=lay, wg=prog.wg,
+    k_op, v_op = _operands(smem, slot, tok0, prog.kv_end, dims=dims, lay=lay, wg=prog.wg,
                            masked=masked)
     if dims.token_scales:
         k_tok = lay.load_cols(smem["ks"].at[slot])

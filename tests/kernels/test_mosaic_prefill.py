@@ -51,15 +51,17 @@ PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CAS
 
 
 def _positions(rng, t: int, s: int):
-    """Per row: (cached prefix, new tokens) and the chunk's positions [B, T]."""
-    prefix = [0, int(rng.integers(1, 3 * s)) | 1, int(rng.integers(0, 200)), 0, 5]
-    chunk = [t, t, 1, 0, max(1, t - 3)]
+    """Per row: the sequence length and the chunk's positions [B, T]. The last row's cached
+    keys run two pages past its chunk's last position (keys no query of it sees)."""
+    prefix = [0, int(rng.integers(1, 3 * s)) | 1, int(rng.integers(0, 200)), 0, 5, 3]
+    chunk = [t, t, 1, 0, max(1, t - 3), t]
+    beyond = [0, 0, 0, 0, 0, 2 * s]
     pos = np.full((len(prefix), t), -1, np.int32)
     for i, (p, c) in enumerate(zip(prefix, chunk)):
         pos[i, :c] = np.arange(p, p + c)
         pos[i, c:] = p + c - 1  # padding queries repeat the last position
     pos[3] = -1  # an empty slot
-    return np.array([p + c for p, c in zip(prefix, chunk)]), pos
+    return np.array([p + c + x for p, c, x in zip(prefix, chunk, beyond)]), pos
 
 
 @pytest.mark.parametrize("case,exec_mode", PARAMS)
