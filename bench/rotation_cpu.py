@@ -252,7 +252,8 @@ def main(argv=None):
             entry["wall_s"] = round(time.time() - t0, 1)
             doc["models"][name] = entry
             write_result(args.out, doc)
-            print(f"{fmt} {mode:7s} {rotation:8s} sink {args.sink_tokens}: NLL {rec['nll_increase_pct']:+.3f}% "
+            print(f"{fmt} {mode:7s} {rotation:8s} sink {args.sink_tokens}: "
+                  f"NLL {rec['nll_increase_pct']:+.3f}% "
                   f"(sem {rec['nll_increase_window_sem_pp']}) KL {rec['kl']:.5f} "
                   f"agree {rec['greedy_agreement']:.4f} ({time.time() - t:.0f}s)", flush=True)
 

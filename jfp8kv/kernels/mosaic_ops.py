@@ -47,6 +47,16 @@ def layout_problems(cfg, block_k: int) -> list[str]:
     return problems
 
 
+def take_turns(plgpu, barrier) -> None:
+    """FA3's ping-pong turn between two compute warpgroups (nothing when ``barrier`` is
+    None): both arrive on ``barrier`` (two arrivals), each waits for the other. Each passes
+    it twice per tile (issuing q.K^T, before P.V); the second warpgroup once more before its
+    first tile and the first once more after its last, so their softmax and wgmma alternate."""
+    if barrier is not None:
+        plgpu.barrier_arrive(barrier)
+        plgpu.barrier_wait(barrier)
+
+
 def interpret_kwargs(interpret: bool) -> dict:
     """``plgpu.kernel`` keywords: the CPU's GPU interpret mode with its race detector on
     (tests read its verdict), or nothing."""
@@ -80,6 +90,20 @@ class MosaicOps:
         if self.interpret:
             return lax.iota(jnp.int32, ROWS)
         return self.plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=self.row)
+
+    def zero_rows_from(self, ref, n_valid):
+        """ref [BK, D] (shared memory, BK a multiple of ROWS): rows at or past ``n_valid``
+        set to 0, in [ROWS, 128-byte] chunks (a chunk fits a memory warpgroup's 40
+        registers). 16-bit only: Mosaic has no 8-bit select."""
+        bk, d = ref.shape
+        width = min(d, 128 // ref.dtype.itemsize)
+        keep = self.row_iota()
+        for r0 in range(0, bk, ROWS):
+            rows = lax.broadcast_in_dim(keep + r0 < n_valid, (ROWS, width), [0])
+            for c0 in range(0, d, width):
+                chunk = ref.at[pl.ds(r0, ROWS), pl.ds(c0, width)]
+                x = chunk[...]
+                chunk[...] = jnp.where(rows, x, jnp.zeros_like(x))
 
     def qk(self, q_s, k16, during=None):
         """q [ROWS, D] . K^T, both in shared memory -> f32 [ROWS, BK] (the interpreter has no

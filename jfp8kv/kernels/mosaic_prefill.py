@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, interpret_kwargs, layout_problems,
-                                       load_plgpu, swizzled)
+                                       load_plgpu, swizzled, take_turns)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -127,8 +127,8 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     @pl.when(prog.wg == CWGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        _memory_warpgroup(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
-                          dims=dims, plgpu=plgpu, lay=lay)
+        _memory_warpgroup(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref,
+                          vs_ref, smem, barriers, dims=dims, plgpu=plgpu, lay=lay)
 
     @pl.when(prog.wg < CWGS)
     def _():
@@ -171,7 +171,7 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
         def _():
             copies = copy(t, slot, barrier=barriers["last"])
             plgpu.barrier_wait(barriers["last"])
-            _zero_rows_from(smem["v"].at[slot], prog.kv_end - t * bk, lay)
+            lay.zero_rows_from(smem["v"].at[slot], prog.kv_end - t * bk)
             plgpu.commit_smem()  # visible to the wgmma (async proxy) before the arrivals
             for _ in range(copies):
                 plgpu.barrier_arrive(ready.at[slot])
@@ -207,20 +207,6 @@ def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref,
     return copies
 
 
-def _zero_rows_from(v, n_valid, lay):
-    """v [BK, D] (shared memory): rows at or past ``n_valid`` set to 0, in [64, 128-byte]
-    chunks (the memory warpgroup's 40 registers hold one)."""
-    bk, d = v.shape
-    width = min(d, 128 // v.dtype.itemsize)
-    keep = lay.row_iota()
-    for r0 in range(0, bk, ROWS):
-        rows = lax.broadcast_in_dim(keep + r0 < n_valid, (ROWS, width), [0])
-        for c0 in range(0, d, width):
-            chunk = v.at[pl.ds(r0, ROWS), pl.ds(c0, width)]
-            x = chunk[...]
-            chunk[...] = jnp.where(rows, x, jnp.zeros_like(x))
-
-
 def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem,
                        barriers, *, dims, plgpu, lay):
     """Loads its 64 query rows and their positions, runs the program's tiles it needs
@@ -248,7 +234,7 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
              lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
              lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
-    turn = functools.partial(_take_turns, plgpu, barriers, dims)
+    turn = functools.partial(take_turns, plgpu, barriers.get("sched"))
     pl.when(wg == 1)(turn)
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(n_full, n_mine, functools.partial(step, masked=True), carry)
@@ -304,7 +290,7 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     plgpu.commit_smem()
     if dims.fp8:  # the slot is read: the memory warpgroup may refill it
         plgpu.barrier_arrive(consumed.at[slot])
-    turn = functools.partial(_take_turns, plgpu, barriers, dims)
+    turn = functools.partial(take_turns, plgpu, barriers.get("sched"))
     s = lay.qk(q_s, k_op, during=turn if dims.pingpong else None)
     if dims.token_scales:
         s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
@@ -353,15 +339,6 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, dims: _Dims):
     if dims.pingpong:
         barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
     return smem, barriers
-
-
-def _take_turns(plgpu, barriers, dims):
-    """The ping-pong's turn (nothing without it): both compute warpgroups arrive, each waits
-    for the other. Every warpgroup passes it twice per program tile; the second warpgroup
-    once more before its first tile, the first once more after its last."""
-    if dims.pingpong:
-        plgpu.barrier_arrive(barriers["sched"])
-        plgpu.barrier_wait(barriers["sched"])
 
 
 def _block_ends(q_positions, seq_lens, tp: int):
