@@ -3,7 +3,7 @@
 # (store casts and the engine's prologue store, each size's rows timed side by side, and
 # decode variants beside bf16) into $OUT/kernels-h200.json;
 # STAGES="mla" (not a default): the MLA kernel's GPU tests, then its decode timings (sweep, best
-# per storage) into $OUT/mla-kernels-h200.json.
+# per storage) into $OUT/mla-kernels-h200.json. STAGES="mosaic": the Mosaic GPU kernels (below).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_kernels.sh
 # Issue 14's rotation cost, its own call: OUT=/some/dir STAGES=rotation bash bench/device/gpu_kernels.sh
 set -u
@@ -29,6 +29,11 @@ stage pages ${PAGES_LIMIT:-150} python3 -m bench.kernels --compare pages --budge
   --out "$OUT/kernels-h200.json"
 stage splits ${SPLITS_LIMIT:-200} python3 -m bench.kernels --compare splits,waves --budget-s $(( ${SPLITS_LIMIT:-200} - 40 )) \
   --out "$OUT/kernels-h200.json"
+# STAGES=mosaic (not a default): both Mosaic GPU kernels' native tests, then the prefill
+# kernel and the decode kernel beside the Triton kernels into $OUT/kernels-mosaic-h200.json
+stage mosaic ${MOSAIC_LIMIT:-420} bash -c "cp bench/results/kernels-mosaic-h200.json $OUT/ && \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mosaic_prefill.py tests/kernels/test_mosaic_decode.py; \
+  python3 -m bench.kernels --compare mosaic_prefill,mosaic --budget-s $(( ${MOSAIC_LIMIT:-420} - 150 )) --out $OUT/kernels-mosaic-h200.json"
 stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
 # Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher
 # (kernels.store_kv / paged_attention, where the transform runs), e4m3 token/block/tensor,
