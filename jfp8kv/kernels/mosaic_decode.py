@@ -32,8 +32,8 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the q block
-                                       interpret_kwargs, layout_problems, load_plgpu,
-                                       swizzled)
+                                       grouped_queries, interpret_kwargs, layout_problems,
+                                       load_plgpu, swizzled)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -288,15 +288,10 @@ def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgp
     return acc, m_new, l_new
 
 
-def _prepare_q(q, layer: LayerKV, cfg: CacheConfig, kv: KVLayout, gq: int):
-    """q [B, H, D] -> f16 [B, Hkv, gq, D]: static K scales folded in per channel (as
-    ``tiles.prepare_q``), the G query heads of a KV head padded to ``gq`` rows."""
-    b, nh, d = q.shape
-    hkv = cfg.num_kv_heads
-    qg = q.astype(jnp.float32).reshape(b, hkv, nh // hkv, d)
-    if kv.mode.is_static:
-        qg = qg * kv.mode.kernel_scales(layer.k_scale, hkv)[None, :, None, :].astype(jnp.float32)
-    qg = qg.astype(jnp.float16)
+def _prepare_q(q, kv: KVLayout, k_sc, hkv: int, gq: int):
+    """q [B, H, D] -> f16 [B, Hkv, gq, D]: ``mosaic_ops.grouped_queries``, the G query heads
+    of a KV head padded to ``gq`` rows."""
+    qg = grouped_queries(q, kv, k_sc, hkv).astype(jnp.float16)
     return jnp.pad(qg, ((0, 0), (0, 0), (0, gq - qg.shape[2]), (0, 0)))
 
 
@@ -350,7 +345,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
             unsafe_no_auto_barriers=True),
         kernel_name="jfp8kv_mosaic_decode", **interpret_kwargs(interpret))
     operands = [seq_lens.astype(jnp.int32), pt,
-                _prepare_q(q, layer, cfg, kv, gq), k_pages, v_pages]
+                _prepare_q(q, kv, k_sc, hkv, gq), k_pages, v_pages]
     if token_scales:
         operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
     o, ml = kernel(*operands)

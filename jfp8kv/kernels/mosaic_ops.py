@@ -47,6 +47,17 @@ def layout_problems(cfg, block_k: int) -> list[str]:
     return problems
 
 
+def grouped_queries(q, kv: KVLayout, k_scales, num_kv_heads: int):
+    """q [..., H, D] -> f32 [..., Hkv, G, D], static K scales ([Hkv, D], the kernel layout)
+    folded in per channel as ``tiles.prepare_q`` does inside the Triton kernels; the Mosaic
+    kernels take q this way, prepared in XLA."""
+    *lead, nh, d = q.shape
+    qg = q.astype(jnp.float32).reshape(*lead, num_kv_heads, nh // num_kv_heads, d)
+    if kv.mode.is_static:
+        qg = qg * k_scales.astype(jnp.float32)[:, None, :]
+    return qg
+
+
 def take_turns(plgpu, barrier) -> None:
     """FA3's ping-pong turn between two compute warpgroups (nothing when ``barrier`` is
     None): both arrive on ``barrier`` (two arrivals), each waits for the other. Each passes

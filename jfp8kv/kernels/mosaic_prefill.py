@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, interpret_kwargs, layout_problems,
-                                       load_plgpu, swizzled, take_turns)
+from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, grouped_queries, interpret_kwargs,
+                                       layout_problems, load_plgpu, swizzled, take_turns)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -290,8 +290,8 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     plgpu.commit_smem()
     if dims.fp8:  # the slot is read: the memory warpgroup may refill it
         plgpu.barrier_arrive(consumed.at[slot])
-    turn = functools.partial(take_turns, plgpu, barriers.get("sched"))
-    s = lay.qk(q_s, k_op, during=turn if dims.pingpong else None)
+    turn = functools.partial(take_turns, plgpu, barriers.get("sched"))  # no-op: no pingpong
+    s = lay.qk(q_s, k_op, during=turn)
     if dims.token_scales:
         s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
     s = s * dims.qk_scale
@@ -316,9 +316,9 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     return acc, m_new, l_new
 
 
-def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, q_dtype, dims: _Dims):
+def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
     d, pages, st, bk = cfg.head_dim, jnp.dtype(cfg.storage_dtype), dims.stages, dims.block_k
-    smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), q_dtype),
+    smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), kv.cdt),  # q in, the output out
             "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32),
             "k": swizzled(plgpu, (st, bk, d), pages),
             "v": swizzled(plgpu, (st, bk, d), pages)}
@@ -369,18 +369,15 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     tp = -(-t // (CWGS * ROWS)) * CWGS * ROWS  # whole programs; padded rows dropped
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
-    qk = q.astype(jnp.float32)
-    if static_v:  # static K scales folded into q per channel (as ``tiles.prepare_q``)
-        qk = (qk.reshape(b, t, hkv, nh // hkv, d)
-              * k_sc.astype(jnp.float32)[None, None, :, None, :]).reshape(b, t, nh, d)
-    qk = jnp.pad(qk.astype(kv.cdt), ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    qk = grouped_queries(q, kv, k_sc, hkv).reshape(b, t, nh, d).astype(kv.cdt)
+    qk = jnp.pad(qk, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
     per_tile = max(1, bk // s)  # page-table entries a tile reads: padded to whole tiles
     mp = page_tables.shape[1]
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -(-mp // per_tile) * per_tile - mp)))
     st = tuning.stages
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS))
-    smem, barriers = _scratch(plgpu, cfg, kv, kv.cdt, dims)
+    smem, barriers = _scratch(plgpu, cfg, kv, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=jax.ShapeDtypeStruct((b, tp, nh, d), kv.cdt),

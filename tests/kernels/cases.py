@@ -35,6 +35,25 @@ def has_gpu() -> bool:
 _GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
 
 
+def has_hopper() -> bool:
+    return has_gpu() and jax.devices("gpu")[0].compute_capability.startswith("9")
+
+
+HOPPER_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not has_hopper(),
+                                                    reason="needs a Hopper GPU")]
+# what a Mosaic GPU kernel lowered down to NVVM holds: wgmma, mbarrier waits, TMA copies
+NVVM_OPS = ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity", "nvvm.cp.async.bulk.tensor")
+
+
+def assert_lowers_for_hopper(fn, *args, **kwargs):
+    """Lower ``fn(*args, **kwargs)`` (a jitted Pallas Mosaic GPU wrapper) for CUDA on this
+    machine, GPU or not (Pallas's lowering, Mosaic's layout inference and its dialect down to
+    NVVM run in Python), and check the NVVM operations are there."""
+    text = fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+    for op in NVVM_OPS:
+        assert op in text, op
+
+
 def sweep(cases, ids, cpu_subset):
     """(case, exec_mode) params: every case natively under ``-m gpu``; the cases whose index
     is in ``cpu_subset`` also in interpret mode (each interpret config costs ~7 s of XLA

@@ -17,8 +17,8 @@ import pytest
 
 from jfp8kv.kernels import mosaic_decode, reference
 
-from .cases import (assert_close, attention_case, decode_lengths, has_gpu, make_cfg, on_cpu,
-                    on_exec)
+from .cases import (HOPPER_MARKS, assert_close, assert_lowers_for_hopper, attention_case,
+                    decode_lengths, make_cfg, on_cpu, on_exec)
 
 pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 
@@ -40,13 +40,8 @@ CASES = [
 IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-st{c[7]}" for c in CASES]
 
 
-def _hopper() -> bool:
-    return has_gpu() and jax.devices("gpu")[0].compute_capability.startswith("9")
-
-
-_HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")]
 PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:2], IDS)]
-          + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=_HOPPER) for c, i in zip(CASES, IDS)])
+          + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=HOPPER_MARKS) for c, i in zip(CASES, IDS)])
 OVERLAP_CASES = [0, 4]  # with V's upcast during q.K^T (``overlap_v``): interpret + native
 
 
@@ -76,7 +71,7 @@ def test_mosaic_decode_matches_reference(case, exec_mode, overlap_v=False):
 
 @pytest.mark.parametrize("case,exec_mode", [
     pytest.param(CASES[0], "interpret", id=f"{IDS[0]}-interpret")] + [
-    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in OVERLAP_CASES])
+    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in OVERLAP_CASES])
 def test_mosaic_decode_overlap_v_matches_reference(case, exec_mode):
     test_mosaic_decode_matches_reference(case, exec_mode, overlap_v=True)
 
@@ -110,10 +105,7 @@ def test_mosaic_decode_lowers_for_hopper_on_any_machine(mode, overlap_v):
     case_ = attention_case(np.random.default_rng(), cfg, np.array([300, 1]), 20)
     q = jnp.zeros((2, 32, 128), "bfloat16")
     tuning = mosaic_decode.MosaicDecodeTuning(overlap_v=overlap_v)
-    lowered = jax.jit(mosaic_decode.decode_attention, static_argnums=(4, 5),
-                      static_argnames="tuning").trace(
-        q, case_.clean, case_.page_tables, case_.seq_lens, cfg, 0.1, tuning=tuning).lower(
-        lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    for op in ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity", "nvvm.cp.async.bulk"):
-        assert op in text, op
+    assert_lowers_for_hopper(
+        jax.jit(mosaic_decode.decode_attention, static_argnums=(4, 5),
+                static_argnames="tuning"),
+        q, case_.clean, case_.page_tables, case_.seq_lens, cfg, 0.1, tuning=tuning)

@@ -17,7 +17,8 @@ import pytest
 
 from jfp8kv.kernels import mosaic_prefill, reference
 
-from .cases import assert_close, attention_case, has_gpu, make_cfg, on_cpu, on_exec
+from .cases import (HOPPER_MARKS, assert_close, assert_lowers_for_hopper, attention_case,
+                    make_cfg, on_cpu, on_exec)
 
 pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 
@@ -41,13 +42,8 @@ IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-st{c[7]}-bk{c[8]}"
        for c in CASES]
 
 
-def _hopper() -> bool:
-    return has_gpu() and jax.devices("gpu")[0].compute_capability.startswith("9")
-
-
-_HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")]
 PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:3], IDS)]
-          + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=_HOPPER) for c, i in zip(CASES, IDS)])
+          + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=HOPPER_MARKS) for c, i in zip(CASES, IDS)])
 
 
 def _positions(rng, t: int, s: int):
@@ -91,7 +87,7 @@ def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True):
 
 @pytest.mark.parametrize("case,exec_mode", [  # GPU only: the default (ping-pong) is the
     # path with the extra barrier, and an interpret case costs ~35 s of CI
-    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=_HOPPER) for i in (1, 4, 5)])
+    pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in (1, 4, 5)])
 def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=False)
 
@@ -125,11 +121,7 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
     q = jnp.zeros((2, 256, 32, 128), "bfloat16")
     pos = jnp.zeros((2, 256), jnp.int32)
     tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, block_k=bk)
-    lowered = jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
-                      static_argnames="tuning").trace(
-        q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning).lower(
-        lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    for op in ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity",
-               "nvvm.cp.async.bulk.tensor"):
-        assert op in text, op
+    assert_lowers_for_hopper(
+        jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
+                static_argnames="tuning"),
+        q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning)
