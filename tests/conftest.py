@@ -20,7 +20,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import jax
+# The CPU's GPU interpret mode runs each warpgroup as its own XLA program whose shared-memory
+# and barrier operations are host callbacks; XLA's concurrency-optimized scheduler may reorder
+# independent callbacks, and the Mosaic prefill kernel's upcasting memory warpgroup then
+# deadlocked there (one warpgroup never reached its first barrier). Program order it is.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+    os.environ.get("XLA_FLAGS", ""), "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))
+
+import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest
 from jaxtyping import install_import_hook
 
