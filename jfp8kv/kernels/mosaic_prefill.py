@@ -1,14 +1,16 @@
-"""Paged prefill / extend attention on Pallas Mosaic GPU (Hopper, sm_90a): a prototype beside
-``pallas_prefill`` that the engine does not use yet (not yet timed on the H200).
+"""Paged prefill / extend attention on Pallas Mosaic GPU (Hopper, sm_90a), beside
+``pallas_prefill`` (Triton); the ``pallas`` backend takes it on Hopper where it measured
+faster (``kernels.mosaic_prefill_runs``).
 
 FlashAttention-3's structure over pages. One program per (batch row, query head, block of
 128 queries): two *compute* warpgroups hold 64 query rows each (wgmma's M) and one *memory*
 warpgroup walks the KV head's page table, copying each tile's pages (``block_k`` keys of K,
 V and, in token mode, their scales) with TMA into ``stages`` slots that both compute
 warpgroups read.
-bf16/f16 pages are wgmma operands as they land; fp8 pages are upcast to f16 by each compute
-warpgroup into its own buffers. q.K^T and P.V run as wgmma around the online softmax, the
-two warpgroups taking turns at the tensor cores (``pingpong``, FA3's schedule barrier).
+bf16/f16 pages are wgmma operands as they land; fp8 pages land in a ring of their own that
+the memory warpgroup upcasts, each tile once, into the f16 slots both compute warpgroups read.
+q.K^T and P.V run as wgmma around the online softmax, the two warpgroups taking turns at the
+tensor cores (``pingpong``, FA3's schedule barrier).
 
 Masking follows ``reference.paged_attention``'s contract by position: query (b, t) sees key
 j iff j < seq_lens[b] and j <= q_positions[b, t], with positions in any order. Per 64-row
@@ -23,8 +25,8 @@ Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pa
 for bf16 pages; f32 accumulation; token scales on logits and probabilities; static K scales
 folded into q outside, static V scales on the accumulator). Supported: bf16/f16 and fp8
 pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes >= 8 that divide
-the key tile or are multiples of it; 128-key tiles for 16-bit pages only (fp8's f16 buffers
-would not fit shared memory); no K rotation. ``check_supported`` raises ValueError
+the key tile or are multiples of it; 128-key tiles for 16-bit pages only, and at most 3
+stages for fp8 pages (shared memory); no K rotation. ``check_supported`` raises ValueError
 for the rest.
 """
 
@@ -124,27 +126,32 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     kv_end = jnp.maximum(end_ref[b, qb * CWGS, 0], end_ref[b, qb * CWGS + 1, 0])
     prog = _Program(b, h, h // dims.group, qb, lax.axis_index("wg"), len_ref[b], kv_end)
 
+    # Registers a thread: 168 at launch (3 warpgroups); what the compute warpgroups add must
+    # not exceed what the memory warpgroup gives back, or setmaxnreg waits forever (it did,
+    # at 96 / 208). fp8: the memory warpgroup also upcasts (64 fp8 values a thread per operand)
+    memory_regs, compute_regs = (96, 200) if dims.fp8 else (40, 232)
+
     @pl.when(prog.wg == CWGS)
     def _():
-        plgpu.set_max_registers(40, action="decrease")
-        _memory_warpgroup(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref,
-                          vs_ref, smem, barriers, dims=dims, plgpu=plgpu, lay=lay)
+        plgpu.set_max_registers(memory_regs, action="decrease")
+        walk = _upcasting_warpgroup if dims.fp8 else _memory_warpgroup
+        walk(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+             barriers, dims=dims, plgpu=plgpu, lay=lay)
 
     @pl.when(prog.wg < CWGS)
     def _():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(compute_regs, action="increase")
         _compute_warpgroup(prog, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem, barriers,
                            dims=dims, plgpu=plgpu, lay=lay)
 
 
 def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
                       barriers, *, dims, plgpu, lay):
-    """Copies each of the program's tiles' pages into its slot once both compute
-    warpgroups have released the slot's previous tile. 16-bit pages: the last tile's copies
-    land on a barrier of their own, V's rows past the program's keys (``kv_end``: unwritten
-    slots, or page 0 where a page lies past it) are zeroed, then the slot is made ready with
-    as many arrivals as the copies would have made (fp8 pages: the compute warpgroups zero
-    them as they upcast; Mosaic has no 8-bit select)."""
+    """16-bit pages: copies each of the program's tiles' pages into its slot once both
+    compute warpgroups have released the slot's previous tile. The last tile's copies land on
+    a barrier of their own, V's rows past the program's keys (``kv_end``: unwritten slots,
+    or page 0 where a page lies past it) are zeroed, then the slot is made ready with as many
+    arrivals as the copies would have made."""
     stages, bk = dims.stages, dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     last = n_tiles - 1
@@ -159,10 +166,6 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
         def _():
             plgpu.barrier_wait(consumed.at[slot])
 
-        if dims.fp8:
-            copy(t, slot, barrier=ready.at[slot])
-            return
-
         @pl.when(t < last)
         def _():
             copy(t, slot, barrier=ready.at[slot])
@@ -176,9 +179,63 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
             for _ in range(copies):
                 plgpu.barrier_arrive(ready.at[slot])
 
+    _drain(n_tiles, consumed, stages, plgpu)
+
+
+def _drain(n_tiles, consumed, stages, plgpu):
     @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
-    def _drain(t):  # observe every slot's last release: no barrier phase left unseen
+    def _(t):  # observe every slot's last release: no barrier phase left unseen
         plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+
+def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+                         barriers, *, dims, plgpu, lay):
+    """fp8 pages: copies each tile's pages into an fp8 slot ``stages`` tiles ahead, upcasts
+    the landed tile once into the f16 slot both compute warpgroups read (V's rows past
+    ``kv_end`` zeroed in the last tile; token scales copied beside it), then refills the
+    fp8 slot. The compute warpgroups see the same slots and barriers as for 16-bit pages."""
+    stages, bk = dims.stages, dims.block_k
+    landed, ready, consumed = barriers["landed"], barriers["ready"], barriers["consumed"]
+    last = n_tiles - 1
+    fp8 = {name: smem[name + "8"] for name in ("k", "v", "ks", "vs") if name + "8" in smem}
+    copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
+                             ks_ref=ks_ref, vs_ref=vs_ref, smem=fp8, dims=dims, plgpu=plgpu)
+
+    for t in range(stages):  # the first tiles' copies
+        pl.when(t < n_tiles)(lambda t=t: (copy(t, t, barrier=landed.at[t]), None)[1])
+
+    def upcast(t, slot, masked: bool):
+        smem["k"].at[slot][...] = fp8["k"][slot].astype(jnp.float16)
+        v = fp8["v"][slot].astype(jnp.float16)
+        if masked:
+            rows = lay.iota((bk, dims.d), 0) + t * bk
+            v = jnp.where(rows < prog.kv_end, v, jnp.zeros_like(v))
+        smem["v"].at[slot][...] = v
+        if dims.token_scales:
+            for name in ("ks", "vs"):
+                smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
+
+    @pl.loop(0, n_tiles)
+    def _tile(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(landed.at[slot])
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        pl.when(t < last)(lambda: upcast(t, slot, masked=False))
+        pl.when(t == last)(lambda: upcast(t, slot, masked=True))
+        plgpu.commit_smem()  # the f16 tile visible to the wgmma (async proxy)
+        plgpu.barrier_arrive(ready.at[slot])
+        plgpu.barrier_arrive(barriers["read"])  # every thread has read the fp8 slot:
+        plgpu.barrier_wait(barriers["read"])  # TMA may overwrite it
+
+        @pl.when(t + stages < n_tiles)
+        def _():
+            copy(t + stages, slot, barrier=landed.at[slot])
+
+    _drain(n_tiles, consumed, stages, plgpu)
 
 
 def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
@@ -258,22 +315,6 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _operands(smem, slot, tok0, kv_end, *, dims, lay, wg, masked):
-    """(K, V) wgmma operands of the tile in ``slot``: fp8 pages upcast into this warpgroup's
-    f16 buffers (in masked tiles V's rows at or past ``kv_end`` zeroed), other pages as they
-    landed (the memory warpgroup zeroed those rows)."""
-    if not dims.fp8:
-        return smem["k"].at[slot], smem["v"].at[slot]
-    k16, v16 = smem["k16"].at[wg], smem["v16"].at[wg]
-    k16[...] = smem["k"][slot].astype(jnp.float16)
-    v = smem["v"][slot].astype(jnp.float16)
-    if masked:
-        rows = lay.iota((dims.block_k, dims.d), 0) + tok0
-        v = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
-    v16[...] = v
-    return k16, v16
-
-
 def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu, lay,
                masked: bool):
     """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l)."""
@@ -282,14 +323,10 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     tok0 = t * dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
-    k_op, v_op = _operands(smem, slot, tok0, prog.kv_end, dims=dims, lay=lay, wg=prog.wg,
-                           masked=masked)
+    k_op, v_op = smem["k"].at[slot], smem["v"].at[slot]
     if dims.token_scales:
         k_tok = lay.load_cols(smem["ks"].at[slot])
         v_tok = lay.load_cols(smem["vs"].at[slot])
-    plgpu.commit_smem()
-    if dims.fp8:  # the slot is read: the memory warpgroup may refill it
-        plgpu.barrier_arrive(consumed.at[slot])
     turn = functools.partial(take_turns, plgpu, barriers.get("sched"))  # no-op: no pingpong
     s = lay.qk(q_s, k_op, during=turn)
     if dims.token_scales:
@@ -311,30 +348,32 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     turn()  # softmax done: P.V when the other warpgroup's products are issued
     acc = lay.pv_into(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p.astype(dims.cdt),
                       v_op)
-    if not dims.fp8:  # P.V has read the slot (the wgmma is waited for)
-        plgpu.barrier_arrive(consumed.at[slot])
+    plgpu.barrier_arrive(consumed.at[slot])  # P.V has read the slot (the wgmma is waited for)
     return acc, m_new, l_new
 
 
 def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
+    """The compute warpgroups' slots ("k", "v", token scales "ks"/"vs") hold 16-bit tiles;
+    fp8 pages land in a ring of their own ("k8", ...) that the memory warpgroup upcasts."""
     d, pages, st, bk = cfg.head_dim, jnp.dtype(cfg.storage_dtype), dims.stages, dims.block_k
-    smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), kv.cdt),  # q in, the output out
-            "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32),
-            "k": swizzled(plgpu, (st, bk, d), pages),
-            "v": swizzled(plgpu, (st, bk, d), pages)}
+    ring = {"k": swizzled(plgpu, (st, bk, d), kv.cdt), "v": swizzled(plgpu, (st, bk, d), kv.cdt)}
     if dims.token_scales:
-        smem["ks"] = plgpu.SMEM((st, bk), jnp.float32)
-        smem["vs"] = plgpu.SMEM((st, bk), jnp.float32)
+        ring.update(ks=plgpu.SMEM((st, bk), jnp.float32), vs=plgpu.SMEM((st, bk), jnp.float32))
+    smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), kv.cdt),  # q in, the output out
+            "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32), **ring}
     if dims.static_v:
         smem["vsc"] = plgpu.SMEM((CWGS, d), jnp.float32)
     if cfg.is_fp8:
-        smem["k16"] = swizzled(plgpu, (CWGS, bk, d), kv.cdt)
-        smem["v16"] = swizzled(plgpu, (CWGS, bk, d), kv.cdt)
+        smem.update({name + "8": ref for name, ref in ring.items()},
+                    k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))
     copies = (4 if dims.token_scales else 2) * max(1, bk // cfg.page_size)
-    barriers = {"ready": plgpu.Barrier(num_arrivals=copies, num_barriers=st),
+    barriers = {"ready": plgpu.Barrier(num_arrivals=1 if dims.fp8 else copies, num_barriers=st),
                 "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
                 "q": plgpu.Barrier(num_arrivals=3 if dims.static_v else 2, num_barriers=CWGS)}
-    if not dims.fp8:  # the last tile's copies (its V is zeroed past the sequence first)
+    if dims.fp8:  # copies landed in the fp8 ring; the upcast has read an fp8 slot
+        barriers["landed"] = plgpu.Barrier(num_arrivals=copies, num_barriers=st)
+        barriers["read"] = plgpu.Barrier()
+    else:  # the last tile's copies (its V is zeroed past the sequence first)
         barriers["last"] = plgpu.Barrier(num_arrivals=copies)
     if dims.pingpong:
         barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
@@ -362,6 +401,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     bk = tuning.block_k
     if bk not in BLOCK_KS:
         raise ValueError(f"block_k must be one of {BLOCK_KS}, got {bk}")
+    if cfg.is_fp8 and tuning.stages > 3:  # 3 x (fp8 tile + its f16 copy): 176 KB
+        raise ValueError(f"fp8 pages take at most 3 stages (shared memory), got {tuning.stages}")
     check_supported(cfg, nh, bk)
     hkv, s = cfg.num_kv_heads, cfg.page_size
     kv = KVLayout.of(cfg)

@@ -33,7 +33,7 @@ CASES = [  # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads,
     ("float8_e5m2", "channel", 32, 64, 4, 2, 70, 2, 64),
     ("bfloat16", None, 16, 128, 32, 8, 300, 3, 64),
     ("float8_e4m3fn", "token", 16, 128, 32, 8, 300, 3, 64),
-    ("float8_e4m3fn", "tensor", 128, 128, 16, 8, 129, 4, 64),
+    ("float8_e4m3fn", "tensor", 128, 128, 16, 8, 129, 3, 64),
     ("float16", None, 64, 128, 8, 8, 64, 2, 64),
     ("bfloat16", None, 16, 128, 32, 8, 300, 2, 128),
     ("bfloat16", None, 256, 128, 16, 2, 200, 2, 128),
@@ -125,3 +125,31 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
         jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
                 static_argnames="tuning"),
         q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning)
+
+
+@pytest.mark.parametrize("storage,mode,head_dim,hopper,runs", [
+    ("bfloat16", None, 128, True, True), ("float16", None, 64, True, True),
+    ("bfloat16", None, 128, False, False),  # Ada, or no GPU: the Triton kernel
+    ("bfloat16", None, 96, True, False),  # a head size the Mosaic kernel refuses
+    ("float8_e4m3fn", "tensor", 128, True, True),
+    ("float8_e5m2", "channel", 64, True, True),
+    ("float8_e4m3fn", "token", 128, True, False),  # per-token scales: measured slower
+    ("float8_e4m3fn", "block", 128, True, False)])  # a mode the Mosaic kernel refuses
+def test_the_pallas_backend_takes_the_mosaic_prefill_kernel_where_it_runs(
+        monkeypatch, storage, mode, head_dim, hopper, runs):
+    import jfp8kv.kernels as kernels
+
+    monkeypatch.setattr(kernels, "is_hopper", lambda: hopper)
+    cfg = make_cfg(storage, mode, heads_kv=2, head_dim=head_dim, page_size=16, num_pages=4)
+    assert kernels.mosaic_prefill_runs(cfg, 8) is runs
+
+
+def test_mosaic_prefill_refuses_fp8_pages_at_more_than_3_stages():
+    cfg = make_cfg("float8_e4m3fn", "tensor", heads_kv=2, head_dim=128, page_size=16,
+                   num_pages=8)
+    case_ = attention_case(np.random.default_rng(), cfg, np.array([40]), 4)
+    with pytest.raises(ValueError, match="at most 3 stages"):
+        mosaic_prefill.prefill_attention(
+            jnp.zeros((1, 40, 4, 128), "bfloat16"), case_.clean, case_.page_tables,
+            case_.seq_lens, jnp.zeros((1, 40), jnp.int32), cfg, 0.1,
+            tuning=mosaic_prefill.MosaicPrefillTuning(stages=4))
