@@ -170,7 +170,7 @@ KV_SCALE_MODES = ("tensor", "channel", "token", "block")
 # What is done to K before fp8 storage (``jfp8kv.kvcache.k_transform``): nothing, a Hadamard
 # rotation (queries rotated alike), subtracting a calibrated per-channel K mean, or both.
 KV_ROTATIONS = ("none", "hadamard", "smooth", "smooth+hadamard")
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "pallas", "pallas_triton", "reference")
 GEMM_AUTOTUNE = ("default", "exhaustive")  # EngineConfig.decode_gemm_autotune
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Not for serving: float64 compute exists so the fp8 cache can be checked against another
@@ -332,8 +332,10 @@ class EngineConfig:
         None, "prefill tokens per engine step (decode rows on top; nll chunk; 8192 GPU, 2048 CPU)")
     max_queue_len: int = _knob(
         1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
-    attention_backend: str = _knob("auto", "attention kernels: auto = pallas on an NVIDIA GPU, "
-                                           "reference elsewhere", choices=ATTENTION_BACKENDS)
+    attention_backend: str = _knob(
+        "auto", "attention kernels: auto = pallas on an NVIDIA GPU (Mosaic GPU prefill for "
+        "16-bit pages on Hopper, Triton otherwise), reference elsewhere; pallas_triton = the "
+        "Triton kernels only", choices=ATTENTION_BACKENDS)
     seed: int = _knob(0, "base seed of sampling (a request's own seed overrides it)")
     decode_steps: int | None = _knob(
         None, "decode steps per device dispatch (default: 8 on GPU, 1 on CPU)")

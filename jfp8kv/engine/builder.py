@@ -126,8 +126,8 @@ def resolve_backend(requested: str, device) -> str:
         raise ValueError(f"unknown attention_backend {requested!r}; choose one of "
                          f"{list(ATTENTION_BACKENDS)}")
     on_gpu = device.platform == "gpu"
-    if requested == "pallas" and not on_gpu:
-        raise ValueError("attention_backend='pallas' needs an NVIDIA GPU (Pallas Triton "
+    if requested.startswith("pallas") and not on_gpu:
+        raise ValueError(f"attention_backend={requested!r} needs an NVIDIA GPU (Pallas "
                          "kernels); use 'reference' or 'auto' on this device "
                          f"({device.platform})")
     if requested == "auto":

@@ -2,7 +2,10 @@
 
 ``backend`` is one of:
 * ``"reference"``: the pure-jnp twins (any device, any dtype; XLA emulates fp8 on CPU);
-* ``"pallas"``: Pallas kernels on the Triton backend (NVIDIA GPU);
+* ``"pallas"``: Pallas kernels on an NVIDIA GPU: on Hopper (sm_90) the Mosaic GPU prefill
+  kernel where it measured faster than the Triton one (``mosaic_prefill_runs``: 16-bit pages
+  and fp8 pages with static scales; docs/kernels-notes.md), the Triton backend for the rest;
+* ``"pallas_triton"``: the Pallas Triton kernels only (Ada, or to compare);
 * ``"pallas_interpret"``: the same Pallas kernels in interpret mode (CPU tests).
 
 MLA latent caches: ``store_latent`` and ``latent_attention`` (``mla_reference``'s contract;
@@ -24,10 +27,10 @@ from jfp8kv.kernels.mla_reference import LatentPages, LatentQueries, LatentRows
 from jfp8kv.kernels.prologue import QKPrologue
 from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
                                       StatRows, StatsRow)
-from jfp8kv.kvcache import k_transform
+from jfp8kv.kvcache import k_transform, scale_modes
 from jfp8kv.kvcache.cache import LayerKV
 
-BACKENDS = ("reference", "pallas", "pallas_interpret")
+BACKENDS = ("reference", "pallas", "pallas_triton", "pallas_interpret")
 LatentOut = Float[Array, "b t heads value_dim"]
 
 
@@ -91,10 +94,43 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
         out = pallas_decode.decode_attention(q[:, 0], layer, page_tables, seq_lens, cfg,
                                              sm_scale, interpret=interpret)
         return out[:, None]
+    if backend == "pallas" and mosaic_prefill_runs(cfg, q.shape[2]):
+        from jfp8kv.kernels import mosaic_prefill
+
+        return mosaic_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions,
+                                                cfg, sm_scale)
     from jfp8kv.kernels import pallas_prefill
 
     return pallas_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
                                             sm_scale, interpret=interpret)
+
+
+def mosaic_prefill_runs(cfg: CacheConfig, num_heads: int) -> bool:
+    """The Mosaic GPU prefill kernel takes this call on the ``pallas`` backend: a Hopper GPU
+    (sm_90: wgmma, TMA), jax's Mosaic GPU module importable (it needs absl-py), a
+    configuration ``mosaic_prefill`` runs, and pages where it measured faster than the Triton
+    kernel on the H200 (bench/results/kernels-mosaic-h200.json, 8k x 8k and 2k after 4k):
+    bf16/f16 (1.5x) and fp8 with static scales (tensor: 1.04-1.13x); per-token fp8 scales
+    stay on the Triton kernel (0.86-0.98x)."""
+    if cfg.is_fp8 and not scale_modes.of(cfg).is_static or not is_hopper():
+        return False
+    from jfp8kv.kernels import mosaic_prefill
+
+    try:
+        mosaic_prefill.load_plgpu()
+        mosaic_prefill.check_supported(cfg, num_heads)
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+def is_hopper() -> bool:
+    """The default GPU is an sm_90 (Hopper) part."""
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    return str(getattr(gpu, "compute_capability", "")).split(".")[0] == "9"
 
 
 def check_backend(backend: str) -> None:

@@ -41,13 +41,15 @@ BLOCK_NLL = pytest.mark.xfail(
     "tile (bench/results/gpu-tests-h200.json)")
 
 
-@pytest.mark.parametrize("kv,mode", [("fp8_e4m3", m) for m in ("tensor", "channel", "token")]
-                         + [pytest.param("fp8_e4m3", "block", marks=BLOCK_NLL),
-                            ("bfloat16", None)])
-def test_pallas_engine_matches_reference_greedy(tiny64, kv, mode):
+@pytest.mark.parametrize("kv,mode,backend", [("fp8_e4m3", m, "auto")
+                                              for m in ("tensor", "channel", "token")]
+                         + [pytest.param("fp8_e4m3", "block", "auto", marks=BLOCK_NLL),
+                            ("bfloat16", None, "auto"), ("bfloat16", None, "pallas_triton")])
+def test_pallas_engine_matches_reference_greedy(tiny64, kv, mode, backend):
     """Greedy tokens through the Pallas kernels equal the reference's; where they part, the
     reference itself scores the two tokens as a tie (the kernels round q and p to fp16 for
-    the tensor cores, the reference computes attention in fp32)."""
+    the tensor cores, the reference computes attention in fp32). bf16 pages on Hopper take
+    the Mosaic GPU prefill kernel by default; ``pallas_triton`` keeps the Triton one."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 384, n).tolist() for n in (7, 40, 130, 300)]
@@ -55,8 +57,8 @@ def test_pallas_engine_matches_reference_greedy(tiny64, kv, mode):
     common = dict(loaded=tiny64, dtype="float32", kv_cache_dtype=kv, kv_scale_mode=mode,
                   max_model_len=512, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
     with jax.default_matmul_precision("highest"):  # true fp32 matmuls on both paths
-        fast = LLM(**common)  # attention_backend="auto"
-        assert fast.backend == "pallas"
+        fast = LLM(**common, attention_backend=backend)
+        assert fast.backend == ("pallas" if backend == "auto" else backend)
         ref = LLM(**common, attention_backend="reference")
         a = fast.generate(prompts, sp)
         b = ref.generate(prompts, sp)
