@@ -782,6 +782,9 @@ MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
 MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st2", dict(stages=2)), ("st4", dict(stages=4)),
                            ("st3 no pingpong", dict(pingpong=False)),
                            ("bk128 st2", dict(block_k=128, stages=2)))  # 16-bit pages only
+# token scales' cost in the Mosaic kernel, split (diagnostics: wrong results)
+MOSAIC_PREFILL_TOKEN_PROBES = (("st3 probe no scale copies", dict(probe="scale_copies")),
+                               ("st3 probe no scale math", dict(probe="scale_math")))
 
 
 def compare_mosaic_prefill(b: Bench, smoke: bool, run):
@@ -808,8 +811,10 @@ def compare_mosaic_prefill(b: Bench, smoke: bool, run):
             tri = row("triton", "jfp8kv", storage, mode, shape, None)
             bf = tri if storage == "bfloat16" else bf
             # --smoke: no mosaic rows (tests/kernels/test_mosaic_prefill.py interprets it)
-            settings = () if smoke else (MOSAIC_PREFILL_SETTINGS if storage == "bfloat16"
-                                         else MOSAIC_PREFILL_SETTINGS[:1])
+            settings = () if smoke else (
+                MOSAIC_PREFILL_SETTINGS if storage == "bfloat16" else
+                MOSAIC_PREFILL_SETTINGS[:1] + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token"
+                                               else ()))
             for label, knobs in settings:
                 r = row(f"mosaic {label}", "mosaic", storage, mode, shape,
                         MosaicPrefillTuning(**knobs))

@@ -61,6 +61,7 @@ class MosaicPrefillTuning:
     stages: int = 3
     pingpong: bool = True
     block_k: int = 64
+    probe: str = ""  # bench diagnostics, wrong results: "scale_copies" | "scale_math" skipped
 
 
 def check_supported(cfg: CacheConfig, num_heads: int, block_k: int = 64) -> None:
@@ -93,6 +94,17 @@ class _Dims(NamedTuple):
     pingpong: bool
     block_k: int
     num_blocks: int  # query blocks (programs per batch row and head)
+    probe: str = ""
+
+    @property
+    def scale_copies(self) -> bool:
+        """Token scales copied (with K and V) and, for fp8, into the compute ring."""
+        return self.token_scales and self.probe != "scale_copies"
+
+    @property
+    def scale_math(self) -> bool:
+        """The compute warpgroups apply token scales (logits and probabilities)."""
+        return self.token_scales and self.probe != "scale_math"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +223,7 @@ def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, 
             rows = lay.iota((bk, dims.d), 0) + t * bk
             v = jnp.where(rows < prog.kv_end, v, jnp.zeros_like(v))
         smem["v"].at[slot][...] = v
-        if dims.token_scales:
+        if dims.scale_copies:
             for name in ("ks", "vs"):
                 smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
 
@@ -256,7 +268,7 @@ def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref,
         plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], smem["k"].at[slot, dst], barrier)
         plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], smem["v"].at[slot, dst], barrier)
         copies += 2
-        if ks_ref is not None:  # 4 bytes a token: plain bulk copies (16-byte aligned)
+        if dims.scale_copies:  # 4 bytes a token: plain bulk copies (16-byte aligned)
             for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):
                 plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst], barrier,
                                         oob_mode=in_bounds)
@@ -324,12 +336,12 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
     k_op, v_op = smem["k"].at[slot], smem["v"].at[slot]
-    if dims.token_scales:
+    if dims.scale_math:
         k_tok = lay.load_cols(smem["ks"].at[slot])
         v_tok = lay.load_cols(smem["vs"].at[slot])
     turn = functools.partial(take_turns, plgpu, barriers.get("sched"))  # no-op: no pingpong
     s = lay.qk(q_s, k_op, during=turn)
-    if dims.token_scales:
+    if dims.scale_math:
         s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
     s = s * dims.qk_scale
     if masked:
@@ -341,7 +353,7 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     alpha = jnp.exp2(m_i - m_use)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
     l_new = l_i * alpha + p.sum(axis=1)
-    if dims.token_scales:
+    if dims.scale_math:
         p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
         if masked:  # past the sequence the scales are unwritten (NaN in the tests)
             p = jnp.where(visible, p, 0.0)
@@ -366,7 +378,7 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
     if cfg.is_fp8:
         smem.update({name + "8": ref for name, ref in ring.items()},
                     k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))
-    copies = (4 if dims.token_scales else 2) * max(1, bk // cfg.page_size)
+    copies = (4 if dims.scale_copies else 2) * max(1, bk // cfg.page_size)
     barriers = {"ready": plgpu.Barrier(num_arrivals=1 if dims.fp8 else copies, num_barriers=st),
                 "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
                 "q": plgpu.Barrier(num_arrivals=3 if dims.static_v else 2, num_barriers=CWGS)}
@@ -417,7 +429,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -(-mp // per_tile) * per_tile - mp)))
     st = tuning.stages
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
-                 nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS))
+                 nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
+                 tuning.probe)
     smem, barriers = _scratch(plgpu, cfg, kv, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
