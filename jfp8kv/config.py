@@ -333,9 +333,10 @@ class EngineConfig:
     max_queue_len: int = _knob(
         1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
     attention_backend: str = _knob(
-        "auto", "attention kernels: auto = pallas on an NVIDIA GPU (Mosaic GPU prefill for "
-        "16-bit pages on Hopper, Triton otherwise), reference elsewhere; pallas_triton = the "
-        "Triton kernels only", choices=ATTENTION_BACKENDS)
+        "auto", "attention kernels: auto = pallas on an NVIDIA GPU (on Hopper the Mosaic GPU "
+        "prefill kernel for bf16 pages and fp8 with static scales, Triton otherwise), "
+        "reference elsewhere; pallas_triton = the Triton kernels only",
+        choices=ATTENTION_BACKENDS)
     seed: int = _knob(0, "base seed of sampling (a request's own seed overrides it)")
     decode_steps: int | None = _knob(
         None, "decode steps per device dispatch (default: 8 on GPU, 1 on CPU)")

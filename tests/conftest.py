@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 
 # The CPU's GPU interpret mode runs each warpgroup as its own XLA program whose shared-memory
-# and barrier operations are host callbacks; XLA's concurrency-optimized scheduler may reorder
-# independent callbacks, and the Mosaic prefill kernel's upcasting memory warpgroup then
-# deadlocked there (one warpgroup never reached its first barrier). Program order it is.
+# and barrier operations are host callbacks. With XLA's concurrency-optimized CPU scheduler on,
+# the Mosaic prefill kernel's upcasting memory warpgroup deadlocked there on 2 cores (one
+# simulated warpgroup never reached its first barrier; why was not pinned down); with it off,
+# every interpret case runs.
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))
 

@@ -183,6 +183,8 @@ def test_user_errors_are_clear(llama, qwen3, tmp_path):
         make(llama, kv_cache_dtype="fp8", kv_scale_mode="block")  # head_dim 16
     with pytest.raises(ValueError, match="reference"):
         make(llama, attention_backend="pallas")  # no GPU here
+    with pytest.raises(ValueError, match="pallas_triton.*reference"):
+        make(llama, attention_backend="pallas_triton")
     with pytest.raises(ValueError, match="page_size"):
         make(llama, page_size=12)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -36,7 +36,9 @@ _GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs a
 
 
 def has_hopper() -> bool:
-    return has_gpu() and jax.devices("gpu")[0].compute_capability.startswith("9")
+    from jfp8kv.kernels import is_hopper
+
+    return is_hopper()
 
 
 HOPPER_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not has_hopper(),
