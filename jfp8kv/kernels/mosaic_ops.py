@@ -153,6 +153,30 @@ class MosaicOps:
 
         return pl.run_scoped(body, self.plgpu.ACC(shape, jnp.float32))
 
+    def upcast(self, ref, dtype, valid_rows=None):
+        """An 8-bit tile [R, C] in shared memory (R a multiple of ``ROWS``, C of 32) ->
+        ``dtype`` registers, rows at or past ``valid_rows`` (if given) zero. Loaded 8
+        consecutive values a thread (``wide``), so that storing the result into a 16-bit
+        swizzled tile takes one 16-byte store per 8 values: the layout the warpgroup
+        semantics infers for a plain load moves 2 bytes a load and 4 a store."""
+        if self.interpret:
+            x = ref[...].astype(dtype)
+            rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        else:
+            x = self.plgpu.load(ref, (), layout=self.wide).astype(dtype)
+            rows = self.plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=self.wide)
+        if valid_rows is None:
+            return x
+        return jnp.where(rows < valid_rows, x, jnp.zeros_like(x))
+
+    @property
+    def wide(self):
+        """A tiled register layout over [64k, 32m] arrays: each thread holds 8 consecutive
+        values of a row (warps take 16-row bands, lanes 8 rows x 4 column groups)."""
+        plgpu = self.plgpu
+        return plgpu.Layout.TILED(plgpu.Tiling(((ROWS, 32), (16, 32), (8, 32), (8,))),
+                                  warp_dims=(-7,), lane_dims=(-3, -2), vector_dim=-1)
+
     def load_cols(self, ref):
         """A vector in shared memory, one value per column of a WGMMA-layout array."""
         return ref[...] if self.interpret else self.plgpu.load(ref, (), layout=self.col)

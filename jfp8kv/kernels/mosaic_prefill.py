@@ -217,12 +217,9 @@ def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, 
         pl.when(t < n_tiles)(lambda t=t: (copy(t, t, barrier=landed.at[t]), None)[1])
 
     def upcast(t, slot, masked: bool):
-        smem["k"].at[slot][...] = fp8["k"][slot].astype(jnp.float16)
-        v = fp8["v"][slot].astype(jnp.float16)
-        if masked:
-            rows = lay.iota((bk, dims.d), 0) + t * bk
-            v = jnp.where(rows < prog.kv_end, v, jnp.zeros_like(v))
-        smem["v"].at[slot][...] = v
+        smem["k"].at[slot][...] = lay.upcast(fp8["k"].at[slot], jnp.float16)
+        smem["v"].at[slot][...] = lay.upcast(fp8["v"].at[slot], jnp.float16,
+                                             prog.kv_end - t * bk if masked else None)
         if dims.scale_copies:
             for name in ("ks", "vs"):
                 smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
