@@ -243,11 +243,8 @@ def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgp
     if probe == "compute":
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_i, l_i
-    rows = lay.iota((BLOCK_K, d), 0)
-
     def upcast_v():
-        v = v8_s[slot].astype(jnp.float16)
-        v16[...] = jnp.where(rows + tok0 < prog.end, v, jnp.zeros_like(v))
+        v16[...] = lay.upcast(v8_s.at[slot], jnp.float16, prog.end - tok0)
 
     def upcast_v_visible():  # during q.K^T: V's upcast, made visible to P.V's wgmma
         upcast_v()
@@ -255,7 +252,7 @@ def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgp
 
     overlap = overlap_v and not probe
     if probe != "convert":
-        k16[...] = k8_s[slot].astype(jnp.float16)
+        k16[...] = lay.upcast(k8_s.at[slot], jnp.float16)
         if not overlap:
             upcast_v()
     if token_scales:
