@@ -74,7 +74,9 @@ class MosaicDecodeTTuning:
     warpgroup filling ``f16_stages`` f16 slots). ``compute_wgs``: 1 or 2 compute
     warpgroups taking alternate tiles. The slots a compute warpgroup waits on must be its
     own: with 2 of them, ``stages`` ("compute") or ``f16_stages`` ("warpgroup") even.
-    ``num_splits=0``: splits until the grid holds ``target_programs``."""
+    ``num_splits=0``: splits until the grid holds ``target_programs``. ``wide_upcast``:
+    the upcast through ``MosaicOps.upcast`` (8 fp8 values a thread), else the layout Mosaic
+    infers for a plain load."""
 
     stages: int = 4
     upcast: str = "warpgroup"
@@ -82,6 +84,7 @@ class MosaicDecodeTTuning:
     f16_stages: int = 2
     num_splits: int = 0
     target_programs: int = NUM_SMS_H200
+    wide_upcast: bool = True
 
 
 def check_supported(cfg: CacheConfig, num_heads: int) -> None:
@@ -158,6 +161,7 @@ class _Dims(NamedTuple):
     n: int  # padded query heads (wgmma's N)
     regs: tuple
     gathered_scales: bool  # token scales gathered per split in XLA (pages under 32 tokens)
+    wide_upcast: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,12 +308,17 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
 def _upcast_tile(prog: _Program, t, k8, v8, k16, v16, *, dims, lay, masked: bool):
     """fp8 tile t -> f16 (V's rows past the split's end zeroed when ``masked``: P^T is 0
     there, but 0 x NaN is NaN)."""
-    k16[...] = k8[...].astype(jnp.float16)
-    v = v8[...].astype(jnp.float16)
-    if masked:
-        rows = lay.iota((BLOCK_K, dims.d), 0) + prog.start + t * BLOCK_K
-        v = jnp.where(rows < prog.end, v, jnp.zeros_like(v))
-    v16[...] = v
+    if not dims.wide_upcast:  # the layout Mosaic infers for a plain load
+        k16[...] = k8[...].astype(jnp.float16)
+        v = v8[...].astype(jnp.float16)
+        if masked:
+            rows = lay.iota((BLOCK_K, dims.d), 0) + prog.start + t * BLOCK_K
+            v = jnp.where(rows < prog.end, v, jnp.zeros_like(v))
+        v16[...] = v
+        return
+    k16[...] = lay.upcast(k8, jnp.float16)
+    v16[...] = lay.upcast(v8, jnp.float16,
+                          prog.end - prog.start - t * BLOCK_K if masked else None)
 
 
 def _upcast_both(prog: _Program, t, k8, v8, k16, v16, *, dims, lay):
@@ -503,7 +512,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
     cwgs, upcast_wg = tuning.compute_wgs, tuning.upcast == "warpgroup"
     dims = _Dims(cwgs, upcast_wg, tuning.stages, tuning.f16_stages, tokens_per_split, s,
-                 token_scales, float(sm_scale) * LOG2E, d, n, registers(tuning), gathered)
+                 token_scales, float(sm_scale) * LOG2E, d, n, registers(tuning), gathered,
+                 tuning.wide_upcast)
     copies = (2 + 2 * (token_scales and not gathered)) * max(1, BLOCK_K // s) + 2 * gathered
     smem, barriers = _scratch(plgpu, dims, pps, k_pages.dtype, copies)
     nsp = ns * cwgs

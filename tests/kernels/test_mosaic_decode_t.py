@@ -37,13 +37,14 @@ Tuning = mosaic_decode_t.MosaicDecodeTTuning
 # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads, num_splits, tuning)
 W1 = Tuning(stages=4, upcast="warpgroup", compute_wgs=1, f16_stages=2)
 W2 = Tuning(stages=4, upcast="warpgroup", compute_wgs=2, f16_stages=2)
-C1 = Tuning(stages=3, upcast="compute", compute_wgs=1)
+C1 = Tuning(stages=2, upcast="compute", compute_wgs=1)
 C2 = Tuning(stages=4, upcast="compute", compute_wgs=2)
 CASES = [
-    # interpret (CPU) and GPU:
-    ("float8_e4m3fn", "token", 16, 64, 4, 1, 2, W2),
-    ("float8_e5m2", "tensor", 32, 64, 3, 1, 1, C2),
-    ("float8_e4m3fn", "channel", 8, 64, 16, 1, 1, C1),
+    # interpret (CPU) and GPU (slots reused within 3 tiles: rings of 2 slots, 2 warpgroups):
+    ("float8_e4m3fn", "token", 16, 64, 4, 1, 1, W2),
+    ("float8_e5m2", "channel", 16, 64, 3, 1, 2, dataclasses.replace(C2, stages=2)),
+    ("float8_e4m3fn", "token", 32, 64, 16, 1, 1, C1),  # scales copied per page
+    ("float8_e5m2", "tensor", 8, 64, 6, 2, 0, C1),
     # GPU only:
     ("float8_e4m3fn", "token", 16, 128, 32, 8, 0, W1),
     ("float8_e4m3fn", "token", 16, 128, 32, 8, 0, W2),
@@ -79,7 +80,7 @@ PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret")
 def test_mosaic_decode_t_matches_reference(case, exec_mode):
     storage, mode, s, d, nh, hkv, ns, tuning = case
     rng = np.random.default_rng()
-    span = 200 if exec_mode == "interpret" else 700
+    span = 150 if exec_mode == "interpret" else 700  # interpret: up to 3 tiles a split
     lens, max_pages, num_pages = decode_lengths(rng, s, span)
     cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=num_pages)
     case_ = attention_case(rng, cfg, lens, max_pages)
