@@ -187,6 +187,11 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
 
             return mosaic_decode.decode_attention(q, layer, pt, lens, cfg, sm,
                                                   interpret=interpret, tuning=tuning)
+        if kind == "mosaic_t":
+            from jfp8kv.kernels import mosaic_decode_t
+
+            return mosaic_decode_t.decode_attention(q, layer, pt, lens, cfg, sm,
+                                                    interpret=interpret, tuning=tuning)
         from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
         scales = (layer.k_scale, layer.v_scale) if cfg.is_fp8 else (None, None)
@@ -505,7 +510,7 @@ def sweep_prefill_two_phase(b: Bench, shapes, storage, mode, smoke: bool, tiles=
 COMPARE_OPS = {"store": "store", "prologue": "prologue_store", "decode": "decode_attention",
                "splits": "decode_splits", "waves": "decode_waves", "pages": "decode_pages",
                "split_loop": "split_loop", "mosaic": "decode_mosaic",
-               "mosaic_prefill": "prefill_mosaic"}
+               "mosaic_t": "decode_mosaic_t", "mosaic_prefill": "prefill_mosaic"}
 # "splits": decode_attention with the default tunings' one-wave rule (no split, no combine
 # pass) against the same tunings without it, at batches whose batch * kv_heads it changes
 # (Qwen3-0.6B at B=32; Qwen3-8B at B=32 and at the 44 sequences an fp8 16 GB pool runs)
@@ -602,6 +607,8 @@ def compare(b: Bench, sections, smoke: bool, budget_s: float):
         compare_mosaic_prefill(b, smoke, run)
     if "mosaic" in sections:
         compare_mosaic(b, smoke, run)
+    elif "mosaic_t" in sections:  # the transposed kernel's rows beside Triton's only
+        compare_mosaic(b, smoke, run, old=False)
     b.doc.setdefault("compare_elapsed_s", {})[",".join(sorted(sections))] = round(
         time.perf_counter() - t0, 1)
     b.save()
@@ -728,13 +735,33 @@ MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)), ("st4 overlap_v", dict(
 # diagnostics (wrong results, timing only): the kernel with a part of its work skipped, at
 # the first shape with token scales
 MOSAIC_PROBES = ("compute", "convert", "mma")
+# the transposed kernel (``kernels.mosaic_decode_t``: S^T = K q^T, O^T = V^T P^T, the G
+# query heads padded to 8 or 16 instead of 64): the fp8 upcast in a dedicated warpgroup
+# ("w") or in the compute warpgroups ("c"), 1 or 2 compute warpgroups, fp8 ring stages;
+# "narrow": the upcast in the layout Mosaic infers instead of 8 values a thread. Rows also
+# under ``--compare mosaic_t`` (Triton's rows and these only: one short device call).
+MOSAIC_T_SETTINGS = (
+    ("t w1 st4", dict(upcast="warpgroup", compute_wgs=1, stages=4, f16_stages=2)),
+    ("t w2 st4", dict(upcast="warpgroup", compute_wgs=2, stages=4, f16_stages=2)),
+    ("t c1 st4", dict(upcast="compute", compute_wgs=1, stages=4)),
+    ("t c2 st4", dict(upcast="compute", compute_wgs=2, stages=4)),
+    ("t w2 st6", dict(upcast="warpgroup", compute_wgs=2, stages=6, f16_stages=2)),
+    ("t c2 st8", dict(upcast="compute", compute_wgs=2, stages=8)),
+    ("t w2 st4 narrow", dict(upcast="warpgroup", compute_wgs=2, stages=4, f16_stages=2,
+                             wide_upcast=False)),
+)
+MOSAIC_T_TENSOR = ("t w2 st4", "t c2 st4")  # the settings also timed with tensor scales
 
 
-def compare_mosaic(b: Bench, smoke: bool, run):
-    """Rows ``op`` "decode_mosaic", ``setting`` (triton | mosaic stN), ``ratio_vs_bf16`` (the
-    Triton bf16 row of the shape) and, for mosaic rows, ``ratio_vs_triton`` (the Triton fp8
-    row of the same mode)."""
+def compare_mosaic(b: Bench, smoke: bool, run, old: bool = True):
+    """Rows ``op`` "decode_mosaic", ``setting`` (triton | mosaic stN | mosaic t ...),
+    ``ratio_vs_bf16`` (the Triton bf16 row of the shape) and, for mosaic rows,
+    ``ratio_vs_triton`` (the Triton fp8 row of the same mode). ``old=False``
+    (``--compare mosaic_t``): without the padded kernel's (``mosaic_decode``) rows, every
+    row under ``op`` "decode_mosaic_t" (a re-run keeps the "decode_mosaic" rows). A row whose
+    kernel raises records its error (``Bench.decode``); the others still run."""
     from jfp8kv.kernels.mosaic_decode import MosaicDecodeTuning
+    from jfp8kv.kernels.mosaic_decode_t import MosaicDecodeTTuning
 
     shapes = SPLIT_DECODE_SHAPES if not smoke else ((2, 64, 8, 2, 64),)
 
@@ -744,7 +771,7 @@ def compare_mosaic(b: Bench, smoke: bool, run):
             impl, storage, mode, batch, ctx, hq, hkv, d, tuning, where="compare",
             page_size=page_size))
         if r:
-            r.update(op="decode_mosaic", setting=label)
+            r.update(op="decode_mosaic" if old else "decode_mosaic_t", setting=label)
         return r if r and "ms" in r else None
 
     for shape in shapes:
@@ -753,20 +780,26 @@ def compare_mosaic(b: Bench, smoke: bool, run):
             tri = row("triton", "jfp8kv", "float8_e4m3fn", mode, shape, None)
             # --smoke: no mosaic rows (a chain of interpreted Mosaic kernels takes minutes;
             # tests/kernels/test_mosaic_decode.py runs the kernel in interpret mode)
-            settings = () if smoke else MOSAIC_SETTINGS if mode == "token" else MOSAIC_SETTINGS[:1]
-            for label, knobs in settings:
-                r = row(f"mosaic {label}", "mosaic", "float8_e4m3fn", mode, shape,
-                        MosaicDecodeTuning(**knobs))
+            settings = () if smoke or not old else (
+                MOSAIC_SETTINGS if mode == "token" else MOSAIC_SETTINGS[:1])
+            settings_t = () if smoke else tuple(
+                (label, knobs) for label, knobs in MOSAIC_T_SETTINGS
+                if mode == "token" or label in MOSAIC_T_TENSOR)
+            for impl, label, tuning in (
+                    [("mosaic", label, MosaicDecodeTuning(**knobs)) for label, knobs in settings]
+                    + [("mosaic_t", label, MosaicDecodeTTuning(**knobs))
+                       for label, knobs in settings_t]):
+                r = row(f"mosaic {label}", impl, "float8_e4m3fn", mode, shape, tuning)
                 for ref, key in ((bf, "ratio_vs_bf16"), (tri, "ratio_vs_triton")):
                     if r and ref:
                         r[key] = round(r["ms"] / ref["ms"], 3)
             if tri and bf:
                 tri["ratio_vs_bf16"] = round(tri["ms"] / bf["ms"], 3)
         b.save()
-    for probe in () if smoke else MOSAIC_PROBES:
+    for probe in () if smoke or not old else MOSAIC_PROBES:
         row(f"probe {probe}", "mosaic", "float8_e4m3fn", "token", shapes[1],
             MosaicDecodeTuning(probe=probe))
-    if not smoke:  # 64-token pages: one copy per tile and operand instead of four
+    if not smoke and old:  # 64-token pages: one copy per tile and operand instead of four
         for impl, label in (("jfp8kv", "triton S64"), ("mosaic", "mosaic st4 S64"),
                             ("mosaic", "probe compute S64")):
             row(label, impl, "float8_e4m3fn", "token", shapes[1],
@@ -779,7 +812,8 @@ def compare_mosaic(b: Bench, smoke: bool, run):
 # TMA page copies, wgmma) next to the Triton kernel's default, bf16 and e4m3 token / tensor,
 # at the prefill sweep's shapes (batch, chunk, cached prefix): 8k x 8k causal and 2k after 4k.
 MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
-MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st2", dict(stages=2)), ("st4", dict(stages=4)),
+MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st3 auto barriers", dict(auto_barriers=True)),
+                           ("st2", dict(stages=2)), ("st4", dict(stages=4)),
                            ("st3 no pingpong", dict(pingpong=False)),
                            ("bk128 st2", dict(block_k=128, stages=2)))  # 16-bit pages only
 # token scales' cost in the Mosaic kernel, split (diagnostics: wrong results)
@@ -813,7 +847,7 @@ def compare_mosaic_prefill(b: Bench, smoke: bool, run):
             # --smoke: no mosaic rows (tests/kernels/test_mosaic_prefill.py interprets it)
             settings = () if smoke else (
                 MOSAIC_PREFILL_SETTINGS if storage == "bfloat16" else
-                MOSAIC_PREFILL_SETTINGS[:1] + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token"
+                MOSAIC_PREFILL_SETTINGS[:2] + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token"
                                                else ()))
             for label, knobs in settings:
                 r = row(f"mosaic {label}", "mosaic", storage, mode, shape,

@@ -148,6 +148,10 @@ LOWER_CASES = [
                                                       f16_stages=2)),
     ("float8_e4m3fn", "token", 16, 128, 32, 8, Tuning(stages=8, upcast="compute",
                                                       compute_wgs=2)),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, Tuning(stages=4, compute_wgs=2, f16_stages=2,
+                                                      wide_upcast=False)),
+    ("float8_e4m3fn", "token", 16, 64, 9, 3, Tuning(stages=4, upcast="compute",
+                                                    compute_wgs=2, wide_upcast=False)),
     ("float8_e5m2", "channel", 64, 128, 16, 8, W2),
     ("float8_e4m3fn", "token", 8, 64, 9, 3, W2),
     ("float8_e4m3fn", "token", 32, 64, 8, 8, C2),  # G = 1
