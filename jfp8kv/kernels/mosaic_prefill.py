@@ -62,6 +62,13 @@ class MosaicPrefillTuning:
     pingpong: bool = True
     block_k: int = 64
     probe: str = ""  # bench diagnostics, wrong results: "scale_copies" | "scale_math" skipped
+    # Mosaic's automatic warpgroup barrier before every TMA copy and around every shared-
+    # memory store (12 a tile in the fp8 memory warpgroup, 24 with token scales). Off: the
+    # kernel's own barriers order every access (a slot is rewritten only after "consumed";
+    # the fp8 slot after "read", which every memory thread passes once its upcast has read
+    # it; f16 tiles reach the wgmma through commit_smem, whose warpgroup barrier precedes
+    # "ready"; each thread stores exactly the elements it loaded where it does both).
+    auto_barriers: bool = False
 
 
 def check_supported(cfg: CacheConfig, num_heads: int, block_k: int = 64) -> None:
@@ -436,7 +443,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         num_threads=CWGS + 1, thread_name="wg",
         scratch_types=(smem, barriers),
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+            unsafe_no_auto_barriers=not tuning.auto_barriers),
         kernel_name="jfp8kv_mosaic_prefill", **interpret_kwargs(interpret))
     seq_lens = seq_lens.astype(jnp.int32)
     operands = [seq_lens, pt, _block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages]
