@@ -142,8 +142,9 @@ def registers(tuning: MosaicDecodeTTuning) -> tuple[int | None, int | None, int 
         return None, None, None
     if nwg == 3:  # 168: the memory warpgroup gives 128, two warpgroups take 64 each
         return 40, (232 if upcast_wg else None), 232
-    # four warpgroups, 128 at launch: 88 given back, 40 to the upcast, 24 to each compute
-    return 40, 168, 152
+    # four warpgroups, 128 at launch: 88 given back, 40 to the upcast, 16 to each compute
+    # (496 of 512 in all, the margin of ``mosaic_decode``'s four warpgroups, which ran)
+    return 40, 168, 144
 
 
 class _Dims(NamedTuple):

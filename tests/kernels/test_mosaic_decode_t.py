@@ -59,6 +59,9 @@ CASES = [
     ("float8_e5m2", "tensor", 16, 64, 32, 2, 0, W2),  # G = 16
     ("float8_e4m3fn", "token", 64, 128, 12, 1, 0, Tuning(stages=6, compute_wgs=2,
                                                           f16_stages=2)),  # G = 12
+    # the upcast in the layout Mosaic infers (``wide_upcast=False``)
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, 0, dataclasses.replace(C1, wide_upcast=False)),
+    ("float8_e5m2", "tensor", 16, 64, 9, 3, 0, dataclasses.replace(W2, wide_upcast=False)),
 ]
 INTERPRET = 3
 
@@ -66,14 +69,24 @@ INTERPRET = 3
 def _id(c):
     t = c[7]
     return (f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-"
-            f"{t.upcast[0]}{t.compute_wgs}-st{t.stages}_{t.f16_stages}")
+            f"{t.upcast[0]}{t.compute_wgs}-st{t.stages}_{t.f16_stages}"
+            + ("" if t.wide_upcast else "-narrow"))
 
 
 IDS = [_id(c) for c in CASES]
+
+
+def _warpgroups(case) -> int:
+    t = case[7]
+    return t.compute_wgs + 1 + (t.upcast == "warpgroup")
+
+
+# natively, fewest warpgroups first: two (no register moves, no turns) before three and four
+# (setmaxnreg, which hangs rather than fails when a budget is wrong)
 PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret")
            for c, i in zip(CASES[:INTERPRET], IDS)]
           + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=HOPPER_MARKS)
-             for c, i in zip(CASES, IDS)])
+             for c, i in sorted(zip(CASES, IDS), key=lambda ci: _warpgroups(ci[0]))])
 
 
 @pytest.mark.parametrize("case,exec_mode", PARAMS)
