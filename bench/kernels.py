@@ -751,6 +751,10 @@ MOSAIC_T_SETTINGS = (  # fewest warpgroups first (setmaxnreg: a wrong budget han
                              wide_upcast=False)),
 )
 MOSAIC_T_TENSOR = ("t c2 st4", "t w2 st4")  # the settings also timed with tensor scales
+# its diagnostics (wrong results, timing only; ``mosaic_decode_t.PROBES``) at the second
+# shape, token scales: (setting, probe)
+MOSAIC_T_PROBES = (("t c1 st4", "copies"), ("t c1 st4", "no_upcast"), ("t w1 st4", "copies"),
+                   ("t w1 st4", "no_mma"))
 
 
 def compare_mosaic(b: Bench, smoke: bool, run, old: bool = True):
@@ -796,6 +800,10 @@ def compare_mosaic(b: Bench, smoke: bool, run, old: bool = True):
             if tri and bf:
                 tri["ratio_vs_bf16"] = round(tri["ms"] / bf["ms"], 3)
         b.save()
+    knobs_t = dict(MOSAIC_T_SETTINGS)
+    for label, probe in () if smoke else MOSAIC_T_PROBES:
+        row(f"{label} probe {probe}", "mosaic_t", "float8_e4m3fn", "token", shapes[1],
+            MosaicDecodeTTuning(**knobs_t[label], probe=probe))
     for probe in () if smoke or not old else MOSAIC_PROBES:
         row(f"probe {probe}", "mosaic", "float8_e4m3fn", "token", shapes[1],
             MosaicDecodeTuning(probe=probe))

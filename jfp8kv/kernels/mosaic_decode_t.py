@@ -63,6 +63,10 @@ from jfp8kv.kvcache.cache import LayerKV
 BLOCK_K = 64  # keys per tile: wgmma's M for S^T = K q^T, its K for O^T = V^T P^T
 MAX_GROUP = 16  # query heads per KV head (wgmma's N: 8 or 16)
 UPCASTS = ("compute", "warpgroup")
+# ``MosaicDecodeTTuning.probe`` (timing only, wrong results): "copies": the compute
+# warpgroups release each tile as it is ready (the copies, and the upcast warpgroup's
+# upcast, alone); "no_upcast": the f16 tiles are not written; "no_mma": neither product runs
+PROBES = ("", "copies", "no_upcast", "no_mma")
 SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
 MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
 
@@ -85,6 +89,7 @@ class MosaicDecodeTTuning:
     num_splits: int = 0
     target_programs: int = NUM_SMS_H200
     wide_upcast: bool = True
+    probe: str = ""  # bench diagnostics, wrong results: one of PROBES skipped
 
 
 def check_supported(cfg: CacheConfig, num_heads: int) -> None:
@@ -124,6 +129,8 @@ def check_tuning(tuning: MosaicDecodeTTuning) -> None:
     own = tuning.stages if tuning.upcast == "compute" else tuning.f16_stages
     if tuning.upcast not in UPCASTS:
         raise ValueError(f"upcast must be one of {UPCASTS}, got {tuning.upcast!r}")
+    if tuning.probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, got {tuning.probe!r}")
     if cw not in (1, 2) or tuning.stages < 1 or tuning.f16_stages < 1 or own % cw:
         raise ValueError(
             f"compute_wgs must be 1 or 2 and the slots its warpgroups wait on a multiple of "
@@ -163,6 +170,7 @@ class _Dims(NamedTuple):
     regs: tuple
     gathered_scales: bool  # token scales gathered per split in XLA (pages under 32 tokens)
     wide_upcast: bool
+    probe: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +332,8 @@ def _upcast_tile(prog: _Program, t, k8, v8, k16, v16, *, dims, lay, masked: bool
 
 def _upcast_both(prog: _Program, t, k8, v8, k16, v16, *, dims, lay):
     """``_upcast_tile``, masked only in the split's last tile (the only partial one)."""
+    if dims.probe == "no_upcast":
+        return
     last = prog.n_tiles - 1
     up = functools.partial(_upcast_tile, prog, t, k8, v8, k16, v16, dims=dims, lay=lay)
     pl.when(t < last)(lambda: up(masked=False))
@@ -388,11 +398,17 @@ def _tile_step(prog: _Program, smem, barriers, i, carry, *, dims, plgpu, lay):
     if dims.upcast_wg:
         slot = lax.rem(t, dims.f16_stages)
         plgpu.barrier_wait(barriers["ready16"].at[slot])
+        if dims.probe == "copies":
+            plgpu.barrier_arrive(barriers["consumed16"].at[slot])
+            return carry
         k16, v16 = smem["k16"].at[slot], smem["v16"].at[slot]
         sc = smem.get("sc16")
     else:
         slot = lax.rem(t, dims.stages)
         plgpu.barrier_wait(barriers["ready8"].at[slot])
+        if dims.probe == "copies":
+            plgpu.barrier_arrive(barriers["consumed8"].at[slot])
+            return carry
         k16, v16 = smem["k16"].at[wg], smem["v16"].at[wg]
         _upcast_both(prog, t, smem["k8"].at[slot], smem["v8"].at[slot], k16, v16,
                      dims=dims, lay=lay)
@@ -404,7 +420,10 @@ def _tile_step(prog: _Program, smem, barriers, i, carry, *, dims, plgpu, lay):
         plgpu.commit_smem()  # the f16 tiles visible to the wgmma
         plgpu.barrier_arrive(barriers["consumed8"].at[slot])  # fp8 slot read
 
-    s = lay.qk_t(k16, smem["q"])  # [BK, N]
+    if dims.probe == "no_mma":
+        s = lay.cast(jnp.zeros((BLOCK_K, dims.n), jnp.float32), lay.wgmma)
+    else:
+        s = lay.qk_t(k16, smem["q"])  # [BK, N]
     shape = s.shape
     visible = lay.iota(shape, 0) + tok0 < prog.end
     if dims.token_scales:
@@ -426,7 +445,9 @@ def _tile_step(prog: _Program, smem, barriers, i, carry, *, dims, plgpu, lay):
     p_s = smem["p"].at[wg]
     lay.store_pt(p_s, p.astype(jnp.float16))
     plgpu.commit_smem()  # P^T visible to the wgmma
-    acc = lay.pv_t_into(acc * lax.broadcast_in_dim(alpha, acc.shape, [1]), v16, p_s)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    if dims.probe != "no_mma":
+        acc = lay.pv_t_into(acc, v16, p_s)
     if dims.upcast_wg:
         plgpu.barrier_arrive(barriers["consumed16"].at[slot])  # P.V has read the slot
     return acc, m_new, l_new
@@ -514,7 +535,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     cwgs, upcast_wg = tuning.compute_wgs, tuning.upcast == "warpgroup"
     dims = _Dims(cwgs, upcast_wg, tuning.stages, tuning.f16_stages, tokens_per_split, s,
                  token_scales, float(sm_scale) * LOG2E, d, n, registers(tuning), gathered,
-                 tuning.wide_upcast)
+                 tuning.wide_upcast, tuning.probe)
     copies = (2 + 2 * (token_scales and not gathered)) * max(1, BLOCK_K // s) + 2 * gathered
     smem, barriers = _scratch(plgpu, dims, pps, k_pages.dtype, copies)
     nsp = ns * cwgs

@@ -26,8 +26,8 @@ import pytest
 
 from jfp8kv.kernels import mosaic_decode_t, reference
 
-from .cases import (HOPPER_MARKS, assert_close, assert_lowers_for_hopper, attention_case,
-                    decode_lengths, make_cfg, on_cpu, on_exec)
+from .cases import (HOPPER_MARKS, NVVM_OPS, assert_close, assert_lowers_for_hopper,
+                    attention_case, decode_lengths, make_cfg, on_cpu, on_exec)
 
 pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
 
@@ -70,7 +70,7 @@ def _id(c):
     t = c[7]
     return (f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-"
             f"{t.upcast[0]}{t.compute_wgs}-st{t.stages}_{t.f16_stages}"
-            + ("" if t.wide_upcast else "-narrow"))
+            + ("" if t.wide_upcast else "-narrow") + (f"-probe_{t.probe}" if t.probe else ""))
 
 
 IDS = [_id(c) for c in CASES]
@@ -132,7 +132,7 @@ def test_mosaic_decode_t_refuses_what_it_cannot_run(storage, mode, page_size, he
 
 @pytest.mark.parametrize("tuning", [Tuning(upcast="registers"), Tuning(compute_wgs=3),
                                     Tuning(upcast="compute", compute_wgs=2, stages=3),
-                                    Tuning(compute_wgs=2, f16_stages=3)])
+                                    Tuning(compute_wgs=2, f16_stages=3), Tuning(probe="mma")])
 def test_mosaic_decode_t_refuses_bad_tunings(tuning):
     with pytest.raises(ValueError):
         mosaic_decode_t.check_tuning(tuning)
@@ -170,6 +170,11 @@ LOWER_CASES = [
     ("float8_e4m3fn", "token", 32, 64, 8, 8, C2),  # G = 1
     ("float8_e5m2", "tensor", 128, 64, 16, 1, W1),  # G = 16
     ("float8_e4m3fn", "token", 128, 128, 16, 1, C1),  # G = 16, gathered scales off
+    # the bench's diagnostics (wrong results by design: lowered, never compared)
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(C2, probe="copies")),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(W2, probe="copies")),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(C1, probe="no_upcast")),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(W1, probe="no_mma")),
 ]
 
 
@@ -182,7 +187,13 @@ def test_mosaic_decode_t_lowers_for_hopper_on_any_machine(case):
     cfg = make_cfg(storage, mode, heads_kv=hkv, head_dim=d, page_size=s, num_pages=64)
     case_ = attention_case(np.random.default_rng(), cfg, np.array([300, 1]), -(-320 // s))
     q = jnp.zeros((2, nh, d), "bfloat16")
-    assert_lowers_for_hopper(
-        jax.jit(mosaic_decode_t.decode_attention, static_argnums=(4, 5),
-                static_argnames="tuning"),
-        q, case_.clean, case_.page_tables, case_.seq_lens, cfg, 0.1, tuning=tuning)
+    fn = jax.jit(mosaic_decode_t.decode_attention, static_argnums=(4, 5),
+                 static_argnames="tuning")
+    args = (q, case_.clean, case_.page_tables, case_.seq_lens, cfg, 0.1)
+    if tuning.probe in ("copies", "no_mma"):  # no wgmma in these: the copies' ops only
+        text = fn.trace(*args, tuning=tuning).lower(lowering_platforms=("cuda",)).as_text()
+        assert "nvvm.wgmma.fence" not in text
+        for op in NVVM_OPS[1:]:
+            assert op in text, op
+    else:
+        assert_lowers_for_hopper(fn, *args, tuning=tuning)
