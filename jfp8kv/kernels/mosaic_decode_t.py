@@ -27,6 +27,18 @@ into its own f16 buffers and frees the fp8 slot) or in a dedicated *upcast* warp
 compute warpgroups (1 or 2) take alternate tiles; each writes its partial state like a
 split, merged by ``pallas_decode.combine_splits``.
 
+Lane semantics issues each TMA copy with every thread of the warpgroup arriving for 1/128 of
+its bytes, so Mosaic takes only copies of a multiple of 128 bytes: a page's token scales
+(4 bytes a token) qualify from 32-token pages up; for smaller pages XLA gathers each split's
+scales through the page table into a contiguous [B, Hkv, tokens] array first (K's and V's:
+8 bytes a token and KV head read and 8 written beside the kernel, ~6% over the 256 K/V
+bytes at head_dim 128; inside the timed call), and the kernel copies 64 scales a tile. The
+page-table slice is copied rounded up to 32 entries.
+
+Registers (``registers``): 65,536 a block, split evenly at launch (256 a thread for two
+warpgroups, 168 for three, 128 for four); the memory warpgroup drops to 40 and the others
+take no more than it gives back (setmaxnreg waits forever otherwise).
+
 The max down S^T's columns crosses the 4 warps of a warpgroup, and Mosaic's lane-semantics
 reduction goes through one shared-memory scratch area common to all warpgroups; with two
 compute warpgroups they therefore take turns at that reduction (two ``turn`` barriers, tile
