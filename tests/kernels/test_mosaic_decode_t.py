@@ -9,9 +9,13 @@ slot and scale no sequence may see.
 
 What interpret mode checks: the warpgroups' protocol (barriers, slots, the page walk, the
 turns), masking and the online softmax down the columns, through ``TransposedOps``' jnp
-stand-ins for the transposed wgmma operands and the P^T store (the interpreter has no
-layouts and no transposed views). What it cannot: Mosaic's lane-semantics code itself (its
-layouts, wgmma, the cross-warp reduction's shared scratch): the lowering test and the GPU
+stand-ins for the transposed wgmma operands and the P^T store. jax 0.10.2's interpreter runs
+a lane-semantics kernel (it ignores the lowering semantics) but not these: the probe's chain
+(``bench/mosaic_transpose_probe.py``) under it fails at ``layout_cast`` ("MLIR translation
+rule for primitive 'layout_cast' not found for platform cpu") and, without the cast, at the
+store through ``transpose_ref`` ("'TransposeTransform' object has no attribute
+'indices'"). What it cannot check: Mosaic's lane-semantics code itself (layouts, wgmma, the
+cross-warp reduction's shared scratch, register budgets): the lowering test and the GPU
 cases cover that.
 """
 
