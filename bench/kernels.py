@@ -738,7 +738,8 @@ MOSAIC_PROBES = ("compute", "convert", "mma")
 # the transposed kernel (``kernels.mosaic_decode_t``: S^T = K q^T, O^T = V^T P^T, the G
 # query heads padded to 8 or 16 instead of 64): the fp8 upcast in a dedicated warpgroup
 # ("w") or in the compute warpgroups ("c"), 1 or 2 compute warpgroups, fp8 ring stages;
-# "narrow": the upcast in the layout Mosaic infers instead of 8 values a thread. Rows also
+# "narrow": the upcast in the layout Mosaic infers instead of 8 values a thread; "kregs": K
+# upcast into registers as S^T's A operand (no f16 K tile in shared memory). Rows also
 # under ``--compare mosaic_t`` (Triton's rows and these only: one short device call).
 MOSAIC_T_SETTINGS = (  # fewest warpgroups first (setmaxnreg: a wrong budget hangs)
     ("t c1 st4", dict(upcast="compute", compute_wgs=1, stages=4)),
@@ -749,6 +750,8 @@ MOSAIC_T_SETTINGS = (  # fewest warpgroups first (setmaxnreg: a wrong budget han
     ("t w2 st6", dict(upcast="warpgroup", compute_wgs=2, stages=6, f16_stages=2)),
     ("t w2 st4 narrow", dict(upcast="warpgroup", compute_wgs=2, stages=4, f16_stages=2,
                              wide_upcast=False)),
+    ("t c1 st4 kregs", dict(upcast="compute", compute_wgs=1, stages=4, k_regs=True)),
+    ("t c2 st4 kregs", dict(upcast="compute", compute_wgs=2, stages=4, k_regs=True)),
 )
 MOSAIC_T_TENSOR = ("t c2 st4", "t w2 st4")  # the settings also timed with tensor scales
 # its diagnostics (wrong results, timing only; ``mosaic_decode_t.PROBES``) at the second

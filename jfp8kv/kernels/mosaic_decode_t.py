@@ -92,7 +92,9 @@ class MosaicDecodeTTuning:
     own: with 2 of them, ``stages`` ("compute") or ``f16_stages`` ("warpgroup") even.
     ``num_splits=0``: splits until the grid holds ``target_programs``. ``wide_upcast``:
     the upcast through ``MosaicOps.upcast`` (8 fp8 values a thread), else the layout Mosaic
-    infers for a plain load."""
+    infers for a plain load. ``k_regs`` (upcast "compute" only): K is upcast into registers
+    in the WGMMA layout and is S^T's A operand from there (no f16 K tile in shared memory:
+    its store and the wgmma's reads of it go; the fp8 loads are 2 bytes a thread)."""
 
     stages: int = 4
     upcast: str = "warpgroup"
@@ -101,6 +103,7 @@ class MosaicDecodeTTuning:
     num_splits: int = 0
     target_programs: int = NUM_SMS_H200
     wide_upcast: bool = True
+    k_regs: bool = False
     probe: str = ""  # bench diagnostics, wrong results: one of PROBES skipped
 
 
@@ -127,7 +130,8 @@ def smem_bytes(tuning: MosaicDecodeTTuning, d: int, n: int, pps: int,
     scratch, ~2.2 KB, come on top)."""
     cw, st = tuning.compute_wgs, tuning.stages
     f16_slots = tuning.f16_stages if tuning.upcast == "warpgroup" else cw
-    total = st * 2 * BLOCK_K * d + f16_slots * 2 * BLOCK_K * d * 2  # fp8 ring, f16 tiles
+    f16_tiles = 1 if tuning.k_regs else 2
+    total = st * 2 * BLOCK_K * d + f16_slots * f16_tiles * BLOCK_K * d * 2  # fp8, f16 tiles
     if token_scales:
         total += (st + (tuning.f16_stages if tuning.upcast == "warpgroup" else 0)) * 2 * BLOCK_K * 4
     total += n * d * 2 + pps * 4  # q, page-table slice
@@ -141,6 +145,9 @@ def check_tuning(tuning: MosaicDecodeTTuning) -> None:
     own = tuning.stages if tuning.upcast == "compute" else tuning.f16_stages
     if tuning.upcast not in UPCASTS:
         raise ValueError(f"upcast must be one of {UPCASTS}, got {tuning.upcast!r}")
+    if tuning.k_regs and tuning.upcast != "compute":
+        raise ValueError("k_regs needs upcast='compute' (the compute warpgroup reads K's fp8 "
+                         "slot)")
     if tuning.probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {tuning.probe!r}")
     if cw not in (1, 2) or tuning.stages < 1 or tuning.f16_stages < 1 or own % cw:
@@ -183,6 +190,7 @@ class _Dims(NamedTuple):
     gathered_scales: bool  # token scales gathered per split in XLA (pages under 32 tokens)
     wide_upcast: bool
     probe: str
+    k_regs: bool  # upcast="compute": K upcast into registers, S^T's A operand from there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +216,21 @@ class TransposedOps(MosaicOps):
             return lax.dot_general(k16[...], q_s[...], (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
         return self._wgmma((k16.shape[0], q_s.shape[0]), k16,
+                           self.plgpu.transpose_ref(q_s, (1, 0)))
+
+    def load_a(self, ref, dtype):
+        """An 8-bit tile [64, D] in shared memory -> ``dtype`` registers in the WGMMA layout
+        (wgmma's A operand from registers)."""
+        if self.interpret:
+            return ref[...].astype(dtype)
+        return self.plgpu.load(ref, (), layout=self.wgmma).astype(dtype)
+
+    def qk_t_regs(self, k_a, q_s):
+        """K [BK, D] (registers, WGMMA layout) . q^T (q_s [N, D]) -> f32 [BK, N]."""
+        if self.interpret:
+            return lax.dot_general(k_a, q_s[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        return self._wgmma((k_a.shape[0], q_s.shape[0]), k_a,
                            self.plgpu.transpose_ref(q_s, (1, 0)))
 
     def store_pt(self, p_s, pt16):
@@ -330,14 +353,16 @@ def _upcast_tile(prog: _Program, t, k8, v8, k16, v16, *, dims, lay, masked: bool
     """fp8 tile t -> f16 (V's rows past the split's end zeroed when ``masked``: P^T is 0
     there, but 0 x NaN is NaN)."""
     if not dims.wide_upcast:  # the layout Mosaic infers for a plain load
-        k16[...] = k8[...].astype(jnp.float16)
+        if not dims.k_regs:
+            k16[...] = k8[...].astype(jnp.float16)
         v = v8[...].astype(jnp.float16)
         if masked:
             rows = lay.iota((BLOCK_K, dims.d), 0) + prog.start + t * BLOCK_K
             v = jnp.where(rows < prog.end, v, jnp.zeros_like(v))
         v16[...] = v
         return
-    k16[...] = lay.upcast(k8, jnp.float16)
+    if not dims.k_regs:
+        k16[...] = lay.upcast(k8, jnp.float16)
     v16[...] = lay.upcast(v8, jnp.float16,
                           prog.end - prog.start - t * BLOCK_K if masked else None)
 
@@ -421,9 +446,12 @@ def _tile_step(prog: _Program, smem, barriers, i, carry, *, dims, plgpu, lay):
         if dims.probe == "copies":
             plgpu.barrier_arrive(barriers["consumed8"].at[slot])
             return carry
-        k16, v16 = smem["k16"].at[wg], smem["v16"].at[wg]
+        k16 = None if dims.k_regs else smem["k16"].at[wg]
+        v16 = smem["v16"].at[wg]
         _upcast_both(prog, t, smem["k8"].at[slot], smem["v8"].at[slot], k16, v16,
                      dims=dims, lay=lay)
+        if dims.k_regs:  # S^T's A operand: K upcast into registers, not shared memory
+            k_a = lay.load_a(smem["k8"].at[slot], jnp.float16)
         sc = smem.get("sc8")
     if dims.token_scales:
         k_tok = lay.load_rows(sc.at[slot, 0])
@@ -434,6 +462,8 @@ def _tile_step(prog: _Program, smem, barriers, i, carry, *, dims, plgpu, lay):
 
     if dims.probe == "no_mma":
         s = lay.cast(jnp.zeros((BLOCK_K, dims.n), jnp.float32), lay.wgmma)
+    elif dims.k_regs and not dims.upcast_wg:
+        s = lay.qk_t_regs(k_a, smem["q"])  # [BK, N]
     else:
         s = lay.qk_t(k16, smem["q"])  # [BK, N]
     shape = s.shape
@@ -474,13 +504,14 @@ def _scratch(plgpu, dims: _Dims, pps: int, fp8, copies_per_tile: int):
         "pt": plgpu.SMEM((-(-pps // 32) * 32,), jnp.int32),
         "k8": swizzled(plgpu, (st, BLOCK_K, d), fp8),
         "v8": swizzled(plgpu, (st, BLOCK_K, d), fp8),
-        "k16": swizzled(plgpu, (f16_slots, BLOCK_K, d), jnp.float16),
         "v16": swizzled(plgpu, (f16_slots, BLOCK_K, d), jnp.float16),
         "p": swizzled(plgpu, (cw, n, BLOCK_K), jnp.float16),
         "o": plgpu.SMEM((cw, d, n), jnp.float32),
         "m": plgpu.SMEM((cw, n), jnp.float32),
         "l": plgpu.SMEM((cw, BLOCK_K, n), jnp.float32),
     }
+    if not dims.k_regs:
+        smem["k16"] = swizzled(plgpu, (f16_slots, BLOCK_K, d), jnp.float16)
     if dims.token_scales:
         smem["sc8"] = plgpu.SMEM((st, 2, BLOCK_K), jnp.float32)  # K's, V's
         if dims.upcast_wg:
@@ -547,7 +578,7 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     cwgs, upcast_wg = tuning.compute_wgs, tuning.upcast == "warpgroup"
     dims = _Dims(cwgs, upcast_wg, tuning.stages, tuning.f16_stages, tokens_per_split, s,
                  token_scales, float(sm_scale) * LOG2E, d, n, registers(tuning), gathered,
-                 tuning.wide_upcast, tuning.probe)
+                 tuning.wide_upcast, tuning.probe, tuning.k_regs)
     copies = (2 + 2 * (token_scales and not gathered)) * max(1, BLOCK_K // s) + 2 * gathered
     smem, barriers = _scratch(plgpu, dims, pps, k_pages.dtype, copies)
     nsp = ns * cwgs

@@ -46,8 +46,9 @@ C2 = Tuning(stages=4, upcast="compute", compute_wgs=2)
 CASES = [
     # interpret (CPU) and GPU; up to 3 tiles a split there, so the 2-slot rings wrap:
     ("float8_e4m3fn", "token", 16, 64, 4, 1, 1, W2),
-    ("float8_e5m2", "channel", 16, 64, 3, 1, 2, dataclasses.replace(C2, stages=2)),
-    ("float8_e4m3fn", "token", 32, 64, 16, 1, 1, C1),  # scales copied per page
+    ("float8_e5m2", "channel", 16, 64, 3, 1, 1, dataclasses.replace(C2, stages=2)),
+    ("float8_e4m3fn", "token", 32, 64, 16, 1, 2,  # scales copied per page; K in registers
+     dataclasses.replace(C1, k_regs=True)),
     # GPU only:
     ("float8_e5m2", "tensor", 8, 64, 6, 2, 0, C1),
     ("float8_e4m3fn", "token", 16, 128, 32, 8, 0, W1),
@@ -63,6 +64,9 @@ CASES = [
     ("float8_e5m2", "tensor", 16, 64, 32, 2, 0, W2),  # G = 16
     ("float8_e4m3fn", "token", 64, 128, 12, 1, 0, Tuning(stages=6, compute_wgs=2,
                                                           f16_stages=2)),  # G = 12
+    # K upcast into registers, S^T's A operand from there (``k_regs``)
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, 0, dataclasses.replace(C1, k_regs=True)),
+    ("float8_e5m2", "channel", 32, 64, 18, 2, 2, dataclasses.replace(C2, k_regs=True)),
     # the upcast in the layout Mosaic infers (``wide_upcast=False``)
     ("float8_e4m3fn", "token", 16, 128, 32, 8, 0, dataclasses.replace(C1, wide_upcast=False)),
     ("float8_e5m2", "tensor", 16, 64, 9, 3, 0, dataclasses.replace(W2, wide_upcast=False)),
@@ -74,7 +78,8 @@ def _id(c):
     t = c[7]
     return (f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-"
             f"{t.upcast[0]}{t.compute_wgs}-st{t.stages}_{t.f16_stages}"
-            + ("" if t.wide_upcast else "-narrow") + (f"-probe_{t.probe}" if t.probe else ""))
+            + ("" if t.wide_upcast else "-narrow") + ("-kregs" if t.k_regs else "")
+            + (f"-probe_{t.probe}" if t.probe else ""))
 
 
 IDS = [_id(c) for c in CASES]
@@ -136,7 +141,8 @@ def test_mosaic_decode_t_refuses_what_it_cannot_run(storage, mode, page_size, he
 
 @pytest.mark.parametrize("tuning", [Tuning(upcast="registers"), Tuning(compute_wgs=3),
                                     Tuning(upcast="compute", compute_wgs=2, stages=3),
-                                    Tuning(compute_wgs=2, f16_stages=3), Tuning(probe="mma")])
+                                    Tuning(compute_wgs=2, f16_stages=3), Tuning(probe="mma"),
+                                    Tuning(k_regs=True)])
 def test_mosaic_decode_t_refuses_bad_tunings(tuning):
     with pytest.raises(ValueError):
         mosaic_decode_t.check_tuning(tuning)
@@ -174,6 +180,11 @@ LOWER_CASES = [
     ("float8_e4m3fn", "token", 32, 64, 8, 8, C2),  # G = 1
     ("float8_e5m2", "tensor", 128, 64, 16, 1, W1),  # G = 16
     ("float8_e4m3fn", "token", 128, 128, 16, 1, C1),  # G = 16, gathered scales off
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(C2, k_regs=True)),
+    ("float8_e4m3fn", "tensor", 16, 64, 9, 3, dataclasses.replace(C1, k_regs=True,
+                                                                  wide_upcast=False)),
+    ("float8_e4m3fn", "token", 16, 128, 32, 8, Tuning(stages=8, upcast="compute",
+                                                      compute_wgs=2, k_regs=True)),
     # the bench's diagnostics (wrong results by design: lowered, never compared)
     ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(C2, probe="copies")),
     ("float8_e4m3fn", "token", 16, 128, 32, 8, dataclasses.replace(W2, probe="copies")),
