@@ -1,0 +1,464 @@
+"""MLA latent decode attention on Pallas Mosaic GPU (Hopper, sm_90a) with the products
+transposed, as ``mosaic_decode_t`` computes dense decode: a prototype beside the Triton
+kernel ``pallas_mla`` (which the engine uses).
+
+Contract: ``mla_reference.latent_attention``'s for decode (T == 1, absorbed queries):
+q [B, 1, H, R] with R = r + d_r (kv_lora_rank + qk_rope_head_dim, 512 + 64 for
+DeepSeek-V2/V3), pages [1, P, S, R] with rows ``[c | k_rope]``, value = the first r columns,
+out [B, 1, H, r] in q's dtype. Query b sees key j iff j < seq_lens[b] and
+j <= q_positions[b, 0] (the lengths are clipped in XLA).
+
+One program per (batch row, head block, split); a head block is N = 8 or 16 query heads
+(``MosaicMLATuning.head_block``; H = 16 is one block, H = 128 eight). Per 64-key tile:
+
+* S^T = C q^T as two wgmmas into one accumulator [64 keys, N]: C_lat q_lat^T + C_rope
+  q_rope^T (A = the latent tile [64, r] and the RoPE tile [64, d_r], B = q's two parts
+  [N, r], [N, d_r] viewed transposed). The two parts are separate shared-memory tiles and
+  separate TMA copies: 576 fp8 bytes a row is not a multiple of 128, 512 and 64 are.
+* The online softmax down the columns (one running max per head), keys past the end masked,
+  token scales on the logits' and probabilities' rows, the running sum per element
+  ([64, N], summed in XLA), as ``mosaic_decode_t``.
+* P^T to a [N, 64] buffer through a transposed view, then O^T += C_lat^T P^T with A = the
+  *same* latent tile viewed transposed ([r, 64]) and B = P^T: the accumulator is [r, N]
+  (64 f32 registers a thread at r = 512, N = 16). One latent tile (upcast once for fp8)
+  feeds both products.
+
+Storage: bf16/f16 pages are the wgmma operands as TMA lands them (q and P in the storage
+dtype; the latent rows past the end are zeroed in place in the split's last tile, 0 x NaN
+being NaN); fp8 pages (e4m3, e5m2) with token scales are upcast to f16 exactly by the compute
+warpgroup into one f16 latent tile and one f16 RoPE tile (rows past the end zeroed in the
+last tile), q and P in f16, token scales on the logits and probabilities as the dense
+kernels. fp8 ``block`` scales (one per 32 values, varying along the contraction) are not
+supported: ``check_supported`` says so (``pallas_mla`` runs them).
+
+Warpgroups: a *memory* warpgroup copies q, the split's page-table slice (rounded up to 32
+entries) and then each tile's rows into ``stages`` slots with TMA (``mosaic_decode_t``'s page
+walk; token scales per page from 32-token pages up, else gathered per split in XLA: a
+lane-semantics copy moves a multiple of 128 bytes); one *compute* warpgroup runs the tiles
+and writes its split's partial state (O^T, m, per-element l), merged by
+``pallas_decode.combine_splits``. Two warpgroups: 256 registers a thread at launch, no
+``setmaxnreg``. A second compute warpgroup would need its own f16 tile (fp8) and O^T
+staging: it does not fit shared memory at r = 512 (see ``smem_bytes``), so there is none.
+
+Shared memory (``smem_bytes``; the H200 gives a block 227 KB, 4 KB kept for barriers and
+Mosaic's reduction scratch): slots stages x 64 x R x (1 fp8 | 2 bf16) bytes, f16 tile
+64 x R x 2 (fp8 only), q N x R x 2, O^T staging r x N x 4, l 64 x N x 4, P^T N x 64 x 2.
+At R = 576, N = 16: bf16 73,728 a stage + 57,344 -> 2 stages (204,800); fp8 36,864 a stage
++ 131,072 -> 2 stages (204,800 + scales); at N = 8 fp8 takes 3 stages (213,504 + scales),
+bf16 still 2. More is a ValueError.
+
+Lane semantics as ``mosaic_decode_t`` (the transposed P^T store lowers only there on jax
+0.10.2). ``check_supported`` raises ValueError for what this kernel cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jfp8kv.config import CacheConfig
+from jfp8kv.kernels.mosaic_decode_t import TransposedOps
+from jfp8kv.kernels.mosaic_ops import interpret_kwargs, load_plgpu, swizzled
+from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
+                                          combine_splits)
+from jfp8kv.kernels.tiles import LOG2E
+
+BLOCK_K = 64  # keys per tile: wgmma's M for S^T, its K for O^T
+HEAD_BLOCKS = (8, 16)  # wgmma's N: query heads per program
+RANKS = (128, 256, 512)  # kv_lora_rank: whole 128-column chunks, O^T's [r, N] in registers
+ROPE = 64  # qk_rope_head_dim
+SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
+SMEM_RESERVE = 4096  # barriers and Mosaic's reduction scratch (~2.2 KB)
+MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
+CHUNK = 128  # upcast / zeroing columns at a time (64 x 128: 64 values a thread)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMLATuning:
+    """``stages``: tiles in flight per program (see the module docstring for what fits).
+    ``head_block``: query heads per program (8 or 16; 0: 16, or 8 when H <= 8).
+    ``num_splits`` 0: splits until the grid holds ``target_programs``."""
+
+    stages: int = 2
+    head_block: int = 0
+    num_splits: int = 0
+    target_programs: int = NUM_SMS_H200
+
+    def block(self, num_heads: int) -> int:
+        return self.head_block or (8 if num_heads <= 8 else 16)
+
+
+def check_supported(cfg: CacheConfig, num_heads: int, value_dim: int = 512) -> None:
+    """ValueError naming what this kernel cannot run (Triton ``pallas_mla`` runs it)."""
+    problems = []
+    if cfg.layout != "latent" or cfg.num_kv_heads != 1:
+        problems.append(f"layout {cfg.layout!r} with {cfg.num_kv_heads} KV heads (a latent "
+                        "cache: layout 'latent', one KV head)")
+    fp8 = cfg.is_fp8
+    if not fp8 and cfg.storage_dtype not in ("bfloat16", "float16"):
+        problems.append(f"storage {cfg.storage_dtype} (bfloat16, float16 or fp8)")
+    if fp8 and cfg.scale_mode != "token":
+        problems.append(f"fp8 scale mode {cfg.scale_mode!r} (token only; block scales vary "
+                        "along the contraction)")
+    if value_dim not in RANKS or cfg.head_dim - value_dim != ROPE:
+        problems.append(f"rows of {value_dim} + {cfg.head_dim - value_dim} (kv_lora_rank in "
+                        f"{RANKS}, qk_rope_head_dim {ROPE})")
+    if (s := cfg.page_size) < 8 or (BLOCK_K % s and s % BLOCK_K):
+        problems.append(f"page_size {s} (a divisor of {BLOCK_K} >= 8, or a multiple of it)")
+    if num_heads < 1:
+        problems.append(f"{num_heads} query heads")
+    if problems:
+        raise ValueError("the Mosaic GPU MLA kernel does not support " + "; ".join(problems)
+                         + "; use the Triton kernel (pallas_mla)")
+
+
+def check_tuning(tuning: MosaicMLATuning) -> None:
+    """ValueError for a tuning the kernel cannot run (shared memory: ``smem_bytes``)."""
+    if tuning.stages < 1 or tuning.head_block not in (0,) + HEAD_BLOCKS:
+        raise ValueError(f"stages must be >= 1 and head_block one of {(0,) + HEAD_BLOCKS}; "
+                         f"got {tuning}")
+
+
+def smem_bytes(stages: int, n: int, rank: int, fp8: bool, pps: int,
+               token_scales: bool) -> int:
+    """Shared memory the kernel's buffers take (barriers and the reduction scratch on top).
+
+    stages x 64 x R x (1 | 2) slots, + 64 x R x 2 f16 tiles (fp8), + N x R x 2 q,
+    + r x N x 4 O^T staging, + 64 x N x 4 l, + N x 4 m, + N x 64 x 2 P^T, + stages x 64 x 4
+    token scales, + the page-table slice (rounded up to 32 entries)."""
+    width = rank + ROPE
+    total = stages * BLOCK_K * width * (1 if fp8 else 2)
+    total += BLOCK_K * width * 2 if fp8 else 0
+    total += n * width * 2 + rank * n * 4 + BLOCK_K * n * 4 + n * 4 + n * BLOCK_K * 2
+    total += stages * BLOCK_K * 4 if token_scales else 0
+    return total + -(-pps // 32) * 32 * 4
+
+
+class _Dims(NamedTuple):
+    stages: int
+    tokens_per_split: int
+    page_size: int
+    fp8: bool
+    token_scales: bool
+    gathered_scales: bool
+    qk_scale: float  # sm_scale * log2(e)
+    rank: int
+    n: int
+    cdt: object  # the dots' operand dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    b: jax.Array
+    hb: jax.Array
+    sp: jax.Array
+    start: jax.Array
+    end: jax.Array
+    n_tiles: jax.Array
+
+
+class LatentOps(TransposedOps):
+    """``TransposedOps`` plus S^T as two products into one accumulator."""
+
+    def qk_t2(self, c_lat, q_lat, c_rope, q_rope):
+        """C_lat [BK, r] . q_lat^T + C_rope [BK, d_r] . q_rope^T (q_* [N, *]) -> f32 [BK, N]."""
+        if self.interpret:
+            dn = (((1,), (1,)), ((), ()))
+            return (lax.dot_general(c_lat[...], q_lat[...], dn,
+                                    preferred_element_type=jnp.float32)
+                    + lax.dot_general(c_rope[...], q_rope[...], dn,
+                                      preferred_element_type=jnp.float32))
+        plgpu = self.plgpu
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, c_lat, plgpu.transpose_ref(q_lat, (1, 0)))
+            plgpu.wgmma(acc_ref, c_rope, plgpu.transpose_ref(q_rope, (1, 0)))
+            return acc_ref[...]  # waits for both
+
+        return pl.run_scoped(body, plgpu.ACC((c_lat.shape[0], q_lat.shape[0]), jnp.float32))
+
+
+def _kernel(len_ref, pt_ref, ql_ref, qr_ref, pages_ref, *refs, dims, plgpu, lay):
+    if dims.token_scales:
+        sc_ref, o_ref, m_ref, l_ref, smem, barriers = refs
+    else:
+        o_ref, m_ref, l_ref, smem, barriers = refs
+        sc_ref = None
+    b, sp = lax.axis_index("b"), lax.axis_index("sp")
+    start = sp * dims.tokens_per_split
+    end = jnp.minimum(len_ref[b], start + dims.tokens_per_split)
+    prog = _Program(b, lax.axis_index("h"), sp, start, end,
+                    jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 1)
+    def _():
+        _memory_warpgroup(prog, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref, smem, barriers,
+                          dims=dims, plgpu=plgpu)
+
+    @pl.when(wg == 0)
+    def _():
+        _compute_warpgroup(prog, o_ref, m_ref, l_ref, smem, barriers, dims=dims,
+                           plgpu=plgpu, lay=lay)
+
+
+def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref, smem,
+                      barriers, *, dims, plgpu):
+    """q's two parts, the split's page-table slice, then each tile's latent and RoPE rows
+    (and token scales) into its slot once the slot's previous tile is consumed."""
+    page_size, stages, rank = dims.page_size, dims.stages, dims.rank
+    ready, consumed = barriers["ready"], barriers["consumed"]
+    b, sp, start, end = prog.b, prog.sp, prog.start, prog.end
+    copy_rows = min(page_size, BLOCK_K)
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+    plgpu.copy_gmem_to_smem(ql_ref.at[b, prog.hb], smem["q_lat"], barriers["q"])
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, prog.hb], smem["q_rope"], barriers["q"])
+    pt_s = smem["pt"]
+    pps = dims.tokens_per_split // page_size
+    plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pt_s.shape[0])],
+                            pt_s, barriers["pt"], oob_mode=in_bounds)
+    plgpu.barrier_wait(barriers["pt"])
+
+    @pl.loop(0, prog.n_tiles)
+    def _tile(t):
+        slot = lax.rem(t, stages)
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        for j in range(BLOCK_K // copy_rows):
+            tok0 = start + t * BLOCK_K + j * copy_rows
+            pidx = tok0 // page_size
+            page = pt_s[pidx - sp * pps]
+            page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
+            row0 = page * page_size + (tok0 - pidx * page_size)
+            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
+            dst = pl.ds(j * copy_rows, copy_rows)
+            plgpu.copy_gmem_to_smem(pages_ref.at[rows, pl.ds(0, rank)],
+                                    smem["lat"].at[slot, dst], ready.at[slot])
+            plgpu.copy_gmem_to_smem(pages_ref.at[rows, pl.ds(rank, ROPE)],
+                                    smem["rope"].at[slot, dst], ready.at[slot])
+            if dims.token_scales and not dims.gathered_scales:  # pages of >= 32 tokens
+                plgpu.copy_gmem_to_smem(sc_ref.at[rows], smem["sc"].at[slot, dst],
+                                        ready.at[slot], oob_mode=in_bounds)
+        if dims.gathered_scales:  # the tile's 64 scales, contiguous per split
+            keys = pl.ds(pl.multiple_of(start + t * BLOCK_K, BLOCK_K), BLOCK_K)
+            plgpu.copy_gmem_to_smem(sc_ref.at[b, keys], smem["sc"].at[slot], ready.at[slot],
+                                    oob_mode=in_bounds)
+
+    @pl.loop(jnp.maximum(prog.n_tiles - stages, 0), prog.n_tiles)
+    def _(t):  # observe every slot's last release: a barrier ends with no phase unseen
+        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+
+def _chunks(src, dst, valid_rows, *, lay, dtype):
+    """src [64, C] -> dst (``dtype``) in [64, CHUNK] column chunks (64 values a thread at a
+    time), rows at or past ``valid_rows`` (if given) zero. src may be dst (zeroing in place)."""
+    width = src.shape[1]
+    for c0 in range(0, width, CHUNK):
+        w = min(CHUNK, width - c0)
+        cols = (pl.ds(0, BLOCK_K), pl.ds(c0, w))
+        dst.at[cols][...] = lay.upcast(src.at[cols], dtype, valid_rows)
+
+
+def _prepare_tile(prog: _Program, t, slot, smem, *, dims, lay):
+    """The tile's wgmma operands (latent, RoPE): fp8 upcast into the f16 tiles; 16-bit pages
+    as landed, the latent rows past the end zeroed in place in the split's last tile."""
+    lat, rope = smem["lat"].at[slot], smem["rope"].at[slot]
+    last = prog.n_tiles - 1
+    valid = prog.end - prog.start - t * BLOCK_K
+    if dims.fp8:
+        lat16, rope16 = smem["lat16"], smem["rope16"]
+        _chunks(rope, rope16, None, lay=lay, dtype=jnp.float16)
+
+        @pl.when(t < last)
+        def _():
+            _chunks(lat, lat16, None, lay=lay, dtype=jnp.float16)
+
+        @pl.when(t == last)
+        def _():
+            _chunks(lat, lat16, valid, lay=lay, dtype=jnp.float16)
+
+        return lat16, rope16
+
+    @pl.when(t == last)
+    def _():
+        _chunks(lat, lat, valid, lay=lay, dtype=dims.cdt)
+
+    return lat, rope
+
+
+def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, dims, plgpu,
+                       lay):
+    """Runs the split's tiles, then writes its partial state (O^T, m, per-element l)."""
+    n, rank = dims.n, dims.rank
+    plgpu.barrier_wait(barriers["q"])
+    step = functools.partial(_tile_step, prog, smem, barriers, dims=dims, plgpu=plgpu,
+                             lay=lay)
+    init = (lay.cast(jnp.zeros((rank, n), jnp.float32), lay.wgmma),
+            lay.cast(jnp.full((n,), -jnp.inf, jnp.float32), lay.col),
+            lay.cast(jnp.zeros((BLOCK_K, n), jnp.float32), lay.wgmma))
+    acc, m_i, l_i = lax.fori_loop(0, prog.n_tiles, step, init)
+    smem["o"][...] = acc
+    smem["m"][...] = m_i
+    smem["l"][...] = l_i
+    plgpu.commit_smem()
+    at = (prog.b, prog.hb, prog.sp)
+    plgpu.copy_smem_to_gmem(smem["o"], o_ref.at[at])
+    plgpu.copy_smem_to_gmem(smem["m"], m_ref.at[at])
+    plgpu.copy_smem_to_gmem(smem["l"], l_ref.at[at])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _tile_step(prog: _Program, smem, barriers, t, carry, *, dims, plgpu, lay):
+    """One tile: (upcast,) S^T = C q^T in two parts, the online softmax down the columns,
+    P^T to shared memory, O^T += C_lat^T P^T. carry = (acc [r, N], m [N], l [BK, N])."""
+    acc, m_i, l_i = carry
+    slot = lax.rem(t, dims.stages)
+    plgpu.barrier_wait(barriers["ready"].at[slot])
+    lat, rope = _prepare_tile(prog, t, slot, smem, dims=dims, lay=lay)
+    if dims.token_scales:
+        tok = lay.load_rows(smem["sc"].at[slot])
+    plgpu.commit_smem()  # the upcast / zeroed tiles visible to the wgmma
+    if dims.fp8:
+        plgpu.barrier_arrive(barriers["consumed"].at[slot])  # the fp8 slot is read
+    s = lay.qk_t2(lat, smem["q_lat"], rope, smem["q_rope"])  # [BK, N]
+    shape = s.shape
+    visible = lay.iota(shape, 0) + prog.start + t * BLOCK_K < prog.end
+    if dims.token_scales:
+        s = s * lax.broadcast_in_dim(tok, shape, [0])
+    s = jnp.where(visible, s * dims.qk_scale, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=0))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, shape, [1]))
+    l_new = l_i * lax.broadcast_in_dim(alpha, shape, [1]) + p
+    if dims.token_scales:  # past the end the scales are unwritten (NaN in the tests)
+        p = jnp.where(visible, p * lax.broadcast_in_dim(tok, shape, [0]), 0.0)
+    lay.store_pt(smem["p"], p.astype(dims.cdt))
+    plgpu.commit_smem()  # P^T visible to the wgmma
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+    acc = lay.pv_t_into(acc, lat, smem["p"])
+    if not dims.fp8:
+        plgpu.barrier_arrive(barriers["consumed"].at[slot])  # both products read the slot
+    return acc, m_new, l_new
+
+
+def _slot(plgpu, shape, dtype):
+    """A TMA slot of rows copied from the [P*S, R] pool. Mosaic tiles the pool's row like the
+    slot, and R = 576 must be a multiple of the tile: 64 columns, a 128-byte swizzle for
+    16-bit rows (the tile is then a wgmma operand); 64 fp8 columns (a 64-byte swizzle) for
+    fp8 rows, which only the upcast reads."""
+    if jnp.dtype(dtype).itemsize != 1:
+        return swizzled(plgpu, shape, dtype)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, ROPE)),
+                                                plgpu.SwizzleTransform(ROPE)))
+
+
+def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int):
+    st, n, rank, cdt = dims.stages, dims.n, dims.rank, dims.cdt
+    smem = {
+        "q_lat": swizzled(plgpu, (n, rank), cdt),
+        "q_rope": swizzled(plgpu, (n, ROPE), cdt),
+        "pt": plgpu.SMEM((-(-pps // 32) * 32,), jnp.int32),
+        "lat": _slot(plgpu, (st, BLOCK_K, rank), storage),
+        "rope": _slot(plgpu, (st, BLOCK_K, ROPE), storage),
+        "p": swizzled(plgpu, (n, BLOCK_K), cdt),
+        "o": plgpu.SMEM((rank, n), jnp.float32),
+        "m": plgpu.SMEM((n,), jnp.float32),
+        "l": plgpu.SMEM((BLOCK_K, n), jnp.float32),
+    }
+    if dims.fp8:
+        smem["lat16"] = swizzled(plgpu, (BLOCK_K, rank), jnp.float16)
+        smem["rope16"] = swizzled(plgpu, (BLOCK_K, ROPE), jnp.float16)
+    if dims.token_scales:
+        smem["sc"] = plgpu.SMEM((st, BLOCK_K), jnp.float32)
+    barriers = {
+        "ready": plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=st),
+        "consumed": plgpu.Barrier(num_barriers=st),
+        "q": plgpu.Barrier(num_arrivals=2),
+        "pt": plgpu.Barrier(),
+    }
+    return smem, barriers
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "value_dim", "interpret",
+                                             "tuning"))
+def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: CacheConfig,
+                     sm_scale: float, value_dim: int, interpret: bool = False,
+                     tuning: MosaicMLATuning | None = None):
+    """q [B, 1, H, R] -> [B, 1, H, value_dim]; ``pallas_mla.latent_attention``'s contract
+    for decode (T == 1) in the configurations ``check_supported`` accepts. Static: cfg,
+    sm_scale, value_dim, interpret, tuning. Nothing is donated."""
+    plgpu = load_plgpu()
+    tuning = tuning or MosaicMLATuning()
+    b, t, nh, width = q.shape
+    if t != 1:
+        raise ValueError(f"the Mosaic GPU MLA kernel is decode only (T == 1), got T = {t}; "
+                         "use the Triton kernel (pallas_mla)")
+    check_supported(cfg, nh, value_dim)
+    check_tuning(tuning)
+    if width != cfg.head_dim:
+        raise ValueError(f"q rows of {width} for latent rows of {cfg.head_dim}")
+    rank, s = value_dim, cfg.page_size
+    n = tuning.block(nh)
+    nhb = -(-nh // n)
+    fp8 = cfg.is_fp8
+    token_scales = fp8
+    cdt = jnp.dtype(jnp.float16) if fp8 else jnp.dtype(cfg.storage_dtype)
+    max_pages = page_tables.shape[1]
+    ns = choose_splits(b, nhb, max_pages * s, DecodeTuning(
+        block_k=BLOCK_K, num_splits=tuning.num_splits, target_programs=tuning.target_programs))
+    while -(-max_pages * s // ns) > MAX_SPLIT_PAGES * s:
+        ns *= 2
+    # a split: whole tiles and whole groups of 4 pages (its page-table slice starts on 16
+    # bytes); the table padded so that every split's slice, rounded up to 32 entries (128
+    # bytes), lies inside it
+    unit = max(BLOCK_K, 4 * s)
+    tokens_per_split = -(-max_pages * s // (ns * unit)) * unit
+    pps = tokens_per_split // s
+    width_pt = (ns - 1) * pps + -(-pps // 32) * 32
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width_pt - max_pages)))
+    gathered = token_scales and s * 4 % 128 != 0
+    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales)
+    if need > SMEM_LIMIT - SMEM_RESERVE:
+        raise ValueError(f"{tuning} needs {need} bytes of shared memory at N = {n}, R = "
+                         f"{width} ({cfg.storage_dtype}; at most {SMEM_LIMIT - SMEM_RESERVE})"
+                         ": fewer stages or head_block 8")
+    dims = _Dims(tuning.stages, tokens_per_split, s, fp8, token_scales, gathered,
+                 float(sm_scale) * LOG2E, rank, n, cdt)
+    copies = (2 + (token_scales and not gathered)) * max(1, BLOCK_K // s) + gathered
+    smem, barriers = _scratch(plgpu, dims, pps, pages.dtype, copies)
+    out_type = (jax.ShapeDtypeStruct((b, nhb, ns, rank, n), jnp.float32),
+                jax.ShapeDtypeStruct((b, nhb, ns, n), jnp.float32),
+                jax.ShapeDtypeStruct((b, nhb, ns, BLOCK_K, n), jnp.float32))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=LatentOps(plgpu, interpret)),
+        out_type=out_type,
+        grid=(b, nhb, ns), grid_names=("b", "h", "sp"),
+        num_threads=2, thread_name="wg",
+        scratch_types=(smem, barriers),
+        # lane semantics, no automatic barriers: as mosaic_decode_t
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+        kernel_name="jfp8kv_mosaic_mla", **interpret_kwargs(interpret))
+    qh = q[:, 0].astype(jnp.float32).astype(cdt)
+    qh = jnp.pad(qh, ((0, 0), (0, nhb * n - nh), (0, 0))).reshape(b, nhb, n, width)
+    # q <= its position + 1 keys, as the contract's causal mask for T == 1
+    lens = jnp.clip(jnp.minimum(seq_lens.astype(jnp.int32),
+                                q_positions[:, 0].astype(jnp.int32) + 1), 0)
+    operands = [lens, pt, qh[..., :rank], qh[..., rank:], pages.reshape(-1, width)]
+    if gathered:  # [B, ns * tokens_per_split]: each split's scales, page by page
+        idx = pt[:, : ns * pps, None] * s + jnp.arange(s)
+        operands.append(scale.reshape(-1).astype(jnp.float32)[idx.reshape(b, -1)])
+    elif token_scales:
+        operands.append(scale.reshape(-1).astype(jnp.float32))
+    o, m, l = kernel(*operands)
+    out = combine_splits(jnp.swapaxes(o, -1, -2), m, l.sum(axis=-2))  # [B, NHB, N, r]
+    return out.reshape(b, 1, nhb * n, rank)[:, :, :nh].astype(q.dtype)
