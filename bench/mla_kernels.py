@@ -4,6 +4,8 @@
     python -m bench.mla_kernels --dry-run          # the plan only (no JAX work)
     python -m bench.mla_kernels --smoke            # tiny shapes, interpret mode (CPU)
     PYTHONPATH=/tmp/tritonpkg python -m bench.mla_kernels --ptx-stats   # sm_90 code, no GPU
+    python -m bench.mla_kernels --compare-mosaic --storages bf16,fp8_e4m3:token \
+        --out bench/results/mla-kernels-mosaic-h200.json   # + the Mosaic GPU kernel's rows
 
 Shapes: DeepSeek-V2-Lite's attention (H = 16 absorbed heads, R = 512 + 64), decode
 (T = 1) at B = 64 x 4k and B = 8 x 32k tokens of context, for bf16 and fp8_e4m3 latent rows
@@ -15,6 +17,12 @@ H200), and total_tbps with q, the output and page tables added; the tuning used.
 ``--sweep`` times a small grid of launch knobs per storage first and uses the best. The
 JSON ({"machine", "versions", "command", "copy_tbps", "records", "sweep", "ptx_stats"}) is
 rewritten after every record. Data is random; every row a sequence sees is distinct.
+
+``--compare-mosaic``: per storage and shape, the Triton kernel's row (default tuning) then
+one row per ``MOSAIC_SETTINGS`` entry for ``kernels.mosaic_mla`` (op "mla_decode_mosaic",
+``setting``, ``ratio_vs_triton`` = its ms / Triton's), in "compare" (``--mosaic-settings``
+picks labels). A setting the kernel refuses (shared memory, a storage it does not run) is
+recorded with its error. ``--smoke`` with it: rank 128 + 64 (what the Mosaic kernel takes).
 """
 
 from __future__ import annotations
@@ -31,13 +39,31 @@ import numpy as np
 from bench import common
 from bench.kernels import chain, timed
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels import pallas_mla
+from jfp8kv.kernels import mosaic_mla, pallas_mla
 from jfp8kv.kvcache.cache import bytes_per_token
 
 STORAGES = {"bf16": ("bfloat16", None), "fp8_e4m3:token": ("float8_e4m3fn", "token"),
             "fp8_e4m3:block": ("float8_e4m3fn", "block")}
 SHAPES = ((64, 4096), (8, 32768))
 SWEEP = dict(block_k=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3))
+# ``--compare-mosaic``: (label, MosaicMLATuning knobs, storage prefix it runs for). At H = 16
+# one head block: tp128 is
+# one wave of 128 programs (B = 64: 2 splits, B = 8: 16), tp132 (the default) 4 / 32
+# splits, tp264 8 / 64 (a ~205 KB program takes a whole SM: one program an SM at a time);
+# hb8: two programs of 8 heads per row (the latent read twice, the second mostly from L2),
+# where fp8 fits 3 stages
+MOSAIC_SETTINGS = (("st2 tp128", dict(target_programs=128), ""),
+                   ("st2 tp132", dict(), ""),
+                   ("st2 tp264", dict(target_programs=264), ""),
+                   ("hb8 st2 tp256", dict(head_block=8, target_programs=256), "bf16"),
+                   ("hb8 st3 tp256", dict(head_block=8, stages=3, target_programs=256),
+                    "fp8"))
+
+
+def mosaic_settings(args, key):
+    """The ``MOSAIC_SETTINGS`` entries for storage ``key`` (``--mosaic-settings`` filter)."""
+    return [(lb, kn) for lb, kn, only in MOSAIC_SETTINGS if key.startswith(only)
+            and (args.mosaic_settings is None or lb in args.mosaic_settings)]
 
 
 def latent_cfg(storage, mode, rank, rope, batch, context, page_size) -> CacheConfig:
@@ -72,19 +98,24 @@ def latent_bytes(cfg: CacheConfig, tokens: int) -> int:
                                     cfg.scale_block, layout="latent")
 
 
-def decode_chain(cfg: CacheConfig, rank: int, tuning, interpret: bool):
+def decode_chain(cfg: CacheConfig, rank: int, tuning, interpret: bool, impl: str = "triton"):
     """reps -> jitted (q, pages, scale, pt, lens) running decode reps times (``chain``: each
-    q built from the last output, q_{i+1} = q_i + 1e-3 [o_i | 0])."""
+    q built from the last output, q_{i+1} = q_i + 1e-3 [o_i | 0]); ``impl`` "triton"
+    (``pallas_mla``) or "mosaic" (``mosaic_mla``)."""
     sm = 1.0 / float(np.sqrt(cfg.head_dim))
-    return chain(lambda q, pages, scale, pt, lens: pallas_mla.latent_attention(
+    fn = mosaic_mla.latent_attention if impl == "mosaic" else pallas_mla.latent_attention
+    return chain(lambda q, pages, scale, pt, lens: fn(
         q, pages, scale, pt, lens, (lens - 1)[:, None], cfg, sm, rank, interpret=interpret,
         tuning=tuning))
 
 
-def time_decode(args, rng, key, batch, context, tuning, interpret):
+def time_decode(args, rng, key, batch, context, tuning, interpret, impl="triton"):
     storage, mode = STORAGES[key]
     cfg = latent_cfg(storage, mode, args.rank, args.rope, batch, context, args.page_size)
-    rec = dict(op="mla_decode", kv_cache_dtype=key.split(":")[0], kv_scale_mode=mode,
+    if impl == "mosaic":
+        tuning = tuning or mosaic_mla.MosaicMLATuning()
+    rec = dict(op="mla_decode" if impl == "triton" else "mla_decode_mosaic",
+               kv_cache_dtype=key.split(":")[0], kv_scale_mode=mode,
                batch=batch, context=context, num_heads=args.heads, kv_lora_rank=args.rank,
                qk_rope_head_dim=args.rope, page_size=args.page_size,
                tuning=dataclasses.asdict(tuning or pallas_mla.default_tuning(cfg)))
@@ -94,8 +125,9 @@ def time_decode(args, rng, key, batch, context, tuning, interpret):
                               jnp.bfloat16)
         lat = latent_bytes(cfg, batch * context)
         total = lat + q.size * 2 + batch * args.heads * args.rank * 2 + pt.size * 4
-        ms, reps = timed(decode_chain(cfg, args.rank, tuning, interpret), q, pages, scale, pt,
-                         lens, est_ms=total / 2e9, calls=3 if interpret else 10)
+        ms, reps = timed(decode_chain(cfg, args.rank, tuning, interpret, impl), q, pages,
+                         scale, pt, lens, est_ms=total / 2e9, calls=3 if interpret else 10,
+                         max_reps=2 if interpret and impl == "mosaic" else 48)
         rec.update(ms=round(ms, 5), tbps=round(lat / ms / 1e9, 4),
                    total_tbps=round(total / ms / 1e9, 4), latent_bytes=lat, reps=reps)
     except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
@@ -104,6 +136,27 @@ def time_decode(args, rng, key, batch, context, tuning, interpret):
                                              "context", "ms", "tbps", "error") if k in rec),
           flush=True)
     return rec
+
+
+def compare_mosaic(args, doc, shapes):
+    """``--compare-mosaic``: Triton's row, then the Mosaic kernel's per setting."""
+    rng = np.random.default_rng(0)
+    for key in args.storages:
+        settings = mosaic_settings(args, key)
+        for b, c in shapes:
+            base = time_decode(args, rng, key, b, c, None, args.smoke)
+            base["setting"] = "triton"
+            doc["compare"].append(base)
+            for label, knobs in settings:
+                rec = time_decode(args, rng, key, b, c, mosaic_mla.MosaicMLATuning(**knobs),
+                                  args.smoke, impl="mosaic")
+                rec["setting"] = label
+                if "ms" in rec and "ms" in base:
+                    rec["ratio_vs_triton"] = round(rec["ms"] / base["ms"], 3)
+                print(f"  mosaic {label}: ratio_vs_triton={rec.get('ratio_vs_triton')}",
+                      flush=True)
+                doc["compare"].append(rec)
+                common.write_result(args.out, doc)
 
 
 def tunings(args):
@@ -162,6 +215,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--ptx-stats", action="store_true", help="sm_90 code stats, no timing")
+    ap.add_argument("--compare-mosaic", action="store_true",
+                    help="Triton's row and kernels.mosaic_mla's per MOSAIC_SETTINGS entry")
+    ap.add_argument("--mosaic-settings", default=None,
+                    type=lambda s: [x for x in s.split(",") if x],
+                    help="comma list of MOSAIC_SETTINGS labels (default: all)")
     args = ap.parse_args(argv)
     bad = set(args.storages) - set(STORAGES)
     if bad:
@@ -169,11 +227,15 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     if args.smoke:
         shapes, args.heads, args.rank, args.rope = [(2, 40)], 4, 32, 32
+        if args.compare_mosaic:  # the Mosaic kernel takes ranks of 128 columns, RoPE 64
+            args.rank, args.rope = 128, 64
     plan = [(k, b, c) for k in args.storages for b, c in shapes]
     if args.dry_run:
         for k, b, c in plan:
             print(f"mla_decode {k} batch={b} context={c} heads={args.heads} "
-                  f"R={args.rank}+{args.rope} tunings={len(tunings(args))}")
+                  f"R={args.rank}+{args.rope} tunings={len(tunings(args))}"
+                  + (f" + mosaic {[lb for lb, _ in mosaic_settings(args, k)]}"
+                     if args.compare_mosaic else ""))
         return
     doc = {"machine": common.machine_info(), "command": common.command_line(
         "bench.mla_kernels", argv) if argv is not None else common.command_line(),
@@ -184,6 +246,10 @@ def main(argv=None):
         common.write_result(args.out, doc)
         return
     doc["copy_tbps"] = round(common.copy_bandwidth_tbps(), 3)
+    if args.compare_mosaic:
+        doc["compare"] = []
+        compare_mosaic(args, doc, shapes)
+        return
     rng = np.random.default_rng(0)
     for key in args.storages:
         best = None
