@@ -28,8 +28,14 @@ dtype; the latent rows past the end are zeroed in place in the split's last tile
 being NaN); fp8 pages (e4m3, e5m2) with token scales are upcast to f16 exactly by the compute
 warpgroup into one f16 latent tile and one f16 RoPE tile (rows past the end zeroed in the
 last tile), q and P in f16, token scales on the logits and probabilities as the dense
-kernels. fp8 ``block`` scales (one per 32 values, varying along the contraction) are not
-supported: ``check_supported`` says so (``pallas_mla`` runs them).
+kernels. fp8 ``block`` scales (one f16 per 32 or 64 values; they vary along both
+contractions, so no product can take them outside) are applied by the upcast: each 64-column
+chunk is upcast to f16 and multiplied in f16 by its groups' scales (each group's [64] scales
+broadcast over the chunk, selected by column), which rounds the exact product once, as
+Triton's f32 product cast to f16 (``tiles.dequant_kv``). The block scales are gathered per
+split in XLA into [B, G, tokens] f16 (group-major: a tile's scales are one [G, 64] TMA copy
+of 2,304 bytes at G = 18; a page's own [S, G] rows are 576 bytes at S = 16, not a multiple
+of 128): 36 bytes a token read and written beside the kernel, ~6% over the 612 it reads.
 
 Warpgroups: a *memory* warpgroup copies q, the split's page-table slice (rounded up to 32
 entries) and then each tile's rows into ``stages`` slots with TMA (``mosaic_decode_t``'s page
@@ -77,6 +83,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
 SMEM_RESERVE = 4096  # barriers and Mosaic's reduction scratch (~2.2 KB)
 MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
 CHUNK = 128  # upcast / zeroing columns at a time (64 x 128: 64 values a thread)
+BLOCK_SCALE_WIDTHS = (32, 64)  # fp8 block scales: whole 32-column tiles of the wide layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +110,10 @@ def check_supported(cfg: CacheConfig, num_heads: int, value_dim: int = 512) -> N
     fp8 = cfg.is_fp8
     if not fp8 and cfg.storage_dtype not in ("bfloat16", "float16"):
         problems.append(f"storage {cfg.storage_dtype} (bfloat16, float16 or fp8)")
-    if fp8 and cfg.scale_mode != "token":
-        problems.append(f"fp8 scale mode {cfg.scale_mode!r} (token only; block scales vary "
-                        "along the contraction)")
+    if fp8 and cfg.scale_mode not in ("token", "block"):
+        problems.append(f"fp8 scale mode {cfg.scale_mode!r} (token or block)")
+    if fp8 and cfg.scale_mode == "block" and cfg.scale_block not in BLOCK_SCALE_WIDTHS:
+        problems.append(f"scale blocks of {cfg.scale_block} values ({BLOCK_SCALE_WIDTHS})")
     if value_dim not in RANKS or cfg.head_dim - value_dim != ROPE:
         problems.append(f"rows of {value_dim} + {cfg.head_dim - value_dim} (kv_lora_rank in "
                         f"{RANKS}, qk_rope_head_dim {ROPE})")
@@ -126,17 +134,19 @@ def check_tuning(tuning: MosaicMLATuning) -> None:
 
 
 def smem_bytes(stages: int, n: int, rank: int, fp8: bool, pps: int,
-               token_scales: bool) -> int:
+               token_scales: bool, block_groups: int = 0) -> int:
     """Shared memory the kernel's buffers take (barriers and the reduction scratch on top).
 
     stages x 64 x R x (1 | 2) slots, + 64 x R x 2 f16 tiles (fp8), + N x R x 2 q,
     + r x N x 4 O^T staging, + 64 x N x 4 l, + N x 4 m, + N x 64 x 2 P^T, + stages x 64 x 4
-    token scales, + the page-table slice (rounded up to 32 entries)."""
+    token scales or stages x G x 64 x 2 block scales (G = R / block), + the page-table
+    slice (rounded up to 32 entries)."""
     width = rank + ROPE
     total = stages * BLOCK_K * width * (1 if fp8 else 2)
     total += BLOCK_K * width * 2 if fp8 else 0
     total += n * width * 2 + rank * n * 4 + BLOCK_K * n * 4 + n * 4 + n * BLOCK_K * 2
     total += stages * BLOCK_K * 4 if token_scales else 0
+    total += stages * block_groups * BLOCK_K * 2
     return total + -(-pps // 32) * 32 * 4
 
 
@@ -151,6 +161,7 @@ class _Dims(NamedTuple):
     rank: int
     n: int
     cdt: object  # the dots' operand dtype
+    block: int  # fp8 block scales: values per scale (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +194,41 @@ class LatentOps(TransposedOps):
 
         return pl.run_scoped(body, plgpu.ACC((c_lat.shape[0], q_lat.shape[0]), jnp.float32))
 
+    def upcast_scaled(self, ref, scales, group0, block, valid_rows=None):
+        """An fp8 tile [64, W] in shared memory (W a multiple of ``block``, the scale block)
+        times its block scales (``scales`` [G, 64] f16 in shared memory, the tile's first
+        column in group ``group0``) -> f16 registers, rows at or past ``valid_rows`` (if
+        given) zero. Each group's [64] scales are broadcast over the tile and selected by
+        column (Mosaic slices a tile only at whole 64-column tiles). The product is taken in
+        f16: the exact product of two f16 values rounded once, as ``dequant_kv``'s f32
+        product rounded to f16."""
+        plgpu = self.plgpu
+        if self.interpret:
+            x = ref[...].astype(jnp.float16)
+            load_sc = lambda g: scales[g]  # noqa: E731
+            iota = lambda d: lax.broadcasted_iota(jnp.int32, x.shape, d)  # noqa: E731
+        else:
+            x = plgpu.load(ref, (), layout=self.wide).astype(jnp.float16)
+            row_layout = self.wide.reduce(1)
+            load_sc = lambda g: plgpu.load(scales.at[g], (), layout=row_layout)  # noqa: E731
+            iota = lambda d: plgpu.broadcasted_iota(  # noqa: E731
+                jnp.int32, x.shape, d, layout=self.wide)
+        def bcast(g):  # the layout named right after: the broadcast's target
+            return self.cast(lax.broadcast_in_dim(load_sc(g), x.shape, [0]), self.wide)
+
+        sc = bcast(group0)
+        if x.shape[1] > block:
+            col = iota(1)
+            for k in range(1, x.shape[1] // block):
+                sc = jnp.where(col >= k * block, bcast(group0 + k), sc)
+        x = x * sc
+        if valid_rows is None:
+            return x
+        return jnp.where(iota(0) < valid_rows, x, jnp.zeros_like(x))
+
 
 def _kernel(len_ref, pt_ref, ql_ref, qr_ref, pages_ref, *refs, dims, plgpu, lay):
-    if dims.token_scales:
+    if dims.token_scales or dims.block:
         sc_ref, o_ref, m_ref, l_ref, smem, barriers = refs
     else:
         o_ref, m_ref, l_ref, smem, barriers = refs
@@ -248,20 +291,33 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
             if dims.token_scales and not dims.gathered_scales:  # pages of >= 32 tokens
                 plgpu.copy_gmem_to_smem(sc_ref.at[rows], smem["sc"].at[slot, dst],
                                         ready.at[slot], oob_mode=in_bounds)
+        keys = pl.ds(pl.multiple_of(start + t * BLOCK_K, BLOCK_K), BLOCK_K)
         if dims.gathered_scales:  # the tile's 64 scales, contiguous per split
-            keys = pl.ds(pl.multiple_of(start + t * BLOCK_K, BLOCK_K), BLOCK_K)
             plgpu.copy_gmem_to_smem(sc_ref.at[b, keys], smem["sc"].at[slot], ready.at[slot],
                                     oob_mode=in_bounds)
+        if dims.block:  # [G, 64] block scales, gathered per split (group-major) in XLA
+            plgpu.copy_gmem_to_smem(sc_ref.at[b, :, keys], smem["bsc"].at[slot],
+                                    ready.at[slot], oob_mode=in_bounds)
 
     @pl.loop(jnp.maximum(prog.n_tiles - stages, 0), prog.n_tiles)
     def _(t):  # observe every slot's last release: a barrier ends with no phase unseen
         plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
 
-def _chunks(src, dst, valid_rows, *, lay, dtype):
+def _chunks(src, dst, valid_rows, *, lay, dtype, scales=None, group0=0, block=0):
     """src [64, C] -> dst (``dtype``) in [64, CHUNK] column chunks (64 values a thread at a
-    time), rows at or past ``valid_rows`` (if given) zero. src may be dst (zeroing in place)."""
+    time), rows at or past ``valid_rows`` (if given) zero. src may be dst (zeroing in place).
+    ``scales`` [G, 64] (fp8 block scales, G groups of ``block`` columns over the whole row,
+    src's first column in group ``group0``): each [64, block] chunk times its group's
+    scales."""
     width = src.shape[1]
+    if scales is not None:  # 64-column chunks: the f16 tile's (and fp8 slot's) tiles
+        step = max(block, ROPE)
+        for c0 in range(0, width, step):
+            cols = (pl.ds(0, BLOCK_K), pl.ds(c0, step))
+            dst.at[cols][...] = lay.upcast_scaled(src.at[cols], scales,
+                                                  group0 + c0 // block, block, valid_rows)
+        return
     for c0 in range(0, width, CHUNK):
         w = min(CHUNK, width - c0)
         cols = (pl.ds(0, BLOCK_K), pl.ds(c0, w))
@@ -276,15 +332,13 @@ def _prepare_tile(prog: _Program, t, slot, smem, *, dims, lay):
     valid = prog.end - prog.start - t * BLOCK_K
     if dims.fp8:
         lat16, rope16 = smem["lat16"], smem["rope16"]
-        _chunks(rope, rope16, None, lay=lay, dtype=jnp.float16)
-
-        @pl.when(t < last)
-        def _():
-            _chunks(lat, lat16, None, lay=lay, dtype=jnp.float16)
-
-        @pl.when(t == last)
-        def _():
-            _chunks(lat, lat16, valid, lay=lay, dtype=jnp.float16)
+        scaled = {}
+        if dims.block:  # the scales' groups: the latent's first, then the RoPE tail's
+            scaled = dict(scales=smem["bsc"].at[slot], block=dims.block)
+        up = functools.partial(_chunks, lay=lay, dtype=jnp.float16, **scaled)
+        up(rope, rope16, None, **({"group0": dims.rank // dims.block} if dims.block else {}))
+        pl.when(t < last)(lambda: up(lat, lat16, None))
+        pl.when(t == last)(lambda: up(lat, lat16, valid))
 
         return lat16, rope16
 
@@ -380,6 +434,9 @@ def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int):
         smem["rope16"] = swizzled(plgpu, (BLOCK_K, ROPE), jnp.float16)
     if dims.token_scales:
         smem["sc"] = plgpu.SMEM((st, BLOCK_K), jnp.float32)
+    if dims.block:
+        groups = (rank + ROPE) // dims.block
+        smem["bsc"] = plgpu.SMEM((st, groups, BLOCK_K), jnp.float16)
     barriers = {
         "ready": plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=st),
         "consumed": plgpu.Barrier(num_barriers=st),
@@ -411,7 +468,9 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     n = tuning.block(nh)
     nhb = -(-nh // n)
     fp8 = cfg.is_fp8
-    token_scales = fp8
+    token_scales = fp8 and cfg.scale_mode == "token"
+    block = cfg.scale_block if fp8 and cfg.scale_mode == "block" else 0
+    groups = width // block if block else 0
     cdt = jnp.dtype(jnp.float16) if fp8 else jnp.dtype(cfg.storage_dtype)
     max_pages = page_tables.shape[1]
     ns = choose_splits(b, nhb, max_pages * s, DecodeTuning(
@@ -427,14 +486,15 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     width_pt = (ns - 1) * pps + -(-pps // 32) * 32
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width_pt - max_pages)))
     gathered = token_scales and s * 4 % 128 != 0
-    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales)
+    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales, groups)
     if need > SMEM_LIMIT - SMEM_RESERVE:
         raise ValueError(f"{tuning} needs {need} bytes of shared memory at N = {n}, R = "
                          f"{width} ({cfg.storage_dtype}; at most {SMEM_LIMIT - SMEM_RESERVE})"
                          ": fewer stages or head_block 8")
     dims = _Dims(tuning.stages, tokens_per_split, s, fp8, token_scales, gathered,
-                 float(sm_scale) * LOG2E, rank, n, cdt)
-    copies = (2 + (token_scales and not gathered)) * max(1, BLOCK_K // s) + gathered
+                 float(sm_scale) * LOG2E, rank, n, cdt, block)
+    copies = ((2 + (token_scales and not gathered)) * max(1, BLOCK_K // s) + gathered
+              + bool(block))
     smem, barriers = _scratch(plgpu, dims, pps, pages.dtype, copies)
     out_type = (jax.ShapeDtypeStruct((b, nhb, ns, rank, n), jnp.float32),
                 jax.ShapeDtypeStruct((b, nhb, ns, n), jnp.float32),
@@ -459,6 +519,9 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
         operands.append(scale.reshape(-1).astype(jnp.float32)[idx.reshape(b, -1)])
     elif token_scales:
         operands.append(scale.reshape(-1).astype(jnp.float32))
+    if block:  # [B, G, ns * tokens_per_split] f16: each split's scales, group-major
+        idx = (pt[:, : ns * pps, None] * s + jnp.arange(s)).reshape(b, -1)
+        operands.append(jnp.swapaxes(scale.reshape(-1, groups).astype(jnp.float16)[idx], 1, 2))
     o, m, l = kernel(*operands)
     out = combine_splits(jnp.swapaxes(o, -1, -2), m, l.sum(axis=-2))  # [B, NHB, N, r]
     return out.reshape(b, 1, nhb * n, rank)[:, :, :nh].astype(q.dtype)

@@ -42,7 +42,8 @@ CASES = [
     # so the 2-slot ring wraps; gathered scales (16-token pages) and copied ones (32)
     ("bfloat16", None, 16, 128, 5, 1, Tuning()),
     ("float8_e4m3fn", "token", 16, 128, 16, 2, Tuning()),
-    ("float8_e5m2", "token", 32, 256, 12, 1, Tuning(head_block=8)),
+    ("float8_e5m2", "token", 32, 128, 12, 1, Tuning(head_block=8)),
+    ("float8_e4m3fn", "block", 16, 128, 9, 1, Tuning()),
     # GPU only, at DeepSeek's rows (512 + 64):
     ("bfloat16", None, 16, 512, 16, 0, Tuning()),
     ("bfloat16", None, 64, 512, 128, 0, Tuning()),
@@ -51,8 +52,10 @@ CASES = [
     ("float8_e4m3fn", "token", 64, 512, 16, 0, Tuning(stages=1)),
     ("float8_e4m3fn", "token", 16, 512, 128, 0, Tuning(stages=3, head_block=8)),
     ("float8_e5m2", "token", 8, 512, 20, 2, Tuning()),
+    ("float8_e4m3fn", "block", 16, 512, 16, 0, Tuning()),
+    ("float8_e4m3fn", "block", 64, 512, 128, 0, Tuning(stages=3, head_block=8)),
 ]
-INTERPRET = 3
+INTERPRET = 4
 
 
 def _id(c):
@@ -100,7 +103,8 @@ def _latent_cfg(storage, mode, page_size=16, rank=512, rope=64):
 
 
 @pytest.mark.parametrize("cfg,heads,value_dim", [
-    (_latent_cfg("float8_e4m3fn", "block"), 16, 512),  # block scales: Triton
+    (dataclasses.replace(_latent_cfg("float8_e4m3fn", "block"), scale_block=16), 16, 512),
+    (_latent_cfg("float8_e4m3fn", "tensor"), 16, 512),
     (_latent_cfg("float32", None), 16, 512),
     (_latent_cfg("bfloat16", None, rope=32), 16, 512),  # RoPE tail 32
     (_latent_cfg("bfloat16", None, rank=64), 16, 64),  # rank 64
@@ -152,6 +156,8 @@ LOWER_CASES = [
     ("float8_e4m3fn", "token", 16, 128, Tuning()),
     ("float8_e4m3fn", "token", 16, 16, Tuning(stages=3, head_block=8)),
     ("float8_e5m2", "token", 8, 20, Tuning(stages=1)),
+    ("float8_e4m3fn", "block", 16, 16, Tuning()),
+    ("float8_e4m3fn", "block", 64, 128, Tuning(stages=3, head_block=8)),
 ]
 
 
