@@ -4,7 +4,7 @@
     python -m bench.mla_kernels --dry-run          # the plan only (no JAX work)
     python -m bench.mla_kernels --smoke            # tiny shapes, interpret mode (CPU)
     PYTHONPATH=/tmp/tritonpkg python -m bench.mla_kernels --ptx-stats   # sm_90 code, no GPU
-    python -m bench.mla_kernels --compare-mosaic --storages bf16,fp8_e4m3:token \
+    python -m bench.mla_kernels --compare-mosaic --budget-s 150 \
         --out bench/results/mla-kernels-mosaic-h200.json   # + the Mosaic GPU kernel's rows
 
 Shapes: DeepSeek-V2-Lite's attention (H = 16 absorbed heads, R = 512 + 64), decode
@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -46,24 +47,27 @@ STORAGES = {"bf16": ("bfloat16", None), "fp8_e4m3:token": ("float8_e4m3fn", "tok
             "fp8_e4m3:block": ("float8_e4m3fn", "block")}
 SHAPES = ((64, 4096), (8, 32768))
 SWEEP = dict(block_k=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3))
-# ``--compare-mosaic``: (label, MosaicMLATuning knobs, storage prefix it runs for). At H = 16
-# one head block: tp128 is
-# one wave of 128 programs (B = 64: 2 splits, B = 8: 16), tp132 (the default) 4 / 32
-# splits, tp264 8 / 64 (a ~205 KB program takes a whole SM: one program an SM at a time);
-# hb8: two programs of 8 heads per row (the latent read twice, the second mostly from L2),
-# where fp8 fits 3 stages
-MOSAIC_SETTINGS = (("st2 tp128", dict(target_programs=128), ""),
-                   ("st2 tp132", dict(), ""),
-                   ("st2 tp264", dict(target_programs=264), ""),
-                   ("hb8 st2 tp256", dict(head_block=8, target_programs=256), "bf16"),
+# ``--compare-mosaic``: (label, MosaicMLATuning knobs, the storages it runs for). At H = 16
+# one head block: tp128 is one wave of 128 programs (B = 64: 2 splits, B = 8: 16), tp132
+# (the default) 4 / 32 splits, tp264 8 / 64 (a ~205 KB program takes a whole SM: one
+# program an SM at a time); hb8: two programs of 8 heads per row (the latent read twice,
+# the second mostly from L2), where fp8 fits 3 stages. 22 rows over bench's storages and
+# shapes with Triton's.
+BF16, TOKEN, BLOCK = "bf16", "fp8_e4m3:token", "fp8_e4m3:block"
+MOSAIC_SETTINGS = (("st2 tp128", dict(target_programs=128), (BF16, TOKEN, BLOCK)),
+                   ("st2 tp132", dict(), (BF16, TOKEN)),
+                   ("st2 tp264", dict(target_programs=264), (BF16,)),
+                   ("hb8 st2 tp256", dict(head_block=8, target_programs=256), (BF16,)),
                    ("hb8 st3 tp256", dict(head_block=8, stages=3, target_programs=256),
-                    "fp8"))
+                    (TOKEN, BLOCK)))
 
 
 def mosaic_settings(args, key):
-    """The ``MOSAIC_SETTINGS`` entries for storage ``key`` (``--mosaic-settings`` filter)."""
-    return [(lb, kn) for lb, kn, only in MOSAIC_SETTINGS if key.startswith(only)
-            and (args.mosaic_settings is None or lb in args.mosaic_settings)]
+    """The ``MOSAIC_SETTINGS`` entries for storage ``key`` (``--mosaic-settings`` filter:
+    those labels for every storage)."""
+    if args.mosaic_settings is not None:
+        return [(lb, kn) for lb, kn, _ in MOSAIC_SETTINGS if lb in args.mosaic_settings]
+    return [(lb, kn) for lb, kn, keys in MOSAIC_SETTINGS if key in keys]
 
 
 def latent_cfg(storage, mode, rank, rope, batch, context, page_size) -> CacheConfig:
@@ -141,13 +145,19 @@ def time_decode(args, rng, key, batch, context, tuning, interpret, impl="triton"
 def compare_mosaic(args, doc, shapes):
     """``--compare-mosaic``: Triton's row, then the Mosaic kernel's per setting."""
     rng = np.random.default_rng(0)
+    t0 = time.time()
     for key in args.storages:
         settings = mosaic_settings(args, key)
         for b, c in shapes:
+            if time.time() - t0 > args.budget_s:
+                print(f"budget of {args.budget_s} s spent: {key} {b}x{c} not run", flush=True)
+                continue
             base = time_decode(args, rng, key, b, c, None, args.smoke)
             base["setting"] = "triton"
             doc["compare"].append(base)
             for label, knobs in settings:
+                if time.time() - t0 > args.budget_s:
+                    break
                 rec = time_decode(args, rng, key, b, c, mosaic_mla.MosaicMLATuning(**knobs),
                                   args.smoke, impl="mosaic")
                 rec["setting"] = label
@@ -219,7 +229,10 @@ def main(argv=None):
                     help="Triton's row and kernels.mosaic_mla's per MOSAIC_SETTINGS entry")
     ap.add_argument("--mosaic-settings", default=None,
                     type=lambda s: [x for x in s.split(",") if x],
-                    help="comma list of MOSAIC_SETTINGS labels (default: all)")
+                    help="comma list of MOSAIC_SETTINGS labels for every storage (default: "
+                    "each storage's own)")
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="--compare-mosaic: no row starts after this many seconds")
     args = ap.parse_args(argv)
     bad = set(args.storages) - set(STORAGES)
     if bad:
