@@ -51,7 +51,12 @@ Mosaic's reduction scratch): slots stages x 64 x R x (1 fp8 | 2 bf16) bytes, f16
 64 x R x 2 (fp8 only), q N x R x 2, O^T staging r x N x 4, l 64 x N x 4, P^T N x 64 x 2.
 At R = 576, N = 16: bf16 73,728 a stage + 57,344 -> 2 stages (204,800); fp8 36,864 a stage
 + 131,072 -> 2 stages (204,800 + scales); at N = 8 fp8 takes 3 stages (213,504 + scales),
-bf16 still 2. More is a ValueError.
+bf16 still 2. ``alias_out`` stages O^T (32 KB at N = 16) in the slots' memory once the
+split's tiles are done (``plgpu.RefUnion``): fp8 then takes 3 stages at N = 16 (209,920 +
+scales), bf16 still 2. Lowered, Mosaic adds 4.1-4.4 KB (1 KB alignment of each buffer,
+barriers, the reduction scratch): 208,944 (bf16 st2), 209,968 (token st2), 214,080 (token
+st3 alias), 220,224 (block st3 alias), 224,320 (block N = 8 st3) of 232,448. More is a
+ValueError.
 
 Lane semantics as ``mosaic_decode_t`` (the transposed P^T store lowers only there on jax
 0.10.2). ``check_supported`` raises ValueError for what this kernel cannot run.
@@ -80,7 +85,9 @@ HEAD_BLOCKS = (8, 16)  # wgmma's N: query heads per program
 RANKS = (128, 256, 512)  # kv_lora_rank: whole 128-column chunks, O^T's [r, N] in registers
 ROPE = 64  # qk_rope_head_dim
 SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
-SMEM_RESERVE = 4096  # barriers and Mosaic's reduction scratch (~2.2 KB)
+# barriers, Mosaic's reduction scratch (~2.2 KB) and its 1 KB alignment of each buffer:
+# lowered, the bench's settings take 4.1-4.4 KB over ``smem_bytes``
+SMEM_RESERVE = 6144
 MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
 CHUNK = 128  # upcast / zeroing columns at a time (64 x 128: 64 values a thread)
 BLOCK_SCALE_WIDTHS = (32, 64)  # fp8 block scales: whole 32-column tiles of the wide layout
@@ -90,12 +97,16 @@ BLOCK_SCALE_WIDTHS = (32, 64)  # fp8 block scales: whole 32-column tiles of the 
 class MosaicMLATuning:
     """``stages``: tiles in flight per program (see the module docstring for what fits).
     ``head_block``: query heads per program (8 or 16; 0: 16, or 8 when H <= 8).
-    ``num_splits`` 0: splits until the grid holds ``target_programs``."""
+    ``num_splits`` 0: splits until the grid holds ``target_programs``. ``alias_out``: the
+    O^T staging buffer shares shared memory with the slots (``plgpu.RefUnion``; natively
+    only: interpret mode keeps them apart), which frees r x N x 4 bytes (32 KB at N = 16:
+    a third fp8 stage)."""
 
     stages: int = 2
     head_block: int = 0
     num_splits: int = 0
     target_programs: int = NUM_SMS_H200
+    alias_out: bool = False
 
     def block(self, num_heads: int) -> int:
         return self.head_block or (8 if num_heads <= 8 else 16)
@@ -134,17 +145,19 @@ def check_tuning(tuning: MosaicMLATuning) -> None:
 
 
 def smem_bytes(stages: int, n: int, rank: int, fp8: bool, pps: int,
-               token_scales: bool, block_groups: int = 0) -> int:
+               token_scales: bool, block_groups: int = 0, alias_out: bool = False) -> int:
     """Shared memory the kernel's buffers take (barriers and the reduction scratch on top).
 
     stages x 64 x R x (1 | 2) slots, + 64 x R x 2 f16 tiles (fp8), + N x R x 2 q,
     + r x N x 4 O^T staging, + 64 x N x 4 l, + N x 4 m, + N x 64 x 2 P^T, + stages x 64 x 4
     token scales or stages x G x 64 x 2 block scales (G = R / block), + the page-table
-    slice (rounded up to 32 entries)."""
+    slice (rounded up to 32 entries); with ``alias_out`` the slots and the O^T staging
+    count once, as the larger."""
     width = rank + ROPE
-    total = stages * BLOCK_K * width * (1 if fp8 else 2)
+    slots, out = stages * BLOCK_K * width * (1 if fp8 else 2), rank * n * 4
+    total = max(slots, out) if alias_out else slots + out
     total += BLOCK_K * width * 2 if fp8 else 0
-    total += n * width * 2 + rank * n * 4 + BLOCK_K * n * 4 + n * 4 + n * BLOCK_K * 2
+    total += n * width * 2 + BLOCK_K * n * 4 + n * 4 + n * BLOCK_K * 2
     total += stages * BLOCK_K * 4 if token_scales else 0
     total += stages * block_groups * BLOCK_K * 2
     return total + -(-pps // 32) * 32 * 4
@@ -233,6 +246,9 @@ def _kernel(len_ref, pt_ref, ql_ref, qr_ref, pages_ref, *refs, dims, plgpu, lay)
     else:
         o_ref, m_ref, l_ref, smem, barriers = refs
         sc_ref = None
+    if "ring" in smem:  # ``alias_out``: the slots' group and the O^T staging's
+        slots, out = smem["ring"]
+        smem = {**{k: v for k, v in smem.items() if k != "ring"}, **slots, **out}
     b, sp = lax.axis_index("b"), lax.axis_index("sp")
     start = sp * dims.tokens_per_split
     end = jnp.minimum(len_ref[b], start + dims.tokens_per_split)
@@ -360,6 +376,9 @@ def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, d
             lay.cast(jnp.full((n,), -jnp.inf, jnp.float32), lay.col),
             lay.cast(jnp.zeros((BLOCK_K, n), jnp.float32), lay.wgmma))
     acc, m_i, l_i = lax.fori_loop(0, prog.n_tiles, step, init)
+    # with ``alias_out`` "o" is the slots' memory: free, every copy into it having landed
+    # (each tile's ready barrier waited above) and the last wgmma reading it done (acc's
+    # value waits for it)
     smem["o"][...] = acc
     smem["m"][...] = m_i
     smem["l"][...] = l_i
@@ -416,19 +435,23 @@ def _slot(plgpu, shape, dtype):
                                                 plgpu.SwizzleTransform(ROPE)))
 
 
-def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int):
+def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int, alias_out: bool):
     st, n, rank, cdt = dims.stages, dims.n, dims.rank, dims.cdt
+    slots = {"lat": _slot(plgpu, (st, BLOCK_K, rank), storage),
+             "rope": _slot(plgpu, (st, BLOCK_K, ROPE), storage)}
+    out = {"o": plgpu.SMEM((rank, n), jnp.float32)}
     smem = {
         "q_lat": swizzled(plgpu, (n, rank), cdt),
         "q_rope": swizzled(plgpu, (n, ROPE), cdt),
         "pt": plgpu.SMEM((-(-pps // 32) * 32,), jnp.int32),
-        "lat": _slot(plgpu, (st, BLOCK_K, rank), storage),
-        "rope": _slot(plgpu, (st, BLOCK_K, ROPE), storage),
         "p": swizzled(plgpu, (n, BLOCK_K), cdt),
-        "o": plgpu.SMEM((rank, n), jnp.float32),
         "m": plgpu.SMEM((n,), jnp.float32),
         "l": plgpu.SMEM((BLOCK_K, n), jnp.float32),
     }
+    if alias_out:
+        smem["ring"] = plgpu.RefUnion(slots, out)
+    else:
+        smem.update(slots, **out)
     if dims.fp8:
         smem["lat16"] = swizzled(plgpu, (BLOCK_K, rank), jnp.float16)
         smem["rope16"] = swizzled(plgpu, (BLOCK_K, ROPE), jnp.float16)
@@ -486,7 +509,9 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     width_pt = (ns - 1) * pps + -(-pps // 32) * 32
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width_pt - max_pages)))
     gathered = token_scales and s * 4 % 128 != 0
-    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales, groups)
+    alias = tuning.alias_out and not interpret  # the interpreter has no RefUnion
+    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales, groups,
+                      tuning.alias_out)
     if need > SMEM_LIMIT - SMEM_RESERVE:
         raise ValueError(f"{tuning} needs {need} bytes of shared memory at N = {n}, R = "
                          f"{width} ({cfg.storage_dtype}; at most {SMEM_LIMIT - SMEM_RESERVE})"
@@ -495,7 +520,7 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
                  float(sm_scale) * LOG2E, rank, n, cdt, block)
     copies = ((2 + (token_scales and not gathered)) * max(1, BLOCK_K // s) + gathered
               + bool(block))
-    smem, barriers = _scratch(plgpu, dims, pps, pages.dtype, copies)
+    smem, barriers = _scratch(plgpu, dims, pps, pages.dtype, copies, alias)
     out_type = (jax.ShapeDtypeStruct((b, nhb, ns, rank, n), jnp.float32),
                 jax.ShapeDtypeStruct((b, nhb, ns, n), jnp.float32),
                 jax.ShapeDtypeStruct((b, nhb, ns, BLOCK_K, n), jnp.float32))

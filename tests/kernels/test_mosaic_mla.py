@@ -54,6 +54,9 @@ CASES = [
     ("float8_e5m2", "token", 8, 512, 20, 2, Tuning()),
     ("float8_e4m3fn", "block", 16, 512, 16, 0, Tuning()),
     ("float8_e4m3fn", "block", 64, 512, 128, 0, Tuning(stages=3, head_block=8)),
+    # O^T staged in the slots' memory (natively only: the interpreter has no RefUnion)
+    ("float8_e4m3fn", "token", 16, 512, 16, 0, Tuning(stages=3, alias_out=True)),
+    ("bfloat16", None, 16, 512, 16, 0, Tuning(alias_out=True)),
 ]
 INTERPRET = 4
 
@@ -61,7 +64,7 @@ INTERPRET = 4
 def _id(c):
     t = c[6]
     return (f"{c[0]}-{c[1]}-S{c[2]}-R{c[3]}+64-H{c[4]}-ns{c[5]}-st{t.stages}"
-            f"-hb{t.head_block}")
+            f"-hb{t.head_block}" + ("-alias" if t.alias_out else ""))
 
 
 IDS = [_id(c) for c in CASES]
@@ -128,6 +131,8 @@ def _args(storage, mode, s, nh, batch_lens=(300, 1), rank=512):
     ("bfloat16", None, Tuning(stages=3)),  # 3 x 72 KB slots
     ("float8_e4m3fn", "token", Tuning(stages=3)),  # N = 16: 2 stages at most
     ("float8_e4m3fn", "token", Tuning(stages=4, head_block=8)),
+    ("float8_e4m3fn", "token", Tuning(stages=4, alias_out=True)),
+    ("bfloat16", None, Tuning(stages=3, alias_out=True)),
 ])
 def test_mosaic_mla_refuses_too_many_stages(storage, mode, tuning):
     with pytest.raises(ValueError, match="shared memory"):
@@ -158,12 +163,15 @@ LOWER_CASES = [
     ("float8_e5m2", "token", 8, 20, Tuning(stages=1)),
     ("float8_e4m3fn", "block", 16, 16, Tuning()),
     ("float8_e4m3fn", "block", 64, 128, Tuning(stages=3, head_block=8)),
+    ("float8_e4m3fn", "token", 16, 16, Tuning(stages=3, alias_out=True)),
+    ("float8_e4m3fn", "block", 16, 16, Tuning(stages=3, alias_out=True)),
+    ("bfloat16", None, 64, 16, Tuning(alias_out=True)),
 ]
 
 
 @pytest.mark.parametrize("case", LOWER_CASES, ids=[
     f"{c[0]}-{c[1]}-S{c[2]}-H{c[3]}-st{c[4].stages}-hb{c[4].head_block}"
-    for c in LOWER_CASES])
+    + ("-alias" if c[4].alias_out else "") for c in LOWER_CASES])
 def test_mosaic_mla_lowers_for_hopper_on_any_machine(case):
     """Pallas's lowering for CUDA (lane semantics, layout inference down to NVVM) runs in
     Python, GPU or not: most Mosaic errors show here in seconds."""
