@@ -46,17 +46,17 @@ and writes its split's partial state (O^T, m, per-element l), merged by
 ``setmaxnreg``. A second compute warpgroup would need its own f16 tile (fp8) and O^T
 staging: it does not fit shared memory at r = 512 (see ``smem_bytes``), so there is none.
 
-Shared memory (``smem_bytes``; the H200 gives a block 227 KB, 4 KB kept for barriers and
-Mosaic's reduction scratch): slots stages x 64 x R x (1 fp8 | 2 bf16) bytes, f16 tile
-64 x R x 2 (fp8 only), q N x R x 2, O^T staging r x N x 4, l 64 x N x 4, P^T N x 64 x 2.
-At R = 576, N = 16: bf16 73,728 a stage + 57,344 -> 2 stages (204,800); fp8 36,864 a stage
-+ 131,072 -> 2 stages (204,800 + scales); at N = 8 fp8 takes 3 stages (213,504 + scales),
-bf16 still 2. ``alias_out`` stages O^T (32 KB at N = 16) in the slots' memory once the
-split's tiles are done (``plgpu.RefUnion``): fp8 then takes 3 stages at N = 16 (209,920 +
-scales), bf16 still 2. Lowered, Mosaic adds 4.1-4.4 KB (1 KB alignment of each buffer,
-barriers, the reduction scratch): 208,944 (bf16 st2), 209,968 (token st2), 214,080 (token
-st3 alias), 220,224 (block st3 alias), 224,320 (block N = 8 st3) of 232,448. More is a
-ValueError.
+Shared memory (``smem_bytes``; the H200 gives a block 227 KB, 6 KB kept for what Mosaic
+adds): slots stages x 64 x R x (1 fp8 | 2 bf16) bytes, f16 tiles 64 x R x 2 (fp8 only), q
+N x R x 2, O^T staging r x N x 4, l 64 x N x 4, m N x 4, P^T N x 64 x 2, scales (token
+stages x 256, block stages x 2,304), the page-table slice. At R = 576, N = 16: bf16 73,728 a
+stage + 57,408 -> 2 stages (204,864); fp8 36,864 a stage + 131,136 -> 2 stages (204,864 +
+scales); at N = 8 fp8 takes 3 stages (213,024 + scales), bf16 still 2. ``alias_out`` stages
+O^T (32 KB at N = 16) in the slots' memory once the split's tiles are done
+(``plgpu.RefUnion``): fp8 then takes 3 stages at N = 16 (208,960 + scales), bf16 still 2.
+Lowered, Mosaic adds 4.1-4.4 KB (1 KB alignment of each buffer, barriers, the reduction
+scratch): 208,944 bytes (bf16 st2), 209,968 (token st2), 214,080 (token st3 alias), 220,224
+(block st3 alias), 224,320 (block N = 8 st3) of 232,448. More is a ValueError.
 
 Lane semantics as ``mosaic_decode_t`` (the transposed P^T store lowers only there on jax
 0.10.2). ``check_supported`` raises ValueError for what this kernel cannot run.
