@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import time
 
 import jax
@@ -239,6 +240,13 @@ def main(argv=None):
     if bad:
         ap.error(f"unknown storages {sorted(bad)}; choose from {list(STORAGES)}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    if args.smoke and args.compare_mosaic:
+        # the GPU interpreter on the CPU: XLA's concurrency-optimized scheduler deadlocked
+        # the Mosaic kernels' simulated warpgroups (tests/conftest.py turns it off too); the
+        # backend starts later, so the flag still applies
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+            os.environ.get("XLA_FLAGS", ""),
+            "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))
     if args.smoke:
         shapes, args.heads, args.rank, args.rope = [(2, 40)], 4, 32, 32
         if args.compare_mosaic:  # the Mosaic kernel takes ranks of 128 columns, RoPE 64
