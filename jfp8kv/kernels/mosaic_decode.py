@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the q block
                                        grouped_queries, interpret_kwargs, layout_problems,
-                                       load_plgpu, swizzled)
+                                       load_plgpu, page_chunks, swizzled, walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -157,7 +157,6 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     q_s, pt_s, k8_s, v8_s, ks_s, vs_s = smem[:6]
     ready, consumed, q_bar, pt_bar, _ = barriers
     b, h, sp, start, end = prog.b, prog.h, prog.sp, prog.start, prog.end
-    copy_rows = min(page_size, BLOCK_K)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
     plgpu.set_max_registers(40, action="decrease")
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[pl.ds(0, q_ref.shape[2])], q_bar)
@@ -168,22 +167,8 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
                             pt_bar, oob_mode=in_bounds)
     plgpu.barrier_wait(pt_bar)
 
-    @pl.loop(0, prog.n_tiles)
-    def _tile(t):
-        slot = lax.rem(t, stages)
-
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-        for j in range(BLOCK_K // copy_rows):
-            tok0 = start + t * BLOCK_K + j * copy_rows
-            pidx = tok0 // page_size
-            page = pt_s[pidx - sp * pps]
-            page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
-            row0 = page * page_size + (tok0 - pidx * page_size)
-            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
-            dst = pl.ds(j * copy_rows, copy_rows)
+    def copy_tile(t, slot):
+        for rows, dst in page_chunks(pt_s, sp, pps, start, t, end, page_size, BLOCK_K):
             plgpu.copy_gmem_to_smem(k_ref.at[h, rows], k8_s.at[slot, dst], ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[h, rows], v8_s.at[slot, dst], ready.at[slot])
             if token_scales:  # 4 bytes a token: plain bulk copies (16-byte aligned)
@@ -191,10 +176,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
                     plgpu.copy_gmem_to_smem(src.at[h, rows], dst_s.at[slot, dst],
                                             ready.at[slot], oob_mode=in_bounds)
 
-    # Observe every slot's last release too: a barrier ends its life with no phase unseen.
-    @pl.loop(jnp.maximum(prog.n_tiles - stages, 0), prog.n_tiles)
-    def _drain(t):
-        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+    walk_tiles(plgpu, prog.n_tiles, stages, consumed, copy_tile)
 
 
 def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, plgpu, lay):

@@ -65,8 +65,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import (MosaicOps, grouped_queries, interpret_kwargs,
-                                       layout_problems, load_plgpu, swizzled)
+from jfp8kv.kernels.mosaic_ops import (MosaicOps, drain_slots, grouped_queries,
+                                       interpret_kwargs, layout_problems, load_plgpu,
+                                       page_chunks, swizzled, walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -292,12 +293,6 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
                            plgpu=plgpu, lay=lay)
 
 
-def _drain(n_tiles, consumed, stages, plgpu):
-    @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
-    def _(t):  # observe every slot's last release: a barrier ends with no phase unseen
-        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
-
-
 def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
                       barriers, *, dims, plgpu):
     """Copies q, the split's page-table slice, then each tile's pages into its fp8 slot
@@ -305,7 +300,6 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     page_size, stages = dims.page_size, dims.stages
     ready, consumed = barriers["ready8"], barriers["consumed8"]
     b, h, sp, start, end = prog.b, prog.h, prog.sp, prog.start, prog.end
-    copy_rows = min(page_size, BLOCK_K)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], smem["q"], barriers["q"])
     # the split's page-table entries, rounded up to 32 (a lane-semantics copy moves a
@@ -316,22 +310,8 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
                             pt_s, barriers["pt"], oob_mode=in_bounds)
     plgpu.barrier_wait(barriers["pt"])
 
-    @pl.loop(0, prog.n_tiles)
-    def _tile(t):
-        slot = lax.rem(t, stages)
-
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-        for j in range(BLOCK_K // copy_rows):
-            tok0 = start + t * BLOCK_K + j * copy_rows
-            pidx = tok0 // page_size
-            page = pt_s[pidx - sp * pps]
-            page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
-            row0 = page * page_size + (tok0 - pidx * page_size)
-            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
-            dst = pl.ds(j * copy_rows, copy_rows)
+    def copy_tile(t, slot):
+        for rows, dst in page_chunks(pt_s, sp, pps, start, t, end, page_size, BLOCK_K):
             plgpu.copy_gmem_to_smem(k_ref.at[h, rows], smem["k8"].at[slot, dst],
                                     ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[h, rows], smem["v8"].at[slot, dst],
@@ -346,7 +326,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
                 plgpu.copy_gmem_to_smem(src.at[b, h, keys], smem["sc8"].at[slot, r],
                                         ready.at[slot], oob_mode=in_bounds)
 
-    _drain(prog.n_tiles, consumed, stages, plgpu)
+    walk_tiles(plgpu, prog.n_tiles, stages, consumed, copy_tile)
 
 
 def _upcast_tile(prog: _Program, t, k8, v8, k16, v16, *, dims, lay, masked: bool):
@@ -399,7 +379,7 @@ def _upcast_warpgroup(prog: _Program, smem, barriers, *, dims, plgpu, lay):
         plgpu.barrier_arrive(barriers["ready16"].at[s16])
         plgpu.barrier_arrive(barriers["consumed8"].at[s8])  # every thread has read it
 
-    _drain(prog.n_tiles, barriers["consumed16"], st16, plgpu)
+    drain_slots(plgpu, prog.n_tiles, st16, barriers["consumed16"])
 
 
 def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, dims, plgpu,

@@ -75,7 +75,8 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_decode_t import TransposedOps
-from jfp8kv.kernels.mosaic_ops import interpret_kwargs, load_plgpu, swizzled
+from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks, swizzled,
+                                       walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E
@@ -274,7 +275,6 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
     page_size, stages, rank = dims.page_size, dims.stages, dims.rank
     ready, consumed = barriers["ready"], barriers["consumed"]
     b, sp, start, end = prog.b, prog.sp, prog.start, prog.end
-    copy_rows = min(page_size, BLOCK_K)
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
     plgpu.copy_gmem_to_smem(ql_ref.at[b, prog.hb], smem["q_lat"], barriers["q"])
     plgpu.copy_gmem_to_smem(qr_ref.at[b, prog.hb], smem["q_rope"], barriers["q"])
@@ -284,22 +284,8 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
                             pt_s, barriers["pt"], oob_mode=in_bounds)
     plgpu.barrier_wait(barriers["pt"])
 
-    @pl.loop(0, prog.n_tiles)
-    def _tile(t):
-        slot = lax.rem(t, stages)
-
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-        for j in range(BLOCK_K // copy_rows):
-            tok0 = start + t * BLOCK_K + j * copy_rows
-            pidx = tok0 // page_size
-            page = pt_s[pidx - sp * pps]
-            page = jnp.where(tok0 < end, page, 0)  # past the end: any real page, masked
-            row0 = page * page_size + (tok0 - pidx * page_size)
-            rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
-            dst = pl.ds(j * copy_rows, copy_rows)
+    def copy_tile(t, slot):
+        for rows, dst in page_chunks(pt_s, sp, pps, start, t, end, page_size, BLOCK_K):
             plgpu.copy_gmem_to_smem(pages_ref.at[rows, pl.ds(0, rank)],
                                     smem["lat"].at[slot, dst], ready.at[slot])
             plgpu.copy_gmem_to_smem(pages_ref.at[rows, pl.ds(rank, ROPE)],
@@ -315,9 +301,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
             plgpu.copy_gmem_to_smem(sc_ref.at[b, :, keys], smem["bsc"].at[slot],
                                     ready.at[slot], oob_mode=in_bounds)
 
-    @pl.loop(jnp.maximum(prog.n_tiles - stages, 0), prog.n_tiles)
-    def _(t):  # observe every slot's last release: a barrier ends with no phase unseen
-        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+    walk_tiles(plgpu, prog.n_tiles, stages, consumed, copy_tile)
 
 
 def _chunks(src, dst, valid_rows, *, lay, dtype, scales=None, group0=0, block=0):

@@ -58,6 +58,51 @@ def grouped_queries(q, kv: KVLayout, k_scales, num_kv_heads: int):
     return qg
 
 
+def walk_tiles(plgpu, n_tiles, stages: int, consumed, copy_tile) -> None:
+    """A decode memory warpgroup's loop over its ``n_tiles`` tiles in ``stages`` slots:
+    ``copy_tile(t, slot)`` once the slot's previous tile is consumed (``consumed``, one
+    barrier a slot), then a wait on every slot's last release (a barrier ends its life with
+    no phase unseen)."""
+
+    @pl.loop(0, n_tiles)
+    def _tile(t):
+        slot = lax.rem(t, stages)
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        copy_tile(t, slot)
+
+    drain_slots(plgpu, n_tiles, stages, consumed)
+
+
+def drain_slots(plgpu, n_tiles, stages: int, consumed) -> None:
+    """Waits on each of the ``stages`` slots' last release (``consumed``) of ``n_tiles``
+    tiles: a barrier ends its life with no phase unseen."""
+
+    @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
+    def _drain(t):
+        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+
+
+def page_chunks(pt_s, split, split_pages: int, start, t, end, page_size: int, block_k: int):
+    """The pool rows of tile ``t`` of a split that starts at token ``start``: per page-sized
+    chunk of the tile's ``block_k`` keys (one chunk when a page holds the tile),
+    ``(rows, dst)``: the chunk's rows in the [P * S, ...] pool and its rows in the tile.
+    ``pt_s`` is the split's page-table slice in shared memory (entries from page
+    ``split * split_pages``); past ``end`` a chunk reads page 0 (a real page; its keys are
+    masked)."""
+    copy_rows = min(page_size, block_k)
+    for j in range(block_k // copy_rows):
+        tok0 = start + t * block_k + j * copy_rows
+        pidx = tok0 // page_size
+        page = pt_s[pidx - split * split_pages]
+        page = jnp.where(tok0 < end, page, 0)
+        row0 = page * page_size + (tok0 - pidx * page_size)
+        yield pl.ds(pl.multiple_of(row0, copy_rows), copy_rows), pl.ds(j * copy_rows, copy_rows)
+
+
 def take_turns(plgpu, barrier) -> None:
     """FA3's ping-pong turn between two compute warpgroups (nothing when ``barrier`` is
     None): both arrive on ``barrier`` (two arrivals), each waits for the other. Each passes
