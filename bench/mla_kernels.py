@@ -56,7 +56,7 @@ SWEEP = dict(block_k=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3))
 # fp8 fits 3 stages too. 22 rows over bench's storages and shapes with Triton's.
 BF16, TOKEN, BLOCK = "bf16", "fp8_e4m3:token", "fp8_e4m3:block"
 MOSAIC_SETTINGS = (("st2 tp128", dict(target_programs=128), (BF16, TOKEN, BLOCK)),
-                   ("st2 tp132", dict(), (BF16,)),
+                   ("st2 tp132", dict(target_programs=132), (BF16,)),
                    ("st3 alias tp128", dict(stages=3, alias_out=True, target_programs=128),
                     (TOKEN, BLOCK)),
                    ("hb8 st2 tp256", dict(head_block=8, target_programs=256), (BF16,)),

@@ -77,8 +77,7 @@ from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_decode_t import TransposedOps
 from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks, swizzled,
                                        walk_tiles)
-from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
-                                          combine_splits)
+from jfp8kv.kernels.pallas_decode import DecodeTuning, choose_splits, combine_splits
 from jfp8kv.kernels.tiles import LOG2E
 
 BLOCK_K = 64  # keys per tile: wgmma's M for S^T, its K for O^T
@@ -106,7 +105,9 @@ class MosaicMLATuning:
     stages: int = 2
     head_block: int = 0
     num_splits: int = 0
-    target_programs: int = NUM_SMS_H200
+    # 128, not the H200's 132 SMs: the setting measured (bench.mla_kernels "st2 tp128"; at
+    # B = 64 it gives 2 splits a row where 132 gives 4)
+    target_programs: int = 128
     alias_out: bool = False
 
     def block(self, num_heads: int) -> int:

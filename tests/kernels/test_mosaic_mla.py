@@ -179,3 +179,38 @@ def test_mosaic_mla_lowers_for_hopper_on_any_machine(case):
     fn = jax.jit(mosaic_mla.latent_attention, static_argnums=(6, 7, 8),
                  static_argnames="tuning")
     assert_lowers_for_hopper(fn, *_args(storage, mode, s, nh), tuning=tuning)
+
+
+@pytest.mark.parametrize("storage,mode,rank,hopper,runs", [
+    ("bfloat16", None, 512, True, True),
+    ("float8_e4m3fn", "token", 512, True, True),
+    ("float8_e4m3fn", "block", 512, True, True),
+    ("bfloat16", None, 512, False, False),  # Ada, or no GPU: the Triton kernel
+    ("bfloat16", None, 1024, True, False),  # a rank the Mosaic kernel refuses
+    ("float8_e4m3fn", "tensor", 512, True, False)])  # static scales: refused for latents
+def test_the_pallas_backend_takes_the_mosaic_mla_kernel_for_decode_where_it_runs(
+        monkeypatch, storage, mode, rank, hopper, runs):
+    import jfp8kv.kernels as kernels
+
+    monkeypatch.setattr(kernels, "is_hopper", lambda: hopper)
+    cfg = dataclasses.replace(make_cfg(storage, mode, heads_kv=1, head_dim=rank + 64,
+                                       page_size=16, num_pages=4), layout="latent")
+    assert kernels.mosaic_mla_runs(cfg, 16, rank) is runs
+
+
+def test_prefill_and_interpret_backends_keep_the_triton_mla_kernel(monkeypatch):
+    """Only decode (T == 1) on the native ``pallas`` backend goes to the Mosaic kernel: a
+    Mosaic call here (no GPU) would raise, so these reaching the reference's values shows
+    ``pallas_mla`` ran."""
+    import jfp8kv.kernels as kernels
+
+    monkeypatch.setattr(kernels, "is_hopper", lambda: True)
+    monkeypatch.setattr(mosaic_mla, "latent_attention", lambda *a, **k: 1 / 0)
+    rng = np.random.default_rng()
+    cfg, clean, _, pt, lens = latent_case(rng, "bfloat16", None, 16, 128, 64, np.array([40, 7]))
+    for t in (1, 3):
+        q, pos = queries(rng, lens, t, 4, 192, "bfloat16")
+        out = kernels.latent_attention(q, *clean, pt, lens, pos, cfg, 0.1, 128,
+                                       backend="pallas_interpret")
+        ref = mla_reference.latent_attention(q, *clean, pt, lens, pos, cfg, 0.1, 128)
+        assert_close(out, ref)
