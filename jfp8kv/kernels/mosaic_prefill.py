@@ -42,8 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, grouped_queries, interpret_kwargs,
-                                       layout_problems, load_plgpu, swizzled, take_turns)
+from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, drain_slots, grouped_queries,
+                                       interpret_kwargs, layout_problems, load_plgpu, swizzled,
+                                       take_turns)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -198,13 +199,7 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
             for _ in range(copies):
                 plgpu.barrier_arrive(ready.at[slot])
 
-    _drain(n_tiles, consumed, stages, plgpu)
-
-
-def _drain(n_tiles, consumed, stages, plgpu):
-    @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
-    def _(t):  # observe every slot's last release: no barrier phase left unseen
-        plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
+    drain_slots(plgpu, n_tiles, stages, consumed)
 
 
 def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
@@ -251,7 +246,7 @@ def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, 
         def _():
             copy(t + stages, slot, barrier=landed.at[slot])
 
-    _drain(n_tiles, consumed, stages, plgpu)
+    drain_slots(plgpu, n_tiles, stages, consumed)
 
 
 def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
