@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the q block
                                        grouped_queries, interpret_kwargs, layout_problems,
-                                       load_plgpu, page_chunks, swizzled, walk_tiles)
+                                       load_plgpu, page_chunks, SplitProgram,
+                                       stage_page_table, swizzled, walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -117,19 +118,6 @@ class _Dims(NamedTuple):
     overlap_v: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """What every warpgroup of one (batch row, KV head, split) program knows."""
-
-    b: jax.Array
-    h: jax.Array
-    sp: jax.Array
-    wg: jax.Array
-    start: jax.Array  # the split's first token
-    end: jax.Array  # min(seq_len, the split's end)
-    n_tiles: jax.Array
-
-
 def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
     cwgs, tokens_per_split = dims.cwgs, dims.tokens_per_split
     if dims.token_scales:
@@ -140,7 +128,7 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
     b, sp = lax.axis_index("b"), lax.axis_index("sp")
     start = sp * tokens_per_split
     end = jnp.minimum(len_ref[b], start + tokens_per_split)
-    prog = _Program(b, lax.axis_index("h"), sp, lax.axis_index("wg"), start, end,
+    prog = SplitProgram(b, lax.axis_index("h"), sp, lax.axis_index("wg"), start, end,
                     jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K)
     pl.when(prog.wg == cwgs)(functools.partial(
         _memory_warpgroup, prog, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem, barriers,
@@ -150,7 +138,7 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
         lay=lay))
 
 
-def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+def _memory_warpgroup(prog: SplitProgram, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
                       barriers, *, dims, plgpu):
     """Copies q, the split's page-table slice, then each tile's pages into its fp8 slot."""
     page_size, stages, token_scales = dims.page_size, dims.stages, dims.token_scales
@@ -160,12 +148,8 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
     plgpu.set_max_registers(40, action="decrease")
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[pl.ds(0, q_ref.shape[2])], q_bar)
-    # The split's page-table entries, once: a page index read from shared memory per copy
-    # instead of a dependent global load (which serialized the copies' issue).
-    pps = pt_s.shape[0]
-    plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pps)], pt_s,
-                            pt_bar, oob_mode=in_bounds)
-    plgpu.barrier_wait(pt_bar)
+    pps = pt_s.shape[0]  # the split's page-table entries
+    stage_page_table(plgpu, pt_ref, b, sp * pps, pt_s, pt_bar)
 
     def copy_tile(t, slot):
         for rows, dst in page_chunks(pt_s, sp, pps, start, t, end, page_size, BLOCK_K):
@@ -179,7 +163,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     walk_tiles(plgpu, prog.n_tiles, stages, consumed, copy_tile)
 
 
-def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, plgpu, lay):
+def _compute_warpgroup(prog: SplitProgram, o_ref, ml_ref, smem, barriers, *, dims, plgpu, lay):
     """Runs every ``cwgs``-th tile from its fp8 slot, then writes its partial state."""
     cwgs, d = dims.cwgs, dims.d
     _, _, _, _, _, _, ((k16_s, v16_s), o_s), ml_s = smem
@@ -211,7 +195,7 @@ def _compute_warpgroup(prog: _Program, o_ref, ml_ref, smem, barriers, *, dims, p
     plgpu.wait_smem_to_gmem(0)
 
 
-def _tile_step(prog: _Program, smem, barriers, k16, v16, i, carry, *, dims, plgpu, lay):
+def _tile_step(prog: SplitProgram, smem, barriers, k16, v16, i, carry, *, dims, plgpu, lay):
     """One tile of a compute warpgroup: upcast into ``k16``/``v16``, free the fp8 slot,
     q.K^T, online softmax, P.V. carry = (acc [ROWS, D], m [ROWS], l [ROWS])."""
     cwgs, _, _, stages, token_scales, qk_scale, d, probe, overlap_v = dims  # every field

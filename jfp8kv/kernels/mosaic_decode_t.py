@@ -67,7 +67,8 @@ from jax.experimental import pallas as pl
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (MosaicOps, drain_slots, grouped_queries,
                                        interpret_kwargs, layout_problems, load_plgpu,
-                                       page_chunks, swizzled, walk_tiles)
+                                       page_chunks, SplitProgram, stage_page_table,
+                                       swizzled, walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -194,19 +195,6 @@ class _Dims(NamedTuple):
     k_regs: bool  # upcast="compute": K upcast into registers, S^T's A operand from there
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """What every warpgroup of one (batch row, KV head, split) program knows."""
-
-    b: jax.Array
-    h: jax.Array
-    sp: jax.Array
-    wg: jax.Array
-    start: jax.Array  # the split's first token
-    end: jax.Array  # min(seq_len, the split's end)
-    n_tiles: jax.Array
-
-
 class TransposedOps(MosaicOps):
     """``MosaicOps`` plus the transposed products and the P^T store; in interpret mode (no
     transposed views or layouts on the CPU) the plain jnp operations."""
@@ -266,7 +254,7 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
     b, sp = lax.axis_index("b"), lax.axis_index("sp")
     start = sp * dims.tokens_per_split
     end = jnp.minimum(len_ref[b], start + dims.tokens_per_split)
-    prog = _Program(b, lax.axis_index("h"), sp, lax.axis_index("wg"), start, end,
+    prog = SplitProgram(b, lax.axis_index("h"), sp, lax.axis_index("wg"), start, end,
                     jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K)
     mem_regs, up_regs, comp_regs = dims.regs
     cwgs = dims.cwgs
@@ -293,7 +281,7 @@ def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
                            plgpu=plgpu, lay=lay)
 
 
-def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+def _memory_warpgroup(prog: SplitProgram, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
                       barriers, *, dims, plgpu):
     """Copies q, the split's page-table slice, then each tile's pages into its fp8 slot
     once the slot's previous tile is consumed (``mosaic_decode``'s page walk)."""
@@ -306,9 +294,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     # multiple of 128 bytes), read from shared memory per copy
     pt_s = smem["pt"]
     pps = dims.tokens_per_split // page_size
-    plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pt_s.shape[0])],
-                            pt_s, barriers["pt"], oob_mode=in_bounds)
-    plgpu.barrier_wait(barriers["pt"])
+    stage_page_table(plgpu, pt_ref, b, sp * pps, pt_s, barriers["pt"])
 
     def copy_tile(t, slot):
         for rows, dst in page_chunks(pt_s, sp, pps, start, t, end, page_size, BLOCK_K):
@@ -329,7 +315,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_re
     walk_tiles(plgpu, prog.n_tiles, stages, consumed, copy_tile)
 
 
-def _upcast_tile(prog: _Program, t, k8, v8, k16, v16, *, dims, lay, masked: bool):
+def _upcast_tile(prog: SplitProgram, t, k8, v8, k16, v16, *, dims, lay, masked: bool):
     """fp8 tile t -> f16 (V's rows past the split's end zeroed when ``masked``: P^T is 0
     there, but 0 x NaN is NaN)."""
     if not dims.wide_upcast:  # the layout Mosaic infers for a plain load
@@ -347,7 +333,7 @@ def _upcast_tile(prog: _Program, t, k8, v8, k16, v16, *, dims, lay, masked: bool
                           prog.end - prog.start - t * BLOCK_K if masked else None)
 
 
-def _upcast_both(prog: _Program, t, k8, v8, k16, v16, *, dims, lay):
+def _upcast_both(prog: SplitProgram, t, k8, v8, k16, v16, *, dims, lay):
     """``_upcast_tile``, masked only in the split's last tile (the only partial one)."""
     if dims.probe == "no_upcast":
         return
@@ -357,7 +343,7 @@ def _upcast_both(prog: _Program, t, k8, v8, k16, v16, *, dims, lay):
     pl.when(t == last)(lambda: up(masked=True))
 
 
-def _upcast_warpgroup(prog: _Program, smem, barriers, *, dims, plgpu, lay):
+def _upcast_warpgroup(prog: SplitProgram, smem, barriers, *, dims, plgpu, lay):
     """Upcasts each landed fp8 tile into the f16 ring (token scales copied beside it), then
     frees the fp8 slot; an f16 slot is refilled once its previous tile's P.V is done."""
     st, st16 = dims.stages, dims.f16_stages
@@ -382,7 +368,7 @@ def _upcast_warpgroup(prog: _Program, smem, barriers, *, dims, plgpu, lay):
     drain_slots(plgpu, prog.n_tiles, st16, barriers["consumed16"])
 
 
-def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, dims, plgpu,
+def _compute_warpgroup(prog: SplitProgram, o_ref, m_ref, l_ref, smem, barriers, *, dims, plgpu,
                        lay):
     """Runs every ``cwgs``-th tile, then writes its partial state (O^T, m, per-element l)."""
     cwgs, d, n, wg = dims.cwgs, dims.d, dims.n, prog.wg
@@ -405,7 +391,7 @@ def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, d
     plgpu.wait_smem_to_gmem(0)
 
 
-def _tile_step(prog: _Program, smem, barriers, i, carry, *, dims, plgpu, lay):
+def _tile_step(prog: SplitProgram, smem, barriers, i, carry, *, dims, plgpu, lay):
     """One tile: (upcast,) S^T = K q^T, online softmax down the columns, P^T to shared
     memory, O^T += V^T P^T. carry = (acc [D, N], m [N], l [BK, N])."""
     acc, m_i, l_i = carry

@@ -75,8 +75,8 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_decode_t import TransposedOps
-from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks, swizzled,
-                                       walk_tiles)
+from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks,
+                                       stage_page_table, swizzled, walk_tiles)
 from jfp8kv.kernels.pallas_decode import DecodeTuning, choose_splits, combine_splits
 from jfp8kv.kernels.tiles import LOG2E
 
@@ -281,9 +281,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
     plgpu.copy_gmem_to_smem(qr_ref.at[b, prog.hb], smem["q_rope"], barriers["q"])
     pt_s = smem["pt"]
     pps = dims.tokens_per_split // page_size
-    plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(sp * pps, 4), pt_s.shape[0])],
-                            pt_s, barriers["pt"], oob_mode=in_bounds)
-    plgpu.barrier_wait(barriers["pt"])
+    stage_page_table(plgpu, pt_ref, b, sp * pps, pt_s, barriers["pt"])
 
     def copy_tile(t, slot):
         for rows, dst in page_chunks(pt_s, sp, pps, start, t, end, page_size, BLOCK_K):

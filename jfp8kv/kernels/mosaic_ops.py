@@ -7,6 +7,9 @@ reductions.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -56,6 +59,29 @@ def grouped_queries(q, kv: KVLayout, k_scales, num_kv_heads: int):
     if kv.mode.is_static:
         qg = qg * k_scales.astype(jnp.float32)[:, None, :]
     return qg
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitProgram:
+    """What every warpgroup of one (batch row, KV head, split) decode program knows."""
+
+    b: jax.Array
+    h: jax.Array
+    sp: jax.Array
+    wg: jax.Array
+    start: jax.Array  # the split's first token
+    end: jax.Array  # min(seq_len, the split's end)
+    n_tiles: jax.Array
+
+
+def stage_page_table(plgpu, pt_ref, b, first_page, pt_s, barrier) -> None:
+    """Copies ``pt_s.shape[0]`` entries of row ``b`` of the page table from ``first_page``
+    (a multiple of 4: copies move 16-byte units) into shared memory and waits for them: a
+    page index is then read from shared memory per copy instead of a dependent global load
+    (which serialized the copies' issue)."""
+    plgpu.copy_gmem_to_smem(pt_ref.at[b, pl.ds(pl.multiple_of(first_page, 4), pt_s.shape[0])],
+                            pt_s, barrier, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+    plgpu.barrier_wait(barrier)
 
 
 def walk_tiles(plgpu, n_tiles, stages: int, consumed, copy_tile) -> None:

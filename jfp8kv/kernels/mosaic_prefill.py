@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, drain_slots, grouped_queries,
                                        interpret_kwargs, layout_problems, load_plgpu, swizzled,
-                                       take_turns)
+                                       take_turns, walk_tiles)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -178,14 +178,7 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
     copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
                              ks_ref=ks_ref, vs_ref=vs_ref, smem=smem, dims=dims, plgpu=plgpu)
 
-    @pl.loop(0, n_tiles)
-    def _tile(t):
-        slot = lax.rem(t, stages)
-
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
+    def copy_tile(t, slot):
         @pl.when(t < last)
         def _():
             copy(t, slot, barrier=ready.at[slot])
@@ -199,7 +192,7 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
             for _ in range(copies):
                 plgpu.barrier_arrive(ready.at[slot])
 
-    drain_slots(plgpu, n_tiles, stages, consumed)
+    walk_tiles(plgpu, n_tiles, stages, consumed, copy_tile)
 
 
 def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
