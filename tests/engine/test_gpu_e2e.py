@@ -60,19 +60,68 @@ def test_pallas_engine_matches_reference_greedy(tiny64, kv, mode, backend):
         fast = LLM(**common, attention_backend=backend)
         assert fast.backend == ("pallas" if backend == "auto" else backend)
         ref = LLM(**common, attention_backend="reference")
-        a = fast.generate(prompts, sp)
-        b = ref.generate(prompts, sp)
-        identical = 0
-        for p, x, y in zip(prompts, a, b):
-            i = first_divergence(x.token_ids, y.token_ids)
-            if i is None:
-                identical += 1
-                continue
-            _, logits = ref.nll(p + x.token_ids, return_logits=True)
-            row = logits[len(p) - 1 + i]
-            margin = row[y.token_ids[i]] - row[x.token_ids[i]]
-            assert margin < 2e-2 * np.abs(row).max(), (kv, mode, i, margin)
-        assert identical >= 3, f"only {identical}/4 prompts identical"
-        ids = prompts[2] + a[2].token_ids
-        np.testing.assert_allclose(fast.nll(ids, chunk_size=64), ref.nll(ids, chunk_size=64),
-                                   rtol=1e-2, atol=1e-2)
+        assert_matches_reference(fast, ref, prompts, sp, (kv, mode))
+
+
+def assert_matches_reference(fast, ref, prompts, sp, label) -> None:
+    """Greedy tokens of ``fast`` equal ``ref``'s for at least 3 of 4 prompts, and where they
+    part ``ref`` scores the two tokens as a tie; teacher-forced NLLs agree to 1e-2."""
+    a = fast.generate(prompts, sp)
+    b = ref.generate(prompts, sp)
+    identical = 0
+    for p, x, y in zip(prompts, a, b):
+        i = first_divergence(x.token_ids, y.token_ids)
+        if i is None:
+            identical += 1
+            continue
+        _, logits = ref.nll(p + x.token_ids, return_logits=True)
+        row = logits[len(p) - 1 + i]
+        margin = row[y.token_ids[i]] - row[x.token_ids[i]]
+        assert margin < 2e-2 * np.abs(row).max(), (label, i, margin)
+    assert identical >= 3, f"only {identical}/4 prompts identical"
+    ids = prompts[2] + a[2].token_ids
+    np.testing.assert_allclose(fast.nll(ids, chunk_size=64), ref.nll(ids, chunk_size=64),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory, tiny_tokenizer_dir):
+    """A 3-layer DeepSeek-V2 (MLA + MoE) whose latent rows (128 + 64) and 16 heads the
+    Mosaic GPU MLA decode kernel takes."""
+    from tests.models.test_mla import write_checkpoint
+
+    path = write_checkpoint(tmp_path_factory.mktemp("tiny-mla"), tiny_tokenizer_dir,
+                            "v2-mosaic")
+    return load_model(str(path), "float32")
+
+
+@pytest.mark.parametrize("kv,mode", [("bfloat16", None), ("fp8_e4m3", "block"),
+                                     ("fp8_e4m3", "token")])
+def test_mla_engine_mosaic_decode_matches_reference(tiny_mla, kv, mode, monkeypatch):
+    """MLA through the engine on Hopper: decode runs the Mosaic GPU MLA kernel (counted as it
+    is traced), prefill the Triton one; greedy tokens and NLLs agree with the reference."""
+    from jfp8kv import kernels
+    from jfp8kv.kernels import mosaic_mla
+
+    assert jax.default_backend() == "gpu"
+    if not kernels.is_hopper():
+        pytest.skip("the Mosaic GPU MLA kernel runs on Hopper only")
+    traced = []
+    real = mosaic_mla.latent_attention
+
+    def counting(*args, **kw):
+        traced.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mosaic_mla, "latent_attention", counting)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 384, n).tolist() for n in (7, 40, 130, 300)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(loaded=tiny_mla, dtype="float32", kv_cache_dtype=kv, kv_scale_mode=mode,
+                  max_model_len=512, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
+    with jax.default_matmul_precision("highest"):
+        fast = LLM(**common, attention_backend="auto")
+        assert fast.backend == "pallas"
+        ref = LLM(**common, attention_backend="reference")
+        assert_matches_reference(fast, ref, prompts, sp, (kv, mode))
+    assert traced and all(s[1] == 1 for s in traced), traced
