@@ -95,11 +95,14 @@ def tiny_mla(tmp_path_factory, tiny_tokenizer_dir):
     return load_model(str(path), "float32")
 
 
-@pytest.mark.parametrize("kv,mode", [("bfloat16", None), ("fp8_e4m3", "block"),
-                                     ("fp8_e4m3", "token")])
-def test_mla_engine_mosaic_decode_matches_reference(tiny_mla, kv, mode, monkeypatch):
+@pytest.mark.parametrize("kv,mode,backend", [("bfloat16", None, "auto"),
+                                             ("fp8_e4m3", "block", "auto"),
+                                             ("fp8_e4m3", "token", "auto"),
+                                             ("fp8_e4m3", "block", "pallas_triton")])
+def test_mla_engine_mosaic_decode_matches_reference(tiny_mla, kv, mode, backend, monkeypatch):
     """MLA through the engine on Hopper: decode runs the Mosaic GPU MLA kernel (counted as it
-    is traced), prefill the Triton one; greedy tokens and NLLs agree with the reference."""
+    is traced; ``pallas_triton`` none), prefill the Triton one; greedy tokens and NLLs agree
+    with the reference."""
     from jfp8kv import kernels
     from jfp8kv.kernels import mosaic_mla
 
@@ -120,8 +123,11 @@ def test_mla_engine_mosaic_decode_matches_reference(tiny_mla, kv, mode, monkeypa
     common = dict(loaded=tiny_mla, dtype="float32", kv_cache_dtype=kv, kv_scale_mode=mode,
                   max_model_len=512, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
     with jax.default_matmul_precision("highest"):
-        fast = LLM(**common, attention_backend="auto")
-        assert fast.backend == "pallas"
+        fast = LLM(**common, attention_backend=backend)
+        assert fast.backend == ("pallas" if backend == "auto" else backend)
         ref = LLM(**common, attention_backend="reference")
-        assert_matches_reference(fast, ref, prompts, sp, (kv, mode))
-    assert traced and all(s[1] == 1 for s in traced), traced
+        assert_matches_reference(fast, ref, prompts, sp, (kv, mode, backend))
+    if backend == "auto":
+        assert traced and all(s[1] == 1 for s in traced), traced
+    else:
+        assert not traced

@@ -61,6 +61,10 @@ GPU_CASES = [
     ("float8_e5m2", "token", 8, 512, 20, 2, Tuning(stages=1)),
     ("float8_e4m3fn", "block", 64, 512, 128, 0, Tuning(stages=3, alias_out=True)),
     ("float8_e5m2", "token", 32, 256, 12, 1, Tuning(head_block=8)),
+    # rank 128 (six block-scale groups a row), as in the engine's GPU test
+    ("bfloat16", None, 16, 128, 16, 0, Tuning()),
+    ("float8_e4m3fn", "block", 16, 128, 16, 0, Tuning()),
+    ("float8_e4m3fn", "token", 16, 128, 16, 0, Tuning()),
 ]
 
 

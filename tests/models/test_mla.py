@@ -41,9 +41,9 @@ VARIANTS = {  # name -> (config class name, overrides)
                                                 rope_interleave=False)),
     # all layers dense, default RoPE: the float64 fake-quantization reference (below)
     "v3-dense": ("DeepseekV3Config", dict(q_lora_rank=48, first_k_dense_replace=3)),
-    # the shapes the Mosaic GPU MLA decode kernel takes (rank 128 + RoPE 64, 16 heads):
-    # tests/engine/test_gpu_e2e.py
-    "v2-mosaic": ("DeepseekV2Config", dict(q_lora_rank=None, topk_method="greedy",
+    # the shapes the Mosaic GPU MLA decode kernel takes (rank 128 + RoPE 64, 16 heads), all
+    # layers dense (no routing for rounding to flip): tests/engine/test_gpu_e2e.py
+    "v2-mosaic": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=3,
                                            hidden_size=256, num_attention_heads=16,
                                            kv_lora_rank=128, qk_rope_head_dim=64,
                                            qk_nope_head_dim=32, v_head_dim=32)),
