@@ -94,22 +94,37 @@ def hf_config(family: str, tied: bool, **overrides):
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 
-def _randomize(model, seed: int) -> None:
-    """Larger-than-init random weights: matrices N(0, 1/in), embeddings N(0, 0.25)."""
+def randomize(model, seed: int, scales: dict[str, float] | None = None) -> None:
+    """Larger-than-init random weights, so that logits (and MoE routing) are far from
+    uniform: matrices N(0, 1/in) (fan-in is the last axis, also of stacked experts [E, out,
+    in]), norms 1 + N(0, 0.04), biases N(0, 0.04), embeddings N(0, 0.25); ``scales`` maps
+    a parameter-name suffix to the standard deviation of parameters to draw as N(0, s^2)."""
     import torch
 
+    scales = {".bias": 0.2, **(scales or {})}
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            scale = next((v for k, v in scales.items() if name.endswith(k)), None)
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
+            elif scale is not None:
+                p.copy_(scale * noise)
             elif "embed_tokens" in name:
                 p.copy_(0.5 * noise)
             else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
+                p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def save_with_tokenizer(model, path: Path, tokenizer_dir: Path, **save_kw) -> Path:
+    """``model.save_pretrained(path)`` and the tokenizer saved in ``tokenizer_dir`` beside it."""
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(str(path), **save_kw)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(
+        str(path))
+    return path
 
 
 def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
@@ -118,7 +133,7 @@ def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
                           **config_overrides) -> Path:
     """Write a tiny ``family`` checkpoint to ``path`` (see the module docstring)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     d_tied, d_sharded = _DEFAULTS[family]
     tied = d_tied if tied is None else tied
@@ -127,12 +142,11 @@ def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
     torch.manual_seed(0 if init_seed is None else init_seed)
     model = AutoModelForCausalLM.from_config(cfg)
     if init_seed is None:
-        _randomize(model, seed=FAMILIES.index(family))
+        randomize(model, seed=FAMILIES.index(family))
     model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(path), max_shard_size="40KB" if sharded else "5GB")
-    if tokenizer_dir is None:
-        build_tiny_tokenizer(path)
-    else:
-        AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(
-            str(path))
+    shard = "40KB" if sharded else "5GB"
+    if tokenizer_dir is not None:
+        return save_with_tokenizer(model, path, tokenizer_dir, max_shard_size=shard)
+    model.save_pretrained(str(path), max_shard_size=shard)
+    build_tiny_tokenizer(path)
     return path

@@ -10,7 +10,6 @@ quantization (``bench.fakequant``, numpy + ml_dtypes) applied inside a float64 t
 model: the dequantized cache rows are bitwise equal and the logits agree to round-off.
 """
 
-import math
 
 import jax
 import numpy as np
@@ -25,6 +24,7 @@ from tests.models.test_parity import (GREEDY, LENGTHS, PAGE, PagedModel,
                                        assert_llm_matches_transformers,
                                        assert_paged_paths_match)
 from tests.models.test_parity import small_llm as _llm
+from tests.tiny_checkpoints import randomize, save_with_tokenizer
 from tests.x64 import x64
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -53,7 +53,7 @@ VARIANTS = {  # name -> (config class name, overrides)
 def write_checkpoint(path, tokenizer_dir, variant):
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     cls, overrides = VARIANTS[variant]
     kw = dict(vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -65,22 +65,9 @@ def write_checkpoint(path, tokenizer_dir, variant):
     cfg = getattr(transformers, cls)(**{**kw, **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(list(VARIANTS).index(variant))
-    with torch.no_grad():  # larger than init: logits and routing far from uniform
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.5 * noise)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    model.save_pretrained(str(path))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(
-        str(path))
-    return path
+    # e_score_correction_bias: routing biases large enough to change the choice
+    randomize(model, list(VARIANTS).index(variant), {"e_score_correction_bias": 0.3})
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ unequal batch) and through ``LLM`` (float32 cache; fp8 cache against the engine'
 float64 paths and near the unquantized NLL).
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from jfp8kv.models.loader import load_model
 from tests.models.test_parity import (GREEDY, PagedModel, assert_llm_matches_transformers,
                                        assert_paged_paths_match)
 from tests.models.test_parity import small_llm as _llm
+from tests.tiny_checkpoints import randomize, save_with_tokenizer
 from tests.x64 import x64
 
 VARIANTS = {  # name -> Qwen3MoeConfig overrides
@@ -32,7 +32,7 @@ VARIANTS = {  # name -> Qwen3MoeConfig overrides
 
 def _write_checkpoint(path, tokenizer_dir, variant, seed):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(vocab_size=384, hidden_size=64, intermediate_size=128,
                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -42,20 +42,8 @@ def _write_checkpoint(path, tokenizer_dir, variant, seed):
                          tie_word_embeddings=False, use_sliding_window=False, **VARIANTS[variant])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # larger than init so logits and routing are far from uniform
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.5 * noise)
-            else:  # [out, in] and stacked experts [E, out, in]: fan-in is the last axis
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    model.save_pretrained(str(path))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(
-        str(path))
-    return path
+    randomize(model, seed)
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
