@@ -34,7 +34,8 @@ from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the q block
                                        grouped_queries, interpret_kwargs, layout_problems,
                                        load_plgpu, page_chunks, SplitProgram,
-                                       stage_page_table, swizzled, walk_tiles)
+                                       split_page_tables, stage_page_table, swizzled,
+                                       walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -69,19 +70,12 @@ def check_supported(cfg: CacheConfig, num_heads: int) -> None:
                          + "; use the Triton kernel (pallas_decode)")
 
 
-MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
-
-
-def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
-                   tuning: MosaicDecodeTuning) -> int:
-    """``pallas_decode.choose_splits``' rule (a split's tile per compute warpgroup counts as
-    its block), then more splits until each split's page-table slice fits shared memory."""
-    ns = choose_splits(batch, hkv, max_tokens, DecodeTuning(
+def _choose_splits(batch: int, hkv: int, max_tokens: int, tuning: MosaicDecodeTuning) -> int:
+    """``pallas_decode.choose_splits``' rule, a split's tile per compute warpgroup counting as
+    its block (``mosaic_ops.split_page_tables`` adds splits for shared memory)."""
+    return choose_splits(batch, hkv, max_tokens, DecodeTuning(
         block_k=tuning.compute_wgs * BLOCK_K, num_splits=tuning.num_splits,
         target_programs=tuning.target_programs))
-    while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
-        ns *= 2
-    return ns
 
 
 def _scratch(plgpu, d, pps, st, cwgs, fp8, copies_per_tile, interpret):
@@ -277,14 +271,9 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     g = nh // hkv
     gq = -(-g // 8) * 8  # rows copied in and out: whole 8-row tiles
     kv = KVLayout.of(cfg)
-    max_pages = page_tables.shape[1]
-    ns = _choose_splits(b, hkv, max_pages * s, s, tuning)
-    # a split: whole tiles and whole groups of 4 pages (its page-table slice is copied in
-    # 16-byte units); the table padded so that every split's slice lies inside it
-    unit = max(BLOCK_K, 4 * s)
-    tokens_per_split = -(-max_pages * s // (ns * unit)) * unit
-    pps = tokens_per_split // s
-    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, ns * pps - max_pages)))
+    split, pt = split_page_tables(
+        page_tables, s, _choose_splits(b, hkv, page_tables.shape[1] * s, tuning), BLOCK_K)
+    ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     token_scales = kv.groups == 1
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
     st = tuning.stages

@@ -67,8 +67,8 @@ from jax.experimental import pallas as pl
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_ops import (MosaicOps, drain_slots, grouped_queries,
                                        interpret_kwargs, layout_problems, load_plgpu,
-                                       page_chunks, SplitProgram, stage_page_table,
-                                       swizzled, walk_tiles)
+                                       page_chunks, SplitProgram, split_page_tables,
+                                       stage_page_table, swizzled, walk_tiles)
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
                                           combine_splits)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -82,7 +82,6 @@ UPCASTS = ("compute", "warpgroup")
 # upcast, alone); "no_upcast": the f16 tiles are not written; "no_mma": neither product runs
 PROBES = ("", "copies", "no_upcast", "no_mma")
 SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
-MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,16 +495,12 @@ def _scratch(plgpu, dims: _Dims, pps: int, fp8, copies_per_tile: int):
     return smem, barriers
 
 
-def _choose_splits(batch: int, hkv: int, max_tokens: int, page_size: int,
-                   tuning: MosaicDecodeTTuning) -> int:
-    """``pallas_decode.choose_splits``' rule (a split's tile per compute warpgroup counts as
-    its block), then more splits until each split's page-table slice fits shared memory."""
-    ns = choose_splits(batch, hkv, max_tokens, DecodeTuning(
+def _choose_splits(batch: int, hkv: int, max_tokens: int, tuning: MosaicDecodeTTuning) -> int:
+    """``pallas_decode.choose_splits``' rule, a split's tile per compute warpgroup counting as
+    its block (``mosaic_ops.split_page_tables`` adds splits for shared memory)."""
+    return choose_splits(batch, hkv, max_tokens, DecodeTuning(
         block_k=tuning.compute_wgs * BLOCK_K, num_splits=tuning.num_splits,
         target_programs=tuning.target_programs))
-    while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
-        ns *= 2
-    return ns
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))
@@ -524,16 +519,11 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     g = nh // hkv
     n = padded_group(g)
     kv = KVLayout.of(cfg)
-    max_pages = page_tables.shape[1]
-    ns = _choose_splits(b, hkv, max_pages * s, s, tuning)
-    # a split: whole tiles and whole groups of 4 pages (its page-table slice starts on 16
-    # bytes); the table padded so that every split's slice, rounded up to 32 entries (128
-    # bytes), lies inside it
-    unit = max(BLOCK_K, 4 * s)
-    tokens_per_split = -(-max_pages * s // (ns * unit)) * unit
-    pps = tokens_per_split // s
-    width = (ns - 1) * pps + -(-pps // 32) * 32
-    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width - max_pages)))
+    # each split's page-table slice is copied rounded up to 32 entries (128 bytes)
+    split, pt = split_page_tables(
+        page_tables, s, _choose_splits(b, hkv, page_tables.shape[1] * s, tuning), BLOCK_K,
+        table_round=32)
+    ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     token_scales = kv.groups == 1
     gathered = token_scales and s * 4 % 128 != 0
     need = smem_bytes(tuning, d, n, pps, token_scales)

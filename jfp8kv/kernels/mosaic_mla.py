@@ -76,7 +76,8 @@ from jax.experimental import pallas as pl
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.mosaic_decode_t import TransposedOps
 from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks,
-                                       stage_page_table, swizzled, walk_tiles)
+                                       split_page_tables, stage_page_table, swizzled,
+                                       walk_tiles)
 from jfp8kv.kernels.pallas_decode import DecodeTuning, choose_splits, combine_splits
 from jfp8kv.kernels.tiles import LOG2E
 
@@ -88,7 +89,6 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
 # barriers, Mosaic's reduction scratch (~2.2 KB) and its 1 KB alignment of each buffer:
 # lowered, the bench's settings take 4.1-4.4 KB over ``smem_bytes``
 SMEM_RESERVE = 6144
-MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
 CHUNK = 128  # upcast / zeroing columns at a time (64 x 128: 64 values a thread)
 BLOCK_SCALE_WIDTHS = (32, 64)  # fp8 block scales: whole 32-column tiles of the wide layout
 
@@ -478,19 +478,11 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     block = cfg.scale_block if fp8 and cfg.scale_mode == "block" else 0
     groups = width // block if block else 0
     cdt = jnp.dtype(jnp.float16) if fp8 else jnp.dtype(cfg.storage_dtype)
-    max_pages = page_tables.shape[1]
-    ns = choose_splits(b, nhb, max_pages * s, DecodeTuning(
+    ns = choose_splits(b, nhb, page_tables.shape[1] * s, DecodeTuning(
         block_k=BLOCK_K, num_splits=tuning.num_splits, target_programs=tuning.target_programs))
-    while -(-max_pages * s // ns) > MAX_SPLIT_PAGES * s:
-        ns *= 2
-    # a split: whole tiles and whole groups of 4 pages (its page-table slice starts on 16
-    # bytes); the table padded so that every split's slice, rounded up to 32 entries (128
-    # bytes), lies inside it
-    unit = max(BLOCK_K, 4 * s)
-    tokens_per_split = -(-max_pages * s // (ns * unit)) * unit
-    pps = tokens_per_split // s
-    width_pt = (ns - 1) * pps + -(-pps // 32) * 32
-    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width_pt - max_pages)))
+    # each split's page-table slice is copied rounded up to 32 entries (128 bytes)
+    split, pt = split_page_tables(page_tables, s, ns, BLOCK_K, table_round=32)
+    ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     gathered = token_scales and s * 4 % 128 != 0
     alias = tuning.alias_out and not interpret  # the interpreter has no RefUnion
     need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales, groups,

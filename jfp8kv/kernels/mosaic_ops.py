@@ -74,6 +74,39 @@ class SplitProgram:
     n_tiles: jax.Array
 
 
+MAX_SPLIT_PAGES = 2048  # page-table entries a program holds in shared memory (8 KB)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayout:
+    """A decode call's page tables cut into ``num_splits`` splits of ``tokens_per_split``
+    tokens (``pages_per_split`` pages) each."""
+
+    num_splits: int
+    tokens_per_split: int
+    pages_per_split: int
+
+
+def split_page_tables(page_tables, page_size: int, num_splits: int, block_k: int,
+                      table_round: int = 1):
+    """(SplitLayout, int32 page tables padded to its width) for ``num_splits`` splits (the
+    split rule's count, doubled until a split's slice holds at most ``MAX_SPLIT_PAGES``
+    pages). A split holds whole ``block_k`` tiles and whole groups of 4 pages (its slice
+    starts on 16 bytes: ``stage_page_table``); the table is padded so that every split's
+    slice, rounded up to ``table_round`` entries, lies inside it."""
+    max_pages = page_tables.shape[1]
+    max_tokens = max_pages * page_size
+    ns = num_splits
+    while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
+        ns *= 2
+    unit = max(block_k, 4 * page_size)
+    tokens_per_split = -(-max_tokens // (ns * unit)) * unit
+    pps = tokens_per_split // page_size
+    width = (ns - 1) * pps + -(-pps // table_round) * table_round
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width - max_pages)))
+    return SplitLayout(ns, tokens_per_split, pps), pt
+
+
 def stage_page_table(plgpu, pt_ref, b, first_page, pt_s, barrier) -> None:
     """Copies ``pt_s.shape[0]`` entries of row ``b`` of the page table from ``first_page``
     (a multiple of 4: copies move 16-byte units) into shared memory and waits for them: a
