@@ -338,7 +338,7 @@ def plot(doc, stem: str) -> None:
         fig.savefig(stem + "-passkey.png", dpi=110)
         plt.close(fig)
     contexts = sorted({r["context"] for r in doc["runs"]})
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(12.0, 1.3 * len(names)), 4.5))
     width = 0.8 / max(1, len(contexts))
     x = np.arange(len(names))
     for i, c in enumerate(contexts):
@@ -352,7 +352,7 @@ def plot(doc, stem: str) -> None:
     for ax, t in ((a1, "mean NLL increase over the unquantized cache (%)"),
                   (a2, "mean KL(unquantized || config), nats")):
         ax.set_xticks(x + 0.4 - width / 2, [n.replace("fp8_", "") for n in names],
-                      rotation=30, fontsize=7)
+                      rotation=40, ha="right", rotation_mode="anchor", fontsize=7)
         ax.set_title(t, fontsize=9)
         ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=7)
