@@ -2,7 +2,7 @@
 # One device call: the GPU tests, then offline throughput against the ideal time
 # (bench.offline) on Qwen3-0.6B's and Qwen3-8B's shapes, bf16 vs fp8 in one invocation each.
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_offline.sh
-# STAGES (default "tests small large") picks stages ("capacity" runs capacity-fp8 and
+# STAGES (default "tests small large") picks stages ("mla-tests" the MLA engine GPU test; "capacity" runs capacity-fp8 and
 # capacity-bf16, "cap1024" the same pool with 1,024 output tokens; "profile" the 0.6B decode
 # step's kernel profile, "prefill" one 8B prefill step's); each is bounded in time
 # and a failing stage does not stop the rest. Results: $OUT/offline-h200.json (+ .png),
@@ -27,7 +27,11 @@ stage() { local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
 json="$OUT/offline-h200.json"
 stage tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/kernels tests/engine/test_gpu_e2e.py \
-  -p no:cacheprovider
+  -k "not mla_engine" -p no:cacheprovider
+# the MLA model through the engine (4 cases, ~200 s on 2026-12-03, most of it compiling two
+# engines per case: XLA's GEMM autotuning is off for it, a correctness test)
+stage mla-tests ${MLA_TESTS_LIMIT:-300} env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest \
+  -q -m gpu tests/engine/test_gpu_e2e.py -k mla_engine -p no:cacheprovider
 stage small ${SMALL_LIMIT:-150} python3 -m bench.offline --model random:qwen3-0.6b --num-prompts 32 \
   --input-len 512 --output-len 128 --kv-cache-dtype bfloat16,fp8 --out "$json" --append
 stage large ${LARGE_LIMIT:-240} python3 -m bench.offline --model random:qwen3-8b --num-prompts 64 \
