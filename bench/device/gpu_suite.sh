@@ -11,7 +11,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 stage() { local name=$1 limit=$2; shift 2; echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
-stage gpu-e2e 170 python3 -m pytest -q -m gpu tests/engine/test_gpu_e2e.py -p no:cacheprovider
+stage gpu-e2e 170 python3 -m pytest -q -m gpu tests/engine/test_gpu_e2e.py -k "not mla_engine" -p no:cacheprovider  # MLA: gpu_offline.sh mla-tests
 stage floor 120 python3 -m bench.decode_floor --model random:qwen3-8b --batch 64 --context 8192 \
   --configs "bfloat16:,fp8_e4m3:channel,fp8_e4m3:token" --out "$OUT/decode-floor-h200.json"
 stage serving ${SERVING_LIMIT:-260} python3 -m bench.serving.matrix --shapes random:qwen3-0.6b \
