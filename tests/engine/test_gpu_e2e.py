@@ -86,8 +86,8 @@ def assert_matches_reference(fast, ref, prompts, sp, label) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_mla(tmp_path_factory, tiny_tokenizer_dir):
-    """A 3-layer DeepSeek-V2 (MLA + MoE) whose latent rows (128 + 64) and 16 heads the
-    Mosaic GPU MLA decode kernel takes."""
+    """A 3-layer DeepSeek-V2 (MLA, all layers dense) whose latent rows (128 + 64) and 16
+    heads the Mosaic GPU MLA decode kernel takes."""
     from tests.models.test_mla import write_checkpoint
 
     path = write_checkpoint(tmp_path_factory.mktemp("tiny-mla"), tiny_tokenizer_dir,

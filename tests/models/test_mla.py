@@ -10,7 +10,6 @@ quantization (``bench.fakequant``, numpy + ml_dtypes) applied inside a float64 t
 model: the dequantized cache rows are bitwise equal and the logits agree to round-off.
 """
 
-
 import jax
 import numpy as np
 import pytest

@@ -7,7 +7,6 @@ unequal batch) and through ``LLM`` (float32 cache; fp8 cache against the engine'
 float64 paths and near the unquantized NLL).
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
