@@ -36,8 +36,7 @@ from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the 
                                        load_plgpu, page_chunks, SplitProgram,
                                        split_page_tables, stage_page_table, swizzled,
                                        walk_tiles)
-from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
-                                          combine_splits)
+from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -68,14 +67,6 @@ def check_supported(cfg: CacheConfig, num_heads: int) -> None:
     if problems:
         raise ValueError("the Mosaic GPU decode kernel does not support " + "; ".join(problems)
                          + "; use the Triton kernel (pallas_decode)")
-
-
-def _choose_splits(batch: int, hkv: int, max_tokens: int, tuning: MosaicDecodeTuning) -> int:
-    """``pallas_decode.choose_splits``' rule, a split's tile per compute warpgroup counting as
-    its block (``mosaic_ops.split_page_tables`` adds splits for shared memory)."""
-    return choose_splits(batch, hkv, max_tokens, DecodeTuning(
-        block_k=tuning.compute_wgs * BLOCK_K, num_splits=tuning.num_splits,
-        target_programs=tuning.target_programs))
 
 
 def _scratch(plgpu, d, pps, st, cwgs, fp8, copies_per_tile, interpret):
@@ -271,8 +262,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     g = nh // hkv
     gq = -(-g // 8) * 8  # rows copied in and out: whole 8-row tiles
     kv = KVLayout.of(cfg)
-    split, pt = split_page_tables(
-        page_tables, s, _choose_splits(b, hkv, page_tables.shape[1] * s, tuning), BLOCK_K)
+    split, pt = split_page_tables(page_tables, s, hkv, tuning, BLOCK_K,
+                                  step_tiles=tuning.compute_wgs)
     ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     token_scales = kv.groups == 1
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)

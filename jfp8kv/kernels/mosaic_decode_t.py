@@ -69,8 +69,7 @@ from jfp8kv.kernels.mosaic_ops import (MosaicOps, drain_slots, grouped_queries,
                                        interpret_kwargs, layout_problems, load_plgpu,
                                        page_chunks, SplitProgram, split_page_tables,
                                        stage_page_table, swizzled, walk_tiles)
-from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
-                                          combine_splits)
+from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -495,14 +494,6 @@ def _scratch(plgpu, dims: _Dims, pps: int, fp8, copies_per_tile: int):
     return smem, barriers
 
 
-def _choose_splits(batch: int, hkv: int, max_tokens: int, tuning: MosaicDecodeTTuning) -> int:
-    """``pallas_decode.choose_splits``' rule, a split's tile per compute warpgroup counting as
-    its block (``mosaic_ops.split_page_tables`` adds splits for shared memory)."""
-    return choose_splits(batch, hkv, max_tokens, DecodeTuning(
-        block_k=tuning.compute_wgs * BLOCK_K, num_splits=tuning.num_splits,
-        target_programs=tuning.target_programs))
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))
 def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
                      sm_scale: float, interpret: bool = False,
@@ -520,9 +511,8 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     n = padded_group(g)
     kv = KVLayout.of(cfg)
     # each split's page-table slice is copied rounded up to 32 entries (128 bytes)
-    split, pt = split_page_tables(
-        page_tables, s, _choose_splits(b, hkv, page_tables.shape[1] * s, tuning), BLOCK_K,
-        table_round=32)
+    split, pt = split_page_tables(page_tables, s, hkv, tuning, BLOCK_K,
+                                  step_tiles=tuning.compute_wgs, table_round=32)
     ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     token_scales = kv.groups == 1
     gathered = token_scales and s * 4 % 128 != 0

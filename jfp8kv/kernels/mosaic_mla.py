@@ -78,7 +78,7 @@ from jfp8kv.kernels.mosaic_decode_t import TransposedOps
 from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks,
                                        split_page_tables, stage_page_table, swizzled,
                                        walk_tiles)
-from jfp8kv.kernels.pallas_decode import DecodeTuning, choose_splits, combine_splits
+from jfp8kv.kernels.pallas_decode import combine_splits
 from jfp8kv.kernels.tiles import LOG2E
 
 BLOCK_K = 64  # keys per tile: wgmma's M for S^T, its K for O^T
@@ -478,10 +478,8 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     block = cfg.scale_block if fp8 and cfg.scale_mode == "block" else 0
     groups = width // block if block else 0
     cdt = jnp.dtype(jnp.float16) if fp8 else jnp.dtype(cfg.storage_dtype)
-    ns = choose_splits(b, nhb, page_tables.shape[1] * s, DecodeTuning(
-        block_k=BLOCK_K, num_splits=tuning.num_splits, target_programs=tuning.target_programs))
     # each split's page-table slice is copied rounded up to 32 entries (128 bytes)
-    split, pt = split_page_tables(page_tables, s, ns, BLOCK_K, table_round=32)
+    split, pt = split_page_tables(page_tables, s, nhb, tuning, BLOCK_K, table_round=32)
     ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     gathered = token_scales and s * 4 % 128 != 0
     alias = tuning.alias_out and not interpret  # the interpreter has no RefUnion

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jfp8kv.kernels.pallas_decode import DecodeTuning, choose_splits
 from jfp8kv.kernels.tiles import KVLayout
 
 ROWS = 64  # wgmma's M
@@ -87,16 +88,20 @@ class SplitLayout:
     pages_per_split: int
 
 
-def split_page_tables(page_tables, page_size: int, num_splits: int, block_k: int,
-                      table_round: int = 1):
-    """(SplitLayout, int32 page tables padded to its width) for ``num_splits`` splits (the
-    split rule's count, doubled until a split's slice holds at most ``MAX_SPLIT_PAGES``
-    pages). A split holds whole ``block_k`` tiles and whole groups of 4 pages (its slice
-    starts on 16 bytes: ``stage_page_table``); the table is padded so that every split's
-    slice, rounded up to ``table_round`` entries, lies inside it."""
-    max_pages = page_tables.shape[1]
+def split_page_tables(page_tables, page_size: int, programs: int, tuning, block_k: int, *,
+                      step_tiles: int = 1, table_round: int = 1):
+    """(SplitLayout, int32 page tables padded to its width). The split count is
+    ``pallas_decode.choose_splits``' rule for ``programs`` programs a batch row (``tuning``'s
+    ``num_splits`` and ``target_programs``; a program's step of ``step_tiles`` tiles counts as
+    its block), doubled until a split's slice holds at most ``MAX_SPLIT_PAGES`` pages. A split
+    holds whole ``block_k`` tiles and whole groups of 4 pages (its slice starts on 16 bytes:
+    ``stage_page_table``); the table is padded so that every split's slice, rounded up to
+    ``table_round`` entries, lies inside it."""
+    batch, max_pages = page_tables.shape
     max_tokens = max_pages * page_size
-    ns = num_splits
+    ns = choose_splits(batch, programs, max_tokens, DecodeTuning(
+        block_k=step_tiles * block_k, num_splits=tuning.num_splits,
+        target_programs=tuning.target_programs))
     while -(-max_tokens // ns) > MAX_SPLIT_PAGES * page_size:
         ns *= 2
     unit = max(block_k, 4 * page_size)
