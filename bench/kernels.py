@@ -823,9 +823,14 @@ def compare_mosaic(b: Bench, smoke: bool, run, old: bool = True):
 # TMA page copies, wgmma) next to the Triton kernel's default, bf16 and e4m3 token / tensor,
 # at the prefill sweep's shapes (batch, chunk, cached prefix): 8k x 8k causal and 2k after 4k.
 MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
-MOSAIC_PREFILL_SETTINGS = (("st3", {}), ("st3 auto barriers", dict(auto_barriers=True)),
-                           ("st2", dict(stages=2)), ("st4", dict(stages=4)),
-                           ("st3 no pingpong", dict(pingpong=False)),
+# the online softmax's versions (``MosaicPrefillTuning.fma_softmax`` / ``early_rescale``),
+# timed beside the default for every storage (one of the last two is the default again:
+# early for 16-bit pages and token scales, late for static fp8 scales)
+MOSAIC_PREFILL_SOFTMAX = (("st3 first softmax", dict(fma_softmax=False, early_rescale=False)),
+                          ("st3 fma, late rescale", dict(early_rescale=False)),
+                          ("st3 fma, early rescale", dict(early_rescale=True)))
+MOSAIC_PREFILL_SETTINGS = (("st3", {}), *MOSAIC_PREFILL_SOFTMAX,
+                           ("st4", dict(stages=4)), ("st3 no pingpong", dict(pingpong=False)),
                            ("bk128 st2", dict(block_k=128, stages=2)))  # 16-bit pages only
 # token scales' cost in the Mosaic kernel, split (diagnostics: wrong results)
 MOSAIC_PREFILL_TOKEN_PROBES = (("st3 probe no scale copies", dict(probe="scale_copies")),
@@ -858,7 +863,7 @@ def compare_mosaic_prefill(b: Bench, smoke: bool, run):
             # --smoke: no mosaic rows (tests/kernels/test_mosaic_prefill.py interprets it)
             settings = () if smoke else (
                 MOSAIC_PREFILL_SETTINGS if storage == "bfloat16" else
-                MOSAIC_PREFILL_SETTINGS[:2] + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token"
+                MOSAIC_PREFILL_SETTINGS[:4] + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token"
                                                else ()))
             for label, knobs in settings:
                 r = row(f"mosaic {label}", "mosaic", storage, mode, shape,

@@ -70,6 +70,22 @@ class MosaicPrefillTuning:
     # it; f16 tiles reach the wgmma through commit_smem, whose warpgroup barrier precedes
     # "ready"; each thread stores exactly the elements it loaded where it does both).
     auto_barriers: bool = False
+    # The online softmax as jax's FA3 kernel writes it: the running max kept in log2 units so
+    # that each logit costs one FFMA (max over raw logits, then s * c - m), token K scales
+    # pre-multiplied by c (one multiply a logit, not two). ``early_rescale``: the accumulator
+    # rescaled, and P cast, before the ping-pong turn (pinned there by an optimization
+    # barrier), so the warpgroup's tensor-core turn starts with its wgmma; None: by the
+    # pages, as measured on the H200 (docs/kernels-notes.md): on for 16-bit pages (-5% at
+    # 8k x 8k, -17% at 2k after 4k) and token scales (-2%, -8%), off for fp8 with static
+    # scales (+2%, +15% with it). Both off: the first version (logits scaled, then the max,
+    # then s - m; the rescale after the turn).
+    fma_softmax: bool = True
+    early_rescale: bool | None = None
+
+    def rescales_early(self, cfg: CacheConfig) -> bool:
+        if self.early_rescale is not None:
+            return self.early_rescale
+        return not (cfg.is_fp8 and KVLayout.of(cfg).mode.is_static)
 
 
 def check_supported(cfg: CacheConfig, num_heads: int, block_k: int = 64) -> None:
@@ -103,6 +119,8 @@ class _Dims(NamedTuple):
     block_k: int
     num_blocks: int  # query blocks (programs per batch row and head)
     probe: str = ""
+    fma_softmax: bool = True
+    early_rescale: bool = True
 
     @property
     def scale_copies(self) -> bool:
@@ -333,25 +351,38 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
         v_tok = lay.load_cols(smem["vs"].at[slot])
     turn = functools.partial(take_turns, plgpu, barriers.get("sched"))  # no-op: no pingpong
     s = lay.qk(q_s, k_op, during=turn)
-    if dims.scale_math:
-        s = s * lax.broadcast_in_dim(k_tok, s.shape, [1])
-    s = s * dims.qk_scale
+    if dims.scale_math:  # per key: its scale (times sm_scale * log2(e) when fma_softmax)
+        k_c = k_tok * dims.qk_scale if dims.fma_softmax else k_tok
+        s = s * lax.broadcast_in_dim(k_c, s.shape, [1])
+    if dims.fma_softmax:  # logits in log2 units are s * c (c None: s itself)
+        c = None if dims.scale_math else dims.qk_scale
+    else:  # the first version: logits scaled, then the max, then s - m
+        s, c = s * dims.qk_scale, None
     if masked:
         key = lay.iota((ROWS, dims.block_k), 1) + tok0
         visible = (key < prog.seq_len) & (key <= lax.broadcast_in_dim(pos, s.shape, [0]))
         s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
+    # the running max in log2 units (for c > 0, max(s) * c == max(s * c) exactly)
+    m_new = jnp.maximum(m_i, s.max(axis=1) if c is None else s.max(axis=1) * c)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
+    p = jnp.exp2(s - m_b if c is None else s * c - m_b)  # s * c - m: one FFMA a logit
     l_new = l_i * alpha + p.sum(axis=1)
     if dims.scale_math:
         p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
         if masked:  # past the sequence the scales are unwritten (NaN in the tests)
             p = jnp.where(visible, p, 0.0)
-    turn()  # softmax done: P.V when the other warpgroup's products are issued
-    acc = lay.pv_into(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p.astype(dims.cdt),
-                      v_op)
+    if dims.early_rescale:
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(dims.cdt)
+        acc, p16, m_new, l_new = lax.optimization_barrier((acc, p16, m_new, l_new))
+        turn()  # softmax done: P.V when the other warpgroup's products are issued
+        acc = lay.pv_into(acc, p16, v_op)
+    else:
+        turn()
+        acc = lay.pv_into(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
+                          p.astype(dims.cdt), v_op)
     plgpu.barrier_arrive(consumed.at[slot])  # P.V has read the slot (the wgmma is waited for)
     return acc, m_new, l_new
 
@@ -422,7 +453,7 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     st = tuning.stages
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
-                 tuning.probe)
+                 tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg))
     smem, barriers = _scratch(plgpu, cfg, kv, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),

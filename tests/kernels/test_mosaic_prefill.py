@@ -108,14 +108,19 @@ def test_mosaic_prefill_refuses_what_it_cannot_run(storage, mode, kw, what):
         mosaic_prefill.check_supported(cfg, 4, bk)
 
 
-@pytest.mark.parametrize("storage,mode,stages,bk,probe", [
-    ("bfloat16", None, 3, 64, ""), ("float16", None, 3, 64, ""),
-    ("float8_e4m3fn", "token", 3, 64, ""), ("float8_e5m2", "channel", 3, 64, ""),
-    ("bfloat16", None, 2, 128, ""),
+FIRST_SOFTMAX = {"fma_softmax": False, "early_rescale": False}  # the bench's "before" rows
+
+
+@pytest.mark.parametrize("storage,mode,stages,bk,knobs", [
+    ("bfloat16", None, 3, 64, {}), ("float16", None, 3, 64, {}),
+    ("float8_e4m3fn", "token", 3, 64, {}), ("float8_e5m2", "channel", 3, 64, {}),
+    ("bfloat16", None, 2, 128, {}),
+    ("bfloat16", None, 3, 64, FIRST_SOFTMAX), ("float8_e4m3fn", "token", 3, 64, FIRST_SOFTMAX),
+    ("float8_e4m3fn", "tensor", 3, 64, {"early_rescale": False}),
     # the bench's diagnostics (wrong results by design: they only have to build)
-    ("float8_e4m3fn", "token", 3, 64, "scale_copies"),
-    ("float8_e4m3fn", "token", 3, 64, "scale_math")])
-def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, bk, probe):
+    ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_copies"}),
+    ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_math"})])
+def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, bk, knobs):
     """Pallas lowers the kernel for CUDA in Python (layout inference and the Mosaic GPU
     dialect down to NVVM's wgmma, mbarrier and TMA operations) even without a GPU: what
     fails there fails here, before device time is spent."""
@@ -124,7 +129,7 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
     case_ = attention_case(rng, cfg, np.array([300, 1]), 20)
     q = jnp.zeros((2, 256, 32, 128), "bfloat16")
     pos = jnp.zeros((2, 256), jnp.int32)
-    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, block_k=bk, probe=probe)
+    tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, block_k=bk, **knobs)
     assert_lowers_for_hopper(
         jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
                 static_argnames="tuning"),
@@ -137,7 +142,7 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
     ("bfloat16", None, 96, True, False),  # a head size the Mosaic kernel refuses
     ("float8_e4m3fn", "tensor", 128, True, True),
     ("float8_e5m2", "channel", 64, True, True),
-    ("float8_e4m3fn", "token", 128, True, False),  # per-token scales: measured slower
+    ("float8_e4m3fn", "token", 128, True, True),
     ("float8_e4m3fn", "block", 128, True, False)])  # a mode the Mosaic kernel refuses
 def test_the_pallas_backend_takes_the_mosaic_prefill_kernel_where_it_runs(
         monkeypatch, storage, mode, head_dim, hopper, runs):
