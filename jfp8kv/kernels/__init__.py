@@ -3,8 +3,8 @@
 ``backend`` is one of:
 * ``"reference"``: the pure-jnp twins (any device, any dtype; XLA emulates fp8 on CPU);
 * ``"pallas"``: Pallas kernels on an NVIDIA GPU: on Hopper (sm_90) the Mosaic GPU prefill
-  kernel where it measured faster than the Triton one (``mosaic_prefill_runs``: 16-bit pages
-  and fp8 pages with static scales; docs/kernels-notes.md), the Triton backend for the rest;
+  kernel where it runs (``mosaic_prefill_runs``: 16-bit pages, fp8 pages with token or
+  static scales; faster than Triton in each, docs/kernels-notes.md), Triton for the rest;
 * ``"pallas_triton"``: the Pallas Triton kernels only (Ada, or to compare);
 * ``"pallas_interpret"``: the same Pallas kernels in interpret mode (CPU tests).
 
@@ -28,7 +28,7 @@ from jfp8kv.kernels.mla_reference import LatentPages, LatentQueries, LatentRows
 from jfp8kv.kernels.prologue import QKPrologue
 from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, SeqLens, Slots,
                                       StatRows, StatsRow)
-from jfp8kv.kvcache import k_transform, scale_modes
+from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import LayerKV
 
 BACKENDS = ("reference", "pallas", "pallas_triton", "pallas_interpret")
@@ -108,12 +108,12 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
 
 def mosaic_prefill_runs(cfg: CacheConfig, num_heads: int) -> bool:
     """The Mosaic GPU prefill kernel takes this call on the ``pallas`` backend: a Hopper GPU
-    (sm_90: wgmma, TMA), jax's Mosaic GPU module importable (it needs absl-py), a
-    configuration ``mosaic_prefill`` runs, and pages where it measured faster than the Triton
-    kernel on the H200 (bench/results/kernels-mosaic-h200.json, 8k x 8k and 2k after 4k):
-    bf16/f16 (1.5x) and fp8 with static scales (tensor: 1.04-1.13x); per-token fp8 scales
-    stay on the Triton kernel (0.86-0.98x)."""
-    if cfg.is_fp8 and not scale_modes.of(cfg).is_static or not is_hopper():
+    (sm_90: wgmma, TMA), jax's Mosaic GPU module importable (it needs absl-py) and a
+    configuration ``mosaic_prefill`` runs (bf16/f16 pages; fp8 with token, tensor or channel
+    scales). On the H200 it measured faster than the Triton kernel at 8k x 8k and 2k after
+    4k (bench/results/kernels-mosaic-h200.json): bf16 1.5-1.6x, fp8 tensor 1.1-1.2x, fp8
+    token 0.95-1.06x (two runs; parity within their noise at 2k after 4k)."""
+    if not is_hopper():
         return False
     from jfp8kv.kernels import mosaic_prefill
 

@@ -48,8 +48,9 @@ BLOCK_NLL = pytest.mark.xfail(
 def test_pallas_engine_matches_reference_greedy(tiny64, kv, mode, backend):
     """Greedy tokens through the Pallas kernels equal the reference's; where they part, the
     reference itself scores the two tokens as a tie (the kernels round q and p to fp16 for
-    the tensor cores, the reference computes attention in fp32). bf16 pages on Hopper take
-    the Mosaic GPU prefill kernel by default; ``pallas_triton`` keeps the Triton one."""
+    the tensor cores, the reference computes attention in fp32). bf16 pages and fp8 pages
+    with token, tensor or channel scales take the Mosaic GPU prefill kernel on Hopper by
+    default; ``pallas_triton`` keeps the Triton one."""
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 384, n).tolist() for n in (7, 40, 130, 300)]
