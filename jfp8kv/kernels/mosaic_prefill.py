@@ -8,7 +8,8 @@ warpgroup walks the KV head's page table, copying each tile's pages (``block_k``
 V and, in token mode, their scales) with TMA into ``stages`` slots that both compute
 warpgroups read.
 bf16/f16 pages are wgmma operands as they land; fp8 pages land in a ring of their own that
-the memory warpgroup upcasts, each tile once, into the f16 slots both compute warpgroups read.
+the memory warpgroup upcasts, each tile once, into the f16 slots both compute warpgroups read
+(or, with ``upcast_wgs=2``, the memory warpgroup K and a fourth warpgroup V).
 q.K^T and P.V run as wgmma around the online softmax, the two warpgroups taking turns at the
 tensor cores (``pingpong``, FA3's schedule barrier).
 
@@ -81,6 +82,12 @@ class MosaicPrefillTuning:
     # then s - m; the rescale after the turn).
     fma_softmax: bool = True
     early_rescale: bool | None = None
+    # fp8 pages: warpgroups that upcast each tile. 1: one memory warpgroup copies and
+    # upcasts K and V (96 registers a thread). 2: the first copies the tile and upcasts K (and
+    # its scales), a second upcasts V (and its scales) at the same time; with four
+    # warpgroups (128 registers a thread at launch) the two take 56 a thread so that the
+    # compute warpgroups keep 200. Not yet timed on a GPU: off by default.
+    upcast_wgs: int = 1
 
     def rescales_early(self, cfg: CacheConfig) -> bool:
         if self.early_rescale is not None:
@@ -121,6 +128,7 @@ class _Dims(NamedTuple):
     probe: str = ""
     fma_softmax: bool = True
     early_rescale: bool = True
+    upcast_wgs: int = 1  # fp8 pages: 1 or 2 (``MosaicPrefillTuning.upcast_wgs``); else 1
 
     @property
     def scale_copies(self) -> bool:
@@ -166,15 +174,26 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
 
     # Registers a thread: 168 at launch (3 warpgroups); what the compute warpgroups add must
     # not exceed what the memory warpgroup gives back, or setmaxnreg waits forever (it did,
-    # at 96 / 208). fp8: the memory warpgroup also upcasts (64 fp8 values a thread per operand)
-    memory_regs, compute_regs = (96, 200) if dims.fp8 else (40, 232)
+    # at 96 / 208). fp8: the memory warpgroup also upcasts (64 fp8 values a thread per
+    # operand); two upcasting warpgroups launch at 128 (4 warpgroups): 2 x 200 + 2 x 56.
+    memory_regs, compute_regs = (40, 232) if not dims.fp8 else (
+        (96, 200) if dims.upcast_wgs == 1 else (56, 200))
+
+    def walk(**part):
+        run = _upcasting_warpgroup if dims.fp8 else _memory_warpgroup
+        run(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+            barriers, dims=dims, plgpu=plgpu, lay=lay, **part)
 
     @pl.when(prog.wg == CWGS)
     def _():
         plgpu.set_max_registers(memory_regs, action="decrease")
-        walk = _upcasting_warpgroup if dims.fp8 else _memory_warpgroup
-        walk(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-             barriers, dims=dims, plgpu=plgpu, lay=lay)
+        walk(**({"part": "k"} if dims.upcast_wgs == 2 else {}))
+
+    if dims.upcast_wgs == 2:
+        @pl.when(prog.wg == CWGS + 1)
+        def _():
+            plgpu.set_max_registers(memory_regs, action="decrease")
+            walk(part="v")
 
     @pl.when(prog.wg < CWGS)
     def _():
@@ -214,28 +233,36 @@ def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_
 
 
 def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-                         barriers, *, dims, plgpu, lay):
+                         barriers, *, dims, plgpu, lay, part: str = "kv"):
     """fp8 pages: copies each tile's pages into an fp8 slot ``stages`` tiles ahead, upcasts
     the landed tile once into the f16 slot both compute warpgroups read (V's rows past
     ``kv_end`` zeroed in the last tile; token scales copied beside it), then refills the
-    fp8 slot. The compute warpgroups see the same slots and barriers as for 16-bit pages."""
+    fp8 slot once it has been read. The compute warpgroups see the same slots and barriers
+    as for 16-bit pages. ``part``: "kv" (one upcasting warpgroup), or "k" (copies, upcasts
+    K) / "v" (upcasts V) for two; each arrives on the slot's "ready" and "read" barriers."""
     stages, bk = dims.stages, dims.block_k
     landed, ready, consumed = barriers["landed"], barriers["ready"], barriers["consumed"]
+    read = barriers["read"]
     last = n_tiles - 1
+    copies = part != "v"  # this warpgroup issues the copies
     fp8 = {name: smem[name + "8"] for name in ("k", "v", "ks", "vs") if name + "8" in smem}
     copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
                              ks_ref=ks_ref, vs_ref=vs_ref, smem=fp8, dims=dims, plgpu=plgpu)
 
-    for t in range(stages):  # the first tiles' copies
-        pl.when(t < n_tiles)(lambda t=t: (copy(t, t, barrier=landed.at[t]), None)[1])
+    if copies:
+        for t in range(stages):  # the first tiles' copies
+            pl.when(t < n_tiles)(lambda t=t: (copy(t, t, barrier=landed.at[t]), None)[1])
 
     def upcast(t, slot, masked: bool):
-        smem["k"].at[slot][...] = lay.upcast(fp8["k"].at[slot], jnp.float16)
-        smem["v"].at[slot][...] = lay.upcast(fp8["v"].at[slot], jnp.float16,
-                                             prog.kv_end - t * bk if masked else None)
+        if "k" in part:
+            smem["k"].at[slot][...] = lay.upcast(fp8["k"].at[slot], jnp.float16)
+        if "v" in part:
+            smem["v"].at[slot][...] = lay.upcast(fp8["v"].at[slot], jnp.float16,
+                                                 prog.kv_end - t * bk if masked else None)
         if dims.scale_copies:
             for name in ("ks", "vs"):
-                smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
+                if name[0] in part:
+                    smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
 
     @pl.loop(0, n_tiles)
     def _tile(t):
@@ -250,12 +277,15 @@ def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, 
         pl.when(t == last)(lambda: upcast(t, slot, masked=True))
         plgpu.commit_smem()  # the f16 tile visible to the wgmma (async proxy)
         plgpu.barrier_arrive(ready.at[slot])
-        plgpu.barrier_arrive(barriers["read"])  # every thread has read the fp8 slot:
-        plgpu.barrier_wait(barriers["read"])  # TMA may overwrite it
+        # every upcasting thread has read the fp8 slot: TMA may overwrite it
+        read_slot = read.at[slot] if dims.upcast_wgs == 2 else read  # one warpgroup: one
+        plgpu.barrier_arrive(read_slot)
+        if copies:
+            plgpu.barrier_wait(read_slot)
 
-        @pl.when(t + stages < n_tiles)
-        def _():
-            copy(t + stages, slot, barrier=landed.at[slot])
+            @pl.when(t + stages < n_tiles)
+            def _():
+                copy(t + stages, slot, barrier=landed.at[slot])
 
     drain_slots(plgpu, n_tiles, stages, consumed)
 
@@ -402,12 +432,14 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
         smem.update({name + "8": ref for name, ref in ring.items()},
                     k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))
     copies = (4 if dims.scale_copies else 2) * max(1, bk // cfg.page_size)
-    barriers = {"ready": plgpu.Barrier(num_arrivals=1 if dims.fp8 else copies, num_barriers=st),
+    barriers = {"ready": plgpu.Barrier(num_arrivals=dims.upcast_wgs if dims.fp8 else copies,
+                                       num_barriers=st),
                 "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
                 "q": plgpu.Barrier(num_arrivals=3 if dims.static_v else 2, num_barriers=CWGS)}
     if dims.fp8:  # copies landed in the fp8 ring; the upcast has read an fp8 slot
         barriers["landed"] = plgpu.Barrier(num_arrivals=copies, num_barriers=st)
-        barriers["read"] = plgpu.Barrier()
+        barriers["read"] = (plgpu.Barrier(num_arrivals=2, num_barriers=st)
+                            if dims.upcast_wgs == 2 else plgpu.Barrier())
     else:  # the last tile's copies (its V is zeroed past the sequence first)
         barriers["last"] = plgpu.Barrier(num_arrivals=copies)
     if dims.pingpong:
@@ -438,6 +470,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         raise ValueError(f"block_k must be one of {BLOCK_KS}, got {bk}")
     if cfg.is_fp8 and tuning.stages > 3:  # 3 x (fp8 tile + its f16 copy): 176 KB
         raise ValueError(f"fp8 pages take at most 3 stages (shared memory), got {tuning.stages}")
+    if tuning.upcast_wgs not in (1, 2):
+        raise ValueError(f"upcast_wgs must be 1 or 2, got {tuning.upcast_wgs}")
     check_supported(cfg, nh, bk)
     hkv, s = cfg.num_kv_heads, cfg.page_size
     kv = KVLayout.of(cfg)
@@ -453,13 +487,14 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     st = tuning.stages
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
-                 tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg))
+                 tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg),
+                 tuning.upcast_wgs if cfg.is_fp8 else 1)
     smem, barriers = _scratch(plgpu, cfg, kv, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=jax.ShapeDtypeStruct((b, tp, nh, d), kv.cdt),
         grid=(b, nh, tp // (CWGS * ROWS)), grid_names=("b", "h", "qb"),
-        num_threads=CWGS + 1, thread_name="wg",
+        num_threads=CWGS + dims.upcast_wgs, thread_name="wg",
         scratch_types=(smem, barriers),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
