@@ -334,8 +334,9 @@ class EngineConfig:
         1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
     attention_backend: str = _knob(
         "auto", "attention kernels: auto = pallas on an NVIDIA GPU (on Hopper the Mosaic GPU "
-        "prefill kernel for bf16 pages and fp8 with static scales, Triton otherwise), "
-        "reference elsewhere; pallas_triton = the Triton kernels only",
+        "prefill kernel for bf16 pages and fp8 with token, tensor or channel scales, and the "
+        "Mosaic MLA decode kernel; Triton otherwise), reference elsewhere; "
+        "pallas_triton = the Triton kernels only",
         choices=ATTENTION_BACKENDS)
     seed: int = _knob(0, "base seed of sampling (a request's own seed overrides it)")
     decode_steps: int | None = _knob(
