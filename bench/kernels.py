@@ -834,6 +834,10 @@ MOSAIC_PREFILL_SETTINGS = (("st3", {}), *MOSAIC_PREFILL_SOFTMAX,
                            ("bk128 st2", dict(block_k=128, stages=2)))  # 16-bit pages only
 # fp8 pages: K and V upcast by two warpgroups at once (``MosaicPrefillTuning.upcast_wgs``)
 MOSAIC_PREFILL_FP8 = (("st3 2 upcast wgs", dict(upcast_wgs=2)),)
+# token scales gathered per batch row in XLA, two copies a tile (``gather_scales``)
+MOSAIC_PREFILL_GATHER = (("st3 gathered scales", dict(gather_scales=True)),
+                         ("st3 2 upcast wgs, gathered scales",
+                          dict(upcast_wgs=2, gather_scales=True)))
 # token scales' cost in the Mosaic kernel, split (diagnostics: wrong results)
 MOSAIC_PREFILL_TOKEN_PROBES = (("st3 probe no scale copies", dict(probe="scale_copies")),
                                ("st3 probe no scale math", dict(probe="scale_math")))
@@ -865,7 +869,9 @@ def compare_mosaic_prefill(b: Bench, smoke: bool, run):
             # --smoke: no mosaic rows (tests/kernels/test_mosaic_prefill.py interprets it)
             settings = () if smoke else (
                 MOSAIC_PREFILL_SETTINGS if storage == "bfloat16" else
-                MOSAIC_PREFILL_SETTINGS[:1] + MOSAIC_PREFILL_FP8 + MOSAIC_PREFILL_SETTINGS[1:4]
+                MOSAIC_PREFILL_SETTINGS[:1] + MOSAIC_PREFILL_FP8
+                + (MOSAIC_PREFILL_GATHER if mode == "token" else ())
+                + MOSAIC_PREFILL_SETTINGS[1:4]
                 + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token" else ()))
             for label, knobs in settings:
                 r = row(f"mosaic {label}", "mosaic", storage, mode, shape,

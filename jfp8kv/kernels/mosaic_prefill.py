@@ -88,6 +88,10 @@ class MosaicPrefillTuning:
     # warpgroups (128 registers a thread at launch) the two take 56 a thread so that the
     # compute warpgroups keep 200. Not yet timed on a GPU: off by default.
     upcast_wgs: int = 1
+    # token scales: gathered per batch row in XLA first ([Hkv, B, keys], 8 bytes a key and
+    # KV head), so that a tile's K and V scales are two 4 * block_k-byte copies, not two
+    # 4 * page_size-byte copies a page (8 a tile at 16-token pages). Not yet timed on a GPU.
+    gather_scales: bool = False
 
     def rescales_early(self, cfg: CacheConfig) -> bool:
         if self.early_rescale is not None:
@@ -129,6 +133,7 @@ class _Dims(NamedTuple):
     fma_softmax: bool = True
     early_rescale: bool = True
     upcast_wgs: int = 1  # fp8 pages: 1 or 2 (``MosaicPrefillTuning.upcast_wgs``); else 1
+    gather_scales: bool = False  # token scales gathered per batch row (else False)
 
     @property
     def scale_copies(self) -> bool:
@@ -161,7 +166,8 @@ def _tiles(end, block_k: int):
 def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
     # len_ref [B]; pt_ref [B, MP]; end_ref [B, blocks, 2] (keys needed, keys every row sees)
     # per 64-row block; pos_ref [B, Tp]; q_ref / o_ref [B, Tp, H, D]; k_ref / v_ref
-    # [Hkv, P*S, D]; then token scales [Hkv, P*S] x 2, or static V scales [Hkv, D]
+    # [Hkv, P*S, D]; then token scales [Hkv, P*S] x 2 (``gather_scales``: [Hkv, B, keys]),
+    # or static V scales [Hkv, D]
     refs = list(refs)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if dims.token_scales else (None, None)
     vsc_ref = refs.pop(0) if dims.static_v else None
@@ -308,11 +314,17 @@ def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref,
         plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], smem["k"].at[slot, dst], barrier)
         plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], smem["v"].at[slot, dst], barrier)
         copies += 2
-        if dims.scale_copies:  # 4 bytes a token: plain bulk copies (16-byte aligned)
-            for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):
+        if dims.scale_copies and not dims.gather_scales:  # 4 bytes a token: plain bulk
+            for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):  # copies
                 plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst], barrier,
                                         oob_mode=in_bounds)
                 copies += 1
+    if dims.scale_copies and dims.gather_scales:  # the tile's keys, gathered: [Hkv, B, keys]
+        keys = pl.ds(t * bk, bk)
+        for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):
+            plgpu.copy_gmem_to_smem(src.at[prog.hkv, prog.b, keys], dst_s.at[slot], barrier,
+                                    oob_mode=in_bounds)
+            copies += 1
     return copies
 
 
@@ -431,7 +443,8 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
     if cfg.is_fp8:
         smem.update({name + "8": ref for name, ref in ring.items()},
                     k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))
-    copies = (4 if dims.scale_copies else 2) * max(1, bk // cfg.page_size)
+    pages = max(1, bk // cfg.page_size)
+    copies = 2 * pages + (0 if not dims.scale_copies else 2 if dims.gather_scales else 2 * pages)
     barriers = {"ready": plgpu.Barrier(num_arrivals=dims.upcast_wgs if dims.fp8 else copies,
                                        num_barriers=st),
                 "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
@@ -445,6 +458,15 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
     if dims.pingpong:
         barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
     return smem, barriers
+
+
+def _gathered_scales(scales, page_tables, page_size: int):
+    """Token scales [Hkv, P*S] -> f32 [Hkv, B, width * S]: each batch row's keys in order
+    through its (tile-padded) page table; entries past a sequence read whatever page the
+    table holds there (their keys are masked)."""
+    tok = jnp.arange(page_tables.shape[1] * page_size, dtype=jnp.int32)
+    rows = page_tables[:, tok // page_size] * page_size + tok % page_size
+    return jnp.take(scales.astype(jnp.float32), rows, axis=1, mode="clip")
 
 
 def _block_ends(q_positions, seq_lens, tp: int):
@@ -488,7 +510,7 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
                  tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg),
-                 tuning.upcast_wgs if cfg.is_fp8 else 1)
+                 tuning.upcast_wgs if cfg.is_fp8 else 1, tuning.gather_scales and token_scales)
     smem, barriers = _scratch(plgpu, cfg, kv, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
@@ -502,7 +524,9 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         kernel_name="jfp8kv_mosaic_prefill", **interpret_kwargs(interpret))
     seq_lens = seq_lens.astype(jnp.int32)
     operands = [seq_lens, pt, _block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages]
-    if token_scales:
+    if token_scales and dims.gather_scales:
+        operands += [_gathered_scales(sc, pt, s) for sc in (k_sc, v_sc)]
+    elif token_scales:
         operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
     if static_v:
         operands.append(v_sc.astype(jnp.float32))

@@ -61,7 +61,7 @@ def _positions(rng, t: int, s: int):
 
 
 @pytest.mark.parametrize("case,exec_mode", PARAMS)
-def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True, upcast_wgs=1):
+def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True, **knobs):
     storage, mode, s, d, nh, hkv, t, stages, bk = case
     rng = np.random.default_rng()
     lens, pos = _positions(rng, t, s)
@@ -72,7 +72,7 @@ def test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=True, upcast
     q = jnp.asarray(rng.standard_normal((len(lens), t, nh, d)), "bfloat16")
     sm_scale = 1.0 / np.sqrt(d)
     tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, pingpong=pingpong, block_k=bk,
-                                                upcast_wgs=upcast_wgs)
+                                                **knobs)
     out = on_exec(exec_mode, mosaic_prefill.prefill_attention, q, case_.poisoned,
                   case_.page_tables, case_.seq_lens, jnp.asarray(pos), cfg, sm_scale,
                   tuning=tuning)
@@ -98,6 +98,13 @@ def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
     + [pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in (1, 3, 5, 6)])
 def test_mosaic_prefill_with_two_upcasting_warpgroups_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, upcast_wgs=2)
+
+
+@pytest.mark.parametrize("case,exec_mode", [  # token scales gathered per batch row in XLA
+    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")]
+    + [pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in (1, 5)])
+def test_mosaic_prefill_with_gathered_token_scales_matches_reference(case, exec_mode):
+    test_mosaic_prefill_matches_reference(case, exec_mode, gather_scales=True)
 
 
 @pytest.mark.parametrize("storage,mode,kw,what", [
@@ -127,6 +134,8 @@ FIRST_SOFTMAX = {"fma_softmax": False, "early_rescale": False}  # the bench's "b
     ("float8_e4m3fn", "tensor", 3, 64, {"early_rescale": False}),
     ("float8_e4m3fn", "token", 3, 64, {"upcast_wgs": 2}),
     ("float8_e5m2", "channel", 3, 64, {"upcast_wgs": 2}),
+    ("float8_e4m3fn", "token", 3, 64, {"gather_scales": True}),
+    ("float8_e4m3fn", "token", 3, 64, {"gather_scales": True, "upcast_wgs": 2}),
     # the bench's diagnostics (wrong results by design: they only have to build)
     ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_copies"}),
     ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_math"})])
