@@ -185,21 +185,24 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     memory_regs, compute_regs = (40, 232) if not dims.fp8 else (
         (96, 200) if dims.upcast_wgs == 1 else (56, 200))
 
-    def walk(**part):
-        run = _upcasting_warpgroup if dims.fp8 else _memory_warpgroup
-        run(prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-            barriers, dims=dims, plgpu=plgpu, lay=lay, **part)
+    def walk(part: str):
+        args = (prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+                barriers)
+        if dims.fp8:
+            _upcasting_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay, part=part)
+        else:
+            _memory_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay)
 
     @pl.when(prog.wg == CWGS)
     def _():
         plgpu.set_max_registers(memory_regs, action="decrease")
-        walk(**({"part": "k"} if dims.upcast_wgs == 2 else {}))
+        walk("kv" if dims.upcast_wgs == 1 else "k")
 
     if dims.upcast_wgs == 2:
         @pl.when(prog.wg == CWGS + 1)
         def _():
             plgpu.set_max_registers(memory_regs, action="decrease")
-            walk(part="v")
+            walk("v")
 
     @pl.when(prog.wg < CWGS)
     def _():
@@ -250,12 +253,12 @@ def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, 
     landed, ready, consumed = barriers["landed"], barriers["ready"], barriers["consumed"]
     read = barriers["read"]
     last = n_tiles - 1
-    copies = part != "v"  # this warpgroup issues the copies
+    issues_copies = part != "v"
     fp8 = {name: smem[name + "8"] for name in ("k", "v", "ks", "vs") if name + "8" in smem}
     copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
                              ks_ref=ks_ref, vs_ref=vs_ref, smem=fp8, dims=dims, plgpu=plgpu)
 
-    if copies:
+    if issues_copies:
         for t in range(stages):  # the first tiles' copies
             pl.when(t < n_tiles)(lambda t=t: (copy(t, t, barrier=landed.at[t]), None)[1])
 
@@ -286,7 +289,7 @@ def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, 
         # every upcasting thread has read the fp8 slot: TMA may overwrite it
         read_slot = read.at[slot] if dims.upcast_wgs == 2 else read  # one warpgroup: one
         plgpu.barrier_arrive(read_slot)
-        if copies:
+        if issues_copies:
             plgpu.barrier_wait(read_slot)
 
             @pl.when(t + stages < n_tiles)
