@@ -155,6 +155,23 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
         q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning)
 
 
+def test_mosaic_prefill_gathers_scales_for_page_tables_narrower_than_its_stages():
+    """A page table of 64 keys under 3 stages of 64: the first tiles' copies are traced with
+    static starts past the table (and skipped at run time), so the gathered scales are
+    padded to the stages; without that, tracing refused an out-of-bound slice."""
+    cfg = make_cfg("float8_e4m3fn", "token", heads_kv=1, head_dim=64, page_size=8,
+                   num_pages=12)
+    rng = np.random.default_rng()
+    case_ = attention_case(rng, cfg, np.array([40, 7]), 8)
+    q = jnp.zeros((2, 40, 3, 64), "bfloat16")
+    pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+    tuning = mosaic_prefill.MosaicPrefillTuning(stages=3, block_k=64, gather_scales=True)
+    assert_lowers_for_hopper(
+        jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
+                static_argnames="tuning"),
+        q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning)
+
+
 @pytest.mark.parametrize("storage,mode,head_dim,hopper,runs", [
     ("bfloat16", None, 128, True, True), ("float16", None, 64, True, True),
     ("bfloat16", None, 128, False, False),  # Ada, or no GPU: the Triton kernel
