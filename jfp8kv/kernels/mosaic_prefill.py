@@ -463,18 +463,13 @@ def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
     return smem, barriers
 
 
-def _gathered_scales(scales, page_tables, page_size: int, min_keys: int):
-    """Token scales [Hkv, P*S] -> f32 [Hkv, B, max(width * S, min_keys)]: each batch row's
-    keys in order through its (tile-padded) page table; entries past a sequence read whatever
-    page the table holds there, or page 0 past the table (their keys are masked).
-    ``min_keys`` (stages x block_k): the first ``stages`` tiles' copies are traced with
-    static starts even where ``pl.when`` skips them, and a start past the array is refused
-    at trace time."""
-    keys = max(page_tables.shape[1] * page_size, min_keys)
-    tok = jnp.arange(keys, dtype=jnp.int32)
-    page = jnp.take(page_tables, tok // page_size, axis=1, mode="fill", fill_value=0)
-    return jnp.take(scales.astype(jnp.float32), page * page_size + tok % page_size, axis=1,
-                    mode="clip")
+def _gathered_scales(scales, page_tables, page_size: int):
+    """Token scales [Hkv, P*S] -> f32 [Hkv, B, width * S]: each batch row's keys in order
+    through its (tile-padded) page table; entries past a sequence read whatever page the
+    table holds there (their keys are masked)."""
+    tok = jnp.arange(page_tables.shape[1] * page_size, dtype=jnp.int32)
+    rows = page_tables[:, tok // page_size] * page_size + tok % page_size
+    return jnp.take(scales.astype(jnp.float32), rows, axis=1, mode="clip")
 
 
 def _block_ends(q_positions, seq_lens, tp: int):
@@ -511,10 +506,14 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
     qk = grouped_queries(q, kv, k_sc, hkv).reshape(b, t, nh, d).astype(kv.cdt)
     qk = jnp.pad(qk, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-    per_tile = max(1, bk // s)  # page-table entries a tile reads: padded to whole tiles
-    mp = page_tables.shape[1]
-    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -(-mp // per_tile) * per_tile - mp)))
+    # page-table entries a tile reads; the table padded to whole tiles, and to at least
+    # ``stages`` of them: the first tiles' copies are traced with static indices even where
+    # ``pl.when`` skips them, and jax refuses a slice past an array when it traces
     st = tuning.stages
+    per_tile = max(1, bk // s)
+    mp = page_tables.shape[1]
+    width = max(-(-mp // per_tile), st) * per_tile
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width - mp)))
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
                  tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg),
@@ -533,7 +532,7 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     seq_lens = seq_lens.astype(jnp.int32)
     operands = [seq_lens, pt, _block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages]
     if token_scales and dims.gather_scales:
-        operands += [_gathered_scales(sc, pt, s, st * bk) for sc in (k_sc, v_sc)]
+        operands += [_gathered_scales(sc, pt, s) for sc in (k_sc, v_sc)]
     elif token_scales:
         operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
     if static_v:

@@ -157,8 +157,9 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
 
 def test_mosaic_prefill_gathers_scales_for_page_tables_narrower_than_its_stages():
     """A page table of 64 keys under 3 stages of 64: the first tiles' copies are traced with
-    static starts past the table (and skipped at run time), so the gathered scales are
-    padded to the stages; without that, tracing refused an out-of-bound slice."""
+    static starts past the table (and skipped at run time), so the page table, and the
+    scales gathered through it, are padded to the stages; without that, tracing refused an
+    out-of-bound slice."""
     cfg = make_cfg("float8_e4m3fn", "token", heads_kv=1, head_dim=64, page_size=8,
                    num_pages=12)
     rng = np.random.default_rng()
