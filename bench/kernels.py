@@ -183,12 +183,12 @@ def decode_chain(kind: str, cfg: CacheConfig, tuning, interpret: bool):
             return pallas_decode.decode_attention(q, layer, pt, lens, cfg, sm,
                                                   interpret=interpret, tuning=tuning)
         if kind == "mosaic":
-            from jfp8kv.kernels import mosaic_decode
+            from lab import mosaic_decode
 
             return mosaic_decode.decode_attention(q, layer, pt, lens, cfg, sm,
                                                   interpret=interpret, tuning=tuning)
         if kind == "mosaic_t":
-            from jfp8kv.kernels import mosaic_decode_t
+            from lab import mosaic_decode_t
 
             return mosaic_decode_t.decode_attention(q, layer, pt, lens, cfg, sm,
                                                     interpret=interpret, tuning=tuning)
@@ -727,7 +727,7 @@ def compare_split_loop(b: Bench, smoke: bool, run):
                 b.save()
 
 
-# "mosaic": the Mosaic GPU decode kernel (``kernels.mosaic_decode``: warp-specialized, TMA
+# "mosaic": the Mosaic GPU decode kernel (``lab.mosaic_decode``: warp-specialized, TMA
 # page copies, fp8 upcast once into shared memory, wgmma) next to the Triton kernel's default
 # for fp8 and bf16 pages, at the split-loop comparison's decode shapes, e4m3 token and tensor,
 # and at other stage and compute-warpgroup counts (token).
@@ -735,7 +735,7 @@ MOSAIC_SETTINGS = (("st4", {}), ("st2", dict(stages=2)), ("st4 overlap_v", dict(
 # diagnostics (wrong results, timing only): the kernel with a part of its work skipped, at
 # the first shape with token scales
 MOSAIC_PROBES = ("compute", "convert", "mma")
-# the transposed kernel (``kernels.mosaic_decode_t``: S^T = K q^T, O^T = V^T P^T, the G
+# the transposed kernel (``lab.mosaic_decode_t``: S^T = K q^T, O^T = V^T P^T, the G
 # query heads padded to 8 or 16 instead of 64): the fp8 upcast in a dedicated warpgroup
 # ("w") or in the compute warpgroups ("c"), 1 or 2 compute warpgroups, fp8 ring stages;
 # "narrow": the upcast in the layout Mosaic infers instead of 8 values a thread; "kregs": K
@@ -767,8 +767,8 @@ def compare_mosaic(b: Bench, smoke: bool, run, old: bool = True):
     (``--compare mosaic_t``): without the padded kernel's (``mosaic_decode``) rows, every
     row under ``op`` "decode_mosaic_t" (a re-run keeps the "decode_mosaic" rows). A row whose
     kernel raises records its error (``Bench.decode``); the others still run."""
-    from jfp8kv.kernels.mosaic_decode import MosaicDecodeTuning
-    from jfp8kv.kernels.mosaic_decode_t import MosaicDecodeTTuning
+    from lab.mosaic_decode import MosaicDecodeTuning
+    from lab.mosaic_decode_t import MosaicDecodeTTuning
 
     shapes = SPLIT_DECODE_SHAPES if not smoke else ((2, 64, 8, 2, 64),)
 

@@ -1,4 +1,4 @@
-"""The transposed Mosaic decode kernel (``kernels.mosaic_decode_t``) with K upcast into
+"""The transposed Mosaic decode kernel (``lab.mosaic_decode_t``) with K upcast into
 registers (``k_regs``): stage counts and programs per SM (``target_programs`` 264 = two
 programs an SM, which its ~95 KB of shared memory allows at head_dim 128), beside the Triton
 kernel, fp8 e4m3 token and tensor, at bench.kernels' four decode shapes; rows in one run,
@@ -9,7 +9,7 @@ import os
 import time
 
 from bench.kernels import Bench
-from jfp8kv.kernels.mosaic_decode_t import MosaicDecodeTTuning as T
+from lab.mosaic_decode_t import MosaicDecodeTTuning as T
 
 SHAPES = [(64, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (64, 8192, 9, 3, 64),
           (32, 640, 16, 8, 128)]  # (batch, context, query heads, KV heads, head_dim)

@@ -104,9 +104,15 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() == "gpu"
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the GPU machine with -m gpu)")
+    # lab/ prototypes (no engine path runs them) do not gate the default run with minutes of
+    # interpretation: their lowering tests run always, their interpret cases under -m lab
+    run_lab = "lab" in (config.getoption("markexpr") or "")
+    skip_lab = pytest.mark.skip(reason="a lab prototype's interpret run: pytest -m lab tests/lab")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
+        elif item.get_closest_marker("lab") and not run_lab:
+            item.add_marker(skip_lab)
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda it: rank.get(_group(it.nodeid), len(rank)))  # stable: order kept
 

@@ -5,7 +5,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 # and put /tmp/site first on PYTHONPATH.
 # What each is for: gguf (GGUF models), beartype (the tests' jaxtyping checks), absl-py (jax's
-# Mosaic GPU module imports it: kernels.mosaic_decode), and the
+# Mosaic GPU module imports it: the Mosaic kernels), and the
 # server's stack (jfp8kv.serve, bench.serving): fastapi with its imports, which the machine's
 # image does not hold (fastapi 0.16x imports opentelemetry-api; starlette, pydantic,
 # pydantic-core, annotated-types, typing-inspection, uvicorn). Versions: those tested here.

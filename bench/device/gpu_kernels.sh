@@ -32,7 +32,7 @@ stage splits ${SPLITS_LIMIT:-200} python3 -m bench.kernels --compare splits,wave
 # STAGES=mosaic (not a default): both Mosaic GPU kernels' native tests, then the prefill
 # kernel and the decode kernel beside the Triton kernels into $OUT/kernels-mosaic-h200.json
 stage mosaic ${MOSAIC_LIMIT:-420} bash -c "cp bench/results/kernels-mosaic-h200.json $OUT/ && \
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mosaic_prefill.py tests/kernels/test_mosaic_decode.py; \
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mosaic_prefill.py tests/lab/test_mosaic_decode.py; \
   python3 -m bench.kernels --compare mosaic_prefill,mosaic --budget-s $(( ${MOSAIC_LIMIT:-420} - 150 )) --out $OUT/kernels-mosaic-h200.json"
 stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_kernel.py && python3 -m bench.mla_kernels --sweep --out $OUT/mla-kernels-h200.json"
 # Issue 14 (STAGES=rotation; not run by default): the K transform's cost at the dispatcher

@@ -1,6 +1,6 @@
 """MLA latent decode attention on Pallas Mosaic GPU (Hopper, sm_90a) with the products
-transposed, as ``mosaic_decode_t`` computes dense decode: a prototype beside the Triton
-kernel ``pallas_mla`` (which the engine uses).
+transposed (``mosaic_transposed``); the engine's decode kernel for latent caches on Hopper
+where ``check_supported`` accepts the cache (``pallas_mla``, Triton, runs the rest).
 
 Contract: ``mla_reference.latent_attention``'s for decode (T == 1, absorbed queries):
 q [B, 1, H, R] with R = r + d_r (kv_lora_rank + qk_rope_head_dim, 512 + 64 for
@@ -8,58 +8,28 @@ DeepSeek-V2/V3), pages [1, P, S, R] with rows ``[c | k_rope]``, value = the firs
 out [B, 1, H, r] in q's dtype. Query b sees key j iff j < seq_lens[b] and
 j <= q_positions[b, 0] (the lengths are clipped in XLA).
 
-One program per (batch row, head block, split); a head block is N = 8 or 16 query heads
-(``MosaicMLATuning.head_block``; H = 16 is one block, H = 128 eight). Per 64-key tile:
+One program per (batch row, head block of N = 8 or 16 query heads, split); per 64-key tile:
+S^T = C_lat q_lat^T + C_rope q_rope^T (two wgmmas into one [64, N] accumulator; the latent
+and RoPE parts are separate tiles and TMA copies, 576 fp8 bytes a row not being a multiple
+of 128), the online softmax down the columns (token scales on the rows of the logits and
+probabilities, keys past the end masked, the running sum kept per element and summed in
+XLA), then O^T += C_lat^T P^T with the *same* latent tile viewed transposed, so one tile
+(upcast once for fp8) feeds both products. Why: this is the form whose fp8 upcast the kernel
+controls (the Triton kernel reads the latent tile back byte by byte as P.V's operand).
 
-* S^T = C q^T as two wgmmas into one accumulator [64 keys, N]: C_lat q_lat^T + C_rope
-  q_rope^T (A = the latent tile [64, r] and the RoPE tile [64, d_r], B = q's two parts
-  [N, r], [N, d_r] viewed transposed). The two parts are separate shared-memory tiles and
-  separate TMA copies: 576 fp8 bytes a row is not a multiple of 128, 512 and 64 are.
-* The online softmax down the columns (one running max per head), keys past the end masked,
-  token scales on the logits' and probabilities' rows, the running sum per element
-  ([64, N], summed in XLA), as ``mosaic_decode_t``.
-* P^T to a [N, 64] buffer through a transposed view, then O^T += C_lat^T P^T with A = the
-  *same* latent tile viewed transposed ([r, 64]) and B = P^T: the accumulator is [r, N]
-  (64 f32 registers a thread at r = 512, N = 16). One latent tile (upcast once for fp8)
-  feeds both products.
+Storage: bf16/f16 pages are the wgmma operands as TMA lands them (latent rows past the end
+zeroed in place in the split's last tile: 0 x NaN is NaN); fp8 pages (e4m3, e5m2) are upcast
+to f16 exactly by the compute warpgroup; fp8 ``block`` scales vary along both contractions,
+so the upcast multiplies each 64-column chunk by its groups' scales in f16 (one rounding of
+the exact product, as ``tiles.dequant_kv``). Block scales, and token scales of pages under 32
+tokens, are gathered per split in XLA first (a lane-semantics copy moves a multiple of 128
+bytes).
 
-Storage: bf16/f16 pages are the wgmma operands as TMA lands them (q and P in the storage
-dtype; the latent rows past the end are zeroed in place in the split's last tile, 0 x NaN
-being NaN); fp8 pages (e4m3, e5m2) with token scales are upcast to f16 exactly by the compute
-warpgroup into one f16 latent tile and one f16 RoPE tile (rows past the end zeroed in the
-last tile), q and P in f16, token scales on the logits and probabilities as the dense
-kernels. fp8 ``block`` scales (one f16 per 32 or 64 values; they vary along both
-contractions, so no product can take them outside) are applied by the upcast: each 64-column
-chunk is upcast to f16 and multiplied in f16 by its groups' scales (each group's [64] scales
-broadcast over the chunk, selected by column), which rounds the exact product once, as
-Triton's f32 product cast to f16 (``tiles.dequant_kv``). The block scales are gathered per
-split in XLA into [B, G, tokens] f16 (group-major: a tile's scales are one [G, 64] TMA copy
-of 2,304 bytes at G = 18; a page's own [S, G] rows are 576 bytes at S = 16, not a multiple
-of 128): 36 bytes a token read and written beside the kernel, ~6% over the 612 it reads.
-
-Warpgroups: a *memory* warpgroup copies q, the split's page-table slice (rounded up to 32
-entries) and then each tile's rows into ``stages`` slots with TMA (``mosaic_decode_t``'s page
-walk; token scales per page from 32-token pages up, else gathered per split in XLA: a
-lane-semantics copy moves a multiple of 128 bytes); one *compute* warpgroup runs the tiles
-and writes its split's partial state (O^T, m, per-element l), merged by
-``pallas_decode.combine_splits``. Two warpgroups: 256 registers a thread at launch, no
-``setmaxnreg``. A second compute warpgroup would need its own f16 tile (fp8) and O^T
-staging: it does not fit shared memory at r = 512 (see ``smem_bytes``), so there is none.
-
-Shared memory (``smem_bytes``; the H200 gives a block 227 KB, 6 KB kept for what Mosaic
-adds): slots stages x 64 x R x (1 fp8 | 2 bf16) bytes, f16 tiles 64 x R x 2 (fp8 only), q
-N x R x 2, O^T staging r x N x 4, l 64 x N x 4, m N x 4, P^T N x 64 x 2, scales (token
-stages x 256, block stages x 2,304), the page-table slice. At R = 576, N = 16: bf16 73,728 a
-stage + 57,408 -> 2 stages (204,864); fp8 36,864 a stage + 131,136 -> 2 stages (204,864 +
-scales); at N = 8 fp8 takes 3 stages (213,024 + scales), bf16 still 2. ``alias_out`` stages
-O^T (32 KB at N = 16) in the slots' memory once the split's tiles are done
-(``plgpu.RefUnion``): fp8 then takes 3 stages at N = 16 (208,960 + scales), bf16 still 2.
-Lowered, Mosaic adds 4.1-4.4 KB (1 KB alignment of each buffer, barriers, the reduction
-scratch): 208,944 bytes (bf16 st2), 209,968 (token st2), 214,080 (token st3 alias), 220,224
-(block st3 alias), 224,320 (block N = 8 st3) of 232,448. More is a ValueError.
-
-Lane semantics as ``mosaic_decode_t`` (the transposed P^T store lowers only there on jax
-0.10.2). ``check_supported`` raises ValueError for what this kernel cannot run.
+Warpgroups: a *memory* warpgroup copies q, the split's page-table slice and each tile's rows
+into ``stages`` slots with TMA; one *compute* warpgroup runs the tiles and writes its split's
+partial state, merged by ``pallas_decode.combine_splits``. Shared memory bounds the stages
+(``smem_bytes``; the arithmetic per setting is in docs/mla-moe.md); more than the H200's
+block limit is a ValueError naming fewer stages or head block 8.
 """
 
 from __future__ import annotations
@@ -74,10 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_decode_t import TransposedOps
-from jfp8kv.kernels.mosaic_ops import (interpret_kwargs, load_plgpu, page_chunks,
-                                       split_page_tables, stage_page_table, swizzled,
-                                       walk_tiles)
+from jfp8kv.kernels.mosaic_ops import (SplitProgram, interpret_kwargs, load_plgpu,
+                                       page_chunks, split_page_tables, stage_page_table,
+                                       swizzled, walk_tiles)
+from jfp8kv.kernels.mosaic_transposed import LatentOps
 from jfp8kv.kernels.pallas_decode import combine_splits
 from jfp8kv.kernels.tiles import LOG2E
 
@@ -89,7 +59,6 @@ SMEM_LIMIT = 232448  # bytes of shared memory a block may take on the H200
 # barriers, Mosaic's reduction scratch (~2.2 KB) and its 1 KB alignment of each buffer:
 # lowered, the bench's settings take 4.1-4.4 KB over ``smem_bytes``
 SMEM_RESERVE = 6144
-CHUNK = 128  # upcast / zeroing columns at a time (64 x 128: 64 values a thread)
 BLOCK_SCALE_WIDTHS = (32, 64)  # fp8 block scales: whole 32-column tiles of the wide layout
 
 
@@ -97,10 +66,7 @@ BLOCK_SCALE_WIDTHS = (32, 64)  # fp8 block scales: whole 32-column tiles of the 
 class MosaicMLATuning:
     """``stages``: tiles in flight per program (see the module docstring for what fits).
     ``head_block``: query heads per program (8 or 16; 0: 16, or 8 when H <= 8).
-    ``num_splits`` 0: splits until the grid holds ``target_programs``. ``alias_out``: the
-    O^T staging buffer shares shared memory with the slots (``plgpu.RefUnion``; natively
-    only: interpret mode keeps them apart), which frees r x N x 4 bytes (32 KB at N = 16:
-    a third fp8 stage)."""
+    ``num_splits`` 0: splits until the grid holds ``target_programs``."""
 
     stages: int = 2
     head_block: int = 0
@@ -108,7 +74,6 @@ class MosaicMLATuning:
     # 128, not the H200's 132 SMs: the setting measured (bench.mla_kernels "st2 tp128"; at
     # B = 64 it gives 2 splits a row where 132 gives 4)
     target_programs: int = 128
-    alias_out: bool = False
 
     def block(self, num_heads: int) -> int:
         return self.head_block or (8 if num_heads <= 8 else 16)
@@ -147,17 +112,15 @@ def check_tuning(tuning: MosaicMLATuning) -> None:
 
 
 def smem_bytes(stages: int, n: int, rank: int, fp8: bool, pps: int,
-               token_scales: bool, block_groups: int = 0, alias_out: bool = False) -> int:
+               token_scales: bool, block_groups: int = 0) -> int:
     """Shared memory the kernel's buffers take (barriers and the reduction scratch on top).
 
     stages x 64 x R x (1 | 2) slots, + 64 x R x 2 f16 tiles (fp8), + N x R x 2 q,
     + r x N x 4 O^T staging, + 64 x N x 4 l, + N x 4 m, + N x 64 x 2 P^T, + stages x 64 x 4
     token scales or stages x G x 64 x 2 block scales (G = R / block), + the page-table
-    slice (rounded up to 32 entries); with ``alias_out`` the slots and the O^T staging
-    count once, as the larger."""
+    slice (rounded up to 32 entries)."""
     width = rank + ROPE
-    slots, out = stages * BLOCK_K * width * (1 if fp8 else 2), rank * n * 4
-    total = max(slots, out) if alias_out else slots + out
+    total = stages * BLOCK_K * width * (1 if fp8 else 2) + rank * n * 4  # slots, O^T
     total += BLOCK_K * width * 2 if fp8 else 0
     total += n * width * 2 + BLOCK_K * n * 4 + n * 4 + n * BLOCK_K * 2
     total += stages * BLOCK_K * 4 if token_scales else 0
@@ -179,97 +142,31 @@ class _Dims(NamedTuple):
     block: int  # fp8 block scales: values per scale (0: none)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    b: jax.Array
-    hb: jax.Array
-    sp: jax.Array
-    start: jax.Array
-    end: jax.Array
-    n_tiles: jax.Array
-
-
-class LatentOps(TransposedOps):
-    """``TransposedOps`` plus S^T as two products into one accumulator."""
-
-    def qk_t2(self, c_lat, q_lat, c_rope, q_rope):
-        """C_lat [BK, r] . q_lat^T + C_rope [BK, d_r] . q_rope^T (q_* [N, *]) -> f32 [BK, N]."""
-        if self.interpret:
-            dn = (((1,), (1,)), ((), ()))
-            return (lax.dot_general(c_lat[...], q_lat[...], dn,
-                                    preferred_element_type=jnp.float32)
-                    + lax.dot_general(c_rope[...], q_rope[...], dn,
-                                      preferred_element_type=jnp.float32))
-        plgpu = self.plgpu
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, c_lat, plgpu.transpose_ref(q_lat, (1, 0)))
-            plgpu.wgmma(acc_ref, c_rope, plgpu.transpose_ref(q_rope, (1, 0)))
-            return acc_ref[...]  # waits for both
-
-        return pl.run_scoped(body, plgpu.ACC((c_lat.shape[0], q_lat.shape[0]), jnp.float32))
-
-    def upcast_scaled(self, ref, scales, group0, block, valid_rows=None):
-        """An fp8 tile [64, W] in shared memory (W a multiple of ``block``, the scale block)
-        times its block scales (``scales`` [G, 64] f16 in shared memory, the tile's first
-        column in group ``group0``) -> f16 registers, rows at or past ``valid_rows`` (if
-        given) zero. Each group's [64] scales are broadcast over the tile and selected by
-        column (Mosaic slices a tile only at whole 64-column tiles). The product is taken in
-        f16: the exact product of two f16 values rounded once, as ``dequant_kv``'s f32
-        product rounded to f16."""
-        plgpu = self.plgpu
-        if self.interpret:
-            x = ref[...].astype(jnp.float16)
-            load_sc = lambda g: scales[g]  # noqa: E731
-            iota = lambda d: lax.broadcasted_iota(jnp.int32, x.shape, d)  # noqa: E731
-        else:
-            x = plgpu.load(ref, (), layout=self.wide).astype(jnp.float16)
-            row_layout = self.wide.reduce(1)
-            load_sc = lambda g: plgpu.load(scales.at[g], (), layout=row_layout)  # noqa: E731
-            iota = lambda d: plgpu.broadcasted_iota(  # noqa: E731
-                jnp.int32, x.shape, d, layout=self.wide)
-        def bcast(g):  # the layout named right after: the broadcast's target
-            return self.cast(lax.broadcast_in_dim(load_sc(g), x.shape, [0]), self.wide)
-
-        sc = bcast(group0)
-        if x.shape[1] > block:
-            col = iota(1)
-            for k in range(1, x.shape[1] // block):
-                sc = jnp.where(col >= k * block, bcast(group0 + k), sc)
-        x = x * sc
-        if valid_rows is None:
-            return x
-        return jnp.where(iota(0) < valid_rows, x, jnp.zeros_like(x))
-
-
 def _kernel(len_ref, pt_ref, ql_ref, qr_ref, pages_ref, *refs, dims, plgpu, lay):
     if dims.token_scales or dims.block:
         sc_ref, o_ref, m_ref, l_ref, smem, barriers = refs
     else:
         o_ref, m_ref, l_ref, smem, barriers = refs
         sc_ref = None
-    if "ring" in smem:  # ``alias_out``: the slots' group and the O^T staging's
-        slots, out = smem["ring"]
-        smem = {**{k: v for k, v in smem.items() if k != "ring"}, **slots, **out}
     b, sp = lax.axis_index("b"), lax.axis_index("sp")
     start = sp * dims.tokens_per_split
     end = jnp.minimum(len_ref[b], start + dims.tokens_per_split)
-    prog = _Program(b, lax.axis_index("h"), sp, start, end,
-                    jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K)
-    wg = lax.axis_index("wg")
+    h = lax.axis_index("h")
+    n_tiles = jnp.maximum(end - start + BLOCK_K - 1, 0) // BLOCK_K
+    prog = SplitProgram(b, h, sp, lax.axis_index("wg"), start, end, n_tiles)
 
-    @pl.when(wg == 1)
+    @pl.when(prog.wg == 1)
     def _():
         _memory_warpgroup(prog, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref, smem, barriers,
                           dims=dims, plgpu=plgpu)
 
-    @pl.when(wg == 0)
+    @pl.when(prog.wg == 0)
     def _():
         _compute_warpgroup(prog, o_ref, m_ref, l_ref, smem, barriers, dims=dims,
                            plgpu=plgpu, lay=lay)
 
 
-def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref, smem,
+def _memory_warpgroup(prog: SplitProgram, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref, smem,
                       barriers, *, dims, plgpu):
     """q's two parts, the split's page-table slice, then each tile's latent and RoPE rows
     (and token scales) into its slot once the slot's previous tile is consumed."""
@@ -277,8 +174,8 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
     ready, consumed = barriers["ready"], barriers["consumed"]
     b, sp, start, end = prog.b, prog.sp, prog.start, prog.end
     in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-    plgpu.copy_gmem_to_smem(ql_ref.at[b, prog.hb], smem["q_lat"], barriers["q"])
-    plgpu.copy_gmem_to_smem(qr_ref.at[b, prog.hb], smem["q_rope"], barriers["q"])
+    plgpu.copy_gmem_to_smem(ql_ref.at[b, prog.h], smem["q_lat"], barriers["q"])
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, prog.h], smem["q_rope"], barriers["q"])
     pt_s = smem["pt"]
     pps = dims.tokens_per_split // page_size
     stage_page_table(plgpu, pt_ref, b, sp * pps, pt_s, barriers["pt"])
@@ -303,27 +200,7 @@ def _memory_warpgroup(prog: _Program, pt_ref, ql_ref, qr_ref, pages_ref, sc_ref,
     walk_tiles(plgpu, prog.n_tiles, stages, consumed, copy_tile)
 
 
-def _chunks(src, dst, valid_rows, *, lay, dtype, scales=None, group0=0, block=0):
-    """src [64, C] -> dst (``dtype``) in [64, CHUNK] column chunks (64 values a thread at a
-    time), rows at or past ``valid_rows`` (if given) zero. src may be dst (zeroing in place).
-    ``scales`` [G, 64] (fp8 block scales, G groups of ``block`` columns over the whole row,
-    src's first column in group ``group0``): each [64, block] chunk times its group's
-    scales."""
-    width = src.shape[1]
-    if scales is not None:  # 64-column chunks: the f16 tile's (and fp8 slot's) tiles
-        step = max(block, ROPE)
-        for c0 in range(0, width, step):
-            cols = (pl.ds(0, BLOCK_K), pl.ds(c0, step))
-            dst.at[cols][...] = lay.upcast_scaled(src.at[cols], scales,
-                                                  group0 + c0 // block, block, valid_rows)
-        return
-    for c0 in range(0, width, CHUNK):
-        w = min(CHUNK, width - c0)
-        cols = (pl.ds(0, BLOCK_K), pl.ds(c0, w))
-        dst.at[cols][...] = lay.upcast(src.at[cols], dtype, valid_rows)
-
-
-def _prepare_tile(prog: _Program, t, slot, smem, *, dims, lay):
+def _prepare_tile(prog: SplitProgram, t, slot, smem, *, dims, lay):
     """The tile's wgmma operands (latent, RoPE): fp8 upcast into the f16 tiles; 16-bit pages
     as landed, the latent rows past the end zeroed in place in the split's last tile."""
     lat, rope = smem["lat"].at[slot], smem["rope"].at[slot]
@@ -334,7 +211,7 @@ def _prepare_tile(prog: _Program, t, slot, smem, *, dims, lay):
         scaled = {}
         if dims.block:  # the scales' groups: the latent's first, then the RoPE tail's
             scaled = dict(scales=smem["bsc"].at[slot], block=dims.block)
-        up = functools.partial(_chunks, lay=lay, dtype=jnp.float16, **scaled)
+        up = functools.partial(lay.upcast_chunks, dtype=jnp.float16, **scaled)
         up(rope, rope16, None, **({"group0": dims.rank // dims.block} if dims.block else {}))
         pl.when(t < last)(lambda: up(lat, lat16, None))
         pl.when(t == last)(lambda: up(lat, lat16, valid))
@@ -343,12 +220,12 @@ def _prepare_tile(prog: _Program, t, slot, smem, *, dims, lay):
 
     @pl.when(t == last)
     def _():
-        _chunks(lat, lat, valid, lay=lay, dtype=dims.cdt)
+        lay.upcast_chunks(lat, lat, valid, dtype=dims.cdt)
 
     return lat, rope
 
 
-def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, dims, plgpu,
+def _compute_warpgroup(prog: SplitProgram, o_ref, m_ref, l_ref, smem, barriers, *, dims, plgpu,
                        lay):
     """Runs the split's tiles, then writes its partial state (O^T, m, per-element l)."""
     n, rank = dims.n, dims.rank
@@ -359,21 +236,18 @@ def _compute_warpgroup(prog: _Program, o_ref, m_ref, l_ref, smem, barriers, *, d
             lay.cast(jnp.full((n,), -jnp.inf, jnp.float32), lay.col),
             lay.cast(jnp.zeros((BLOCK_K, n), jnp.float32), lay.wgmma))
     acc, m_i, l_i = lax.fori_loop(0, prog.n_tiles, step, init)
-    # with ``alias_out`` "o" is the slots' memory: free, every copy into it having landed
-    # (each tile's ready barrier waited above) and the last wgmma reading it done (acc's
-    # value waits for it)
     smem["o"][...] = acc
     smem["m"][...] = m_i
     smem["l"][...] = l_i
     plgpu.commit_smem()
-    at = (prog.b, prog.hb, prog.sp)
+    at = (prog.b, prog.h, prog.sp)
     plgpu.copy_smem_to_gmem(smem["o"], o_ref.at[at])
     plgpu.copy_smem_to_gmem(smem["m"], m_ref.at[at])
     plgpu.copy_smem_to_gmem(smem["l"], l_ref.at[at])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _tile_step(prog: _Program, smem, barriers, t, carry, *, dims, plgpu, lay):
+def _tile_step(prog: SplitProgram, smem, barriers, t, carry, *, dims, plgpu, lay):
     """One tile: (upcast,) S^T = C q^T in two parts, the online softmax down the columns,
     P^T to shared memory, O^T += C_lat^T P^T. carry = (acc [r, N], m [N], l [BK, N])."""
     acc, m_i, l_i = carry
@@ -418,11 +292,8 @@ def _slot(plgpu, shape, dtype):
                                                 plgpu.SwizzleTransform(ROPE)))
 
 
-def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int, alias_out: bool):
+def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int):
     st, n, rank, cdt = dims.stages, dims.n, dims.rank, dims.cdt
-    slots = {"lat": _slot(plgpu, (st, BLOCK_K, rank), storage),
-             "rope": _slot(plgpu, (st, BLOCK_K, ROPE), storage)}
-    out = {"o": plgpu.SMEM((rank, n), jnp.float32)}
     smem = {
         "q_lat": swizzled(plgpu, (n, rank), cdt),
         "q_rope": swizzled(plgpu, (n, ROPE), cdt),
@@ -430,11 +301,10 @@ def _scratch(plgpu, dims: _Dims, pps: int, storage, copies_per_tile: int, alias_
         "p": swizzled(plgpu, (n, BLOCK_K), cdt),
         "m": plgpu.SMEM((n,), jnp.float32),
         "l": plgpu.SMEM((BLOCK_K, n), jnp.float32),
+        "lat": _slot(plgpu, (st, BLOCK_K, rank), storage),
+        "rope": _slot(plgpu, (st, BLOCK_K, ROPE), storage),
+        "o": plgpu.SMEM((rank, n), jnp.float32),
     }
-    if alias_out:
-        smem["ring"] = plgpu.RefUnion(slots, out)
-    else:
-        smem.update(slots, **out)
     if dims.fp8:
         smem["lat16"] = swizzled(plgpu, (BLOCK_K, rank), jnp.float16)
         smem["rope16"] = swizzled(plgpu, (BLOCK_K, ROPE), jnp.float16)
@@ -482,9 +352,7 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
     split, pt = split_page_tables(page_tables, s, nhb, tuning, BLOCK_K, table_round=32)
     ns, tokens_per_split, pps = split.num_splits, split.tokens_per_split, split.pages_per_split
     gathered = token_scales and s * 4 % 128 != 0
-    alias = tuning.alias_out and not interpret  # the interpreter has no RefUnion
-    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales, groups,
-                      tuning.alias_out)
+    need = smem_bytes(tuning.stages, n, rank, fp8, pps, token_scales, groups)
     if need > SMEM_LIMIT - SMEM_RESERVE:
         raise ValueError(f"{tuning} needs {need} bytes of shared memory at N = {n}, R = "
                          f"{width} ({cfg.storage_dtype}; at most {SMEM_LIMIT - SMEM_RESERVE})"
@@ -493,7 +361,7 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
                  float(sm_scale) * LOG2E, rank, n, cdt, block)
     copies = ((2 + (token_scales and not gathered)) * max(1, BLOCK_K // s) + gathered
               + bool(block))
-    smem, barriers = _scratch(plgpu, dims, pps, pages.dtype, copies, alias)
+    smem, barriers = _scratch(plgpu, dims, pps, pages.dtype, copies)
     out_type = (jax.ShapeDtypeStruct((b, nhb, ns, rank, n), jnp.float32),
                 jax.ShapeDtypeStruct((b, nhb, ns, n), jnp.float32),
                 jax.ShapeDtypeStruct((b, nhb, ns, BLOCK_K, n), jnp.float32))
@@ -503,7 +371,8 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
         grid=(b, nhb, ns), grid_names=("b", "h", "sp"),
         num_threads=2, thread_name="wg",
         scratch_types=(smem, barriers),
-        # lane semantics, no automatic barriers: as mosaic_decode_t
+        # lane semantics (the transposed P^T store), no automatic barriers: mbarriers,
+        # commit_smem before each wgmma and the wgmma waits order the accesses
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         kernel_name="jfp8kv_mosaic_mla", **interpret_kwargs(interpret))
     qh = q[:, 0].astype(jnp.float32).astype(cdt)

@@ -11,8 +11,8 @@ What interpret mode checks: the warpgroups' protocol (barriers, slots, the page 
 two-part S^T, masking, the in-place zeroing of 16-bit rows past the end, the online softmax
 down the columns and the split merge, through ``TransposedOps``' jnp stand-ins for the
 transposed wgmma operands and the P^T store (jax 0.10.2's interpreter runs neither
-``layout_cast`` nor a store through ``transpose_ref``: see ``test_mosaic_decode_t``). What it
-cannot check: Mosaic's lane-semantics code itself (layouts, wgmma, swizzles, the cross-warp
+``layout_cast`` nor a store through ``transpose_ref``: see tests/lab/test_mosaic_decode_t).
+What it cannot check: Mosaic's lane-semantics code itself (layouts, wgmma, swizzles, the cross-warp
 reduction, registers): the lowering test and the GPU cases cover that.
 """
 
@@ -48,18 +48,17 @@ INTERPRET_CASES = [
 ]
 # natively (every case has the same two warpgroups, no register moves): the defaults per
 # storage first, then page sizes, head counts (H = 128: 8 or 16 head blocks), stage counts,
-# O^T staged in the slots' memory (``alias_out``: natively only, the interpreter has no
-# RefUnion), a rank of 256
+# a rank of 256
 GPU_CASES = [
     ("bfloat16", None, 16, 512, 16, 0, Tuning()),
     ("float8_e4m3fn", "token", 16, 512, 16, 0, Tuning()),
     ("float8_e4m3fn", "block", 16, 512, 16, 0, Tuning()),
     ("float16", None, 32, 512, 16, 3, Tuning(head_block=8)),
-    ("bfloat16", None, 64, 512, 128, 0, Tuning(alias_out=True)),
-    ("float8_e4m3fn", "token", 64, 512, 16, 0, Tuning(stages=3, alias_out=True)),
+    ("bfloat16", None, 64, 512, 128, 0, Tuning()),
+    ("float8_e4m3fn", "token", 64, 512, 16, 0, Tuning()),
     ("float8_e4m3fn", "token", 16, 512, 128, 0, Tuning(stages=3, head_block=8)),
     ("float8_e5m2", "token", 8, 512, 20, 2, Tuning(stages=1)),
-    ("float8_e4m3fn", "block", 64, 512, 128, 0, Tuning(stages=3, alias_out=True)),
+    ("float8_e4m3fn", "block", 64, 512, 128, 0, Tuning(stages=3, head_block=8)),
     ("float8_e5m2", "token", 32, 256, 12, 1, Tuning(head_block=8)),
     # rank 128 (six block-scale groups a row), as in the engine's GPU test
     ("bfloat16", None, 16, 128, 16, 0, Tuning()),
@@ -71,7 +70,7 @@ GPU_CASES = [
 def _id(c):
     t = c[6]
     return (f"{c[0]}-{c[1]}-S{c[2]}-R{c[3]}+64-H{c[4]}-ns{c[5]}-st{t.stages}"
-            f"-hb{t.head_block}" + ("-alias" if t.alias_out else ""))
+            f"-hb{t.head_block}")
 
 
 PARAMS = ([pytest.param(c, "interpret", id=f"{_id(c)}-interpret") for c in INTERPRET_CASES]
@@ -135,8 +134,6 @@ def _args(storage, mode, s, nh, batch_lens=(300, 1), rank=512):
     ("bfloat16", None, Tuning(stages=3)),  # 3 x 72 KB slots
     ("float8_e4m3fn", "token", Tuning(stages=3)),  # N = 16: 2 stages at most
     ("float8_e4m3fn", "token", Tuning(stages=4, head_block=8)),
-    ("float8_e4m3fn", "token", Tuning(stages=4, alias_out=True)),
-    ("bfloat16", None, Tuning(stages=3, alias_out=True)),
 ])
 def test_mosaic_mla_refuses_too_many_stages(storage, mode, tuning):
     with pytest.raises(ValueError, match="shared memory"):
@@ -167,15 +164,13 @@ LOWER_CASES = [
     ("float8_e5m2", "token", 8, 20, Tuning(stages=1)),
     ("float8_e4m3fn", "block", 16, 16, Tuning()),
     ("float8_e4m3fn", "block", 64, 128, Tuning(stages=3, head_block=8)),
-    ("float8_e4m3fn", "token", 16, 16, Tuning(stages=3, alias_out=True)),
-    ("float8_e4m3fn", "block", 16, 16, Tuning(stages=3, alias_out=True)),
-    ("bfloat16", None, 64, 16, Tuning(alias_out=True)),
+    ("bfloat16", None, 64, 16, Tuning()),
 ]
 
 
 @pytest.mark.parametrize("case", LOWER_CASES, ids=[
     f"{c[0]}-{c[1]}-S{c[2]}-H{c[3]}-st{c[4].stages}-hb{c[4].head_block}"
-    + ("-alias" if c[4].alias_out else "") for c in LOWER_CASES])
+    for c in LOWER_CASES])
 def test_mosaic_mla_lowers_for_hopper_on_any_machine(case):
     """Pallas's lowering for CUDA (lane semantics, layout inference down to NVVM) runs in
     Python, GPU or not: most Mosaic errors show here in seconds."""

@@ -11,7 +11,7 @@ What interpret mode checks: the warpgroups' protocol (barriers, slots, the page 
 turns), masking and the online softmax down the columns, through ``TransposedOps``' jnp
 stand-ins for the transposed wgmma operands and the P^T store. jax 0.10.2's interpreter runs
 a lane-semantics kernel (it ignores the lowering semantics) but not these: the probe's chain
-(``bench/mosaic_transpose_probe.py``) under it fails at ``layout_cast`` ("MLIR translation
+(``lab/mosaic_transpose_probe.py``) under it fails at ``layout_cast`` ("MLIR translation
 rule for primitive 'layout_cast' not found for platform cpu") and, without the cast, at the
 store through ``transpose_ref`` ("'TransposeTransform' object has no attribute
 'indices'"). What it cannot check: Mosaic's lane-semantics code itself (layouts, wgmma, the
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfp8kv.kernels import mosaic_decode_t, reference
-
-from .cases import (HOPPER_MARKS, NVVM_OPS, assert_close, assert_lowers_for_hopper,
+from jfp8kv.kernels import reference
+from lab import mosaic_decode_t
+from tests.kernels.cases import (HOPPER_MARKS, NVVM_OPS, assert_close, assert_lowers_for_hopper,
                     attention_case, decode_lengths, make_cfg, on_cpu, on_exec)
 
 pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
@@ -92,7 +92,7 @@ def _warpgroups(case) -> int:
 
 # natively, fewest warpgroups first: two (no register moves, no turns) before three and four
 # (setmaxnreg, which hangs rather than fails when a budget is wrong)
-PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret")
+PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret", marks=pytest.mark.lab)
            for c, i in zip(CASES[:INTERPRET], IDS)]
           + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=HOPPER_MARKS)
              for c, i in sorted(zip(CASES, IDS), key=lambda ci: _warpgroups(ci[0]))])

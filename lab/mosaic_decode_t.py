@@ -65,10 +65,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import (MosaicOps, drain_slots, grouped_queries,
+from jfp8kv.kernels.mosaic_ops import (drain_slots, grouped_queries,
                                        interpret_kwargs, layout_problems, load_plgpu,
                                        page_chunks, SplitProgram, split_page_tables,
                                        stage_page_table, swizzled, walk_tiles)
+from jfp8kv.kernels.mosaic_transposed import TransposedOps
 from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
@@ -191,56 +192,6 @@ class _Dims(NamedTuple):
     wide_upcast: bool
     probe: str
     k_regs: bool  # upcast="compute": K upcast into registers, S^T's A operand from there
-
-
-class TransposedOps(MosaicOps):
-    """``MosaicOps`` plus the transposed products and the P^T store; in interpret mode (no
-    transposed views or layouts on the CPU) the plain jnp operations."""
-
-    def qk_t(self, k16, q_s):
-        """K [BK, D] . q^T (q_s [N, D]), both in shared memory -> f32 [BK, N]."""
-        if self.interpret:
-            return lax.dot_general(k16[...], q_s[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-        return self._wgmma((k16.shape[0], q_s.shape[0]), k16,
-                           self.plgpu.transpose_ref(q_s, (1, 0)))
-
-    def load_a(self, ref, dtype):
-        """An 8-bit tile [64, D] in shared memory -> ``dtype`` registers in the WGMMA layout
-        (wgmma's A operand from registers)."""
-        if self.interpret:
-            return ref[...].astype(dtype)
-        return self.plgpu.load(ref, (), layout=self.wgmma).astype(dtype)
-
-    def qk_t_regs(self, k_a, q_s):
-        """K [BK, D] (registers, WGMMA layout) . q^T (q_s [N, D]) -> f32 [BK, N]."""
-        if self.interpret:
-            return lax.dot_general(k_a, q_s[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-        return self._wgmma((k_a.shape[0], q_s.shape[0]), k_a,
-                           self.plgpu.transpose_ref(q_s, (1, 0)))
-
-    def store_pt(self, p_s, pt16):
-        """pt16 [BK, N] (registers, f16) -> p_s [N, BK] (shared memory) as its transpose."""
-        if self.interpret:
-            p_s[...] = pt16.T
-            return
-        plgpu = self.plgpu
-        plgpu.transpose_ref(p_s, (1, 0))[...] = plgpu.layout_cast(
-            pt16, plgpu.Layout.WGMMA_TRANSPOSED)
-
-    def pv_t_into(self, acc, v16, p_s):
-        """acc [D, N] + V^T (v16 [BK, D]) . P^T (p_s [N, BK]), accumulating in place."""
-        if self.interpret:
-            return acc + lax.dot_general(v16[...], p_s[...], (((0,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-        plgpu = self.plgpu
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16, (1, 0)),
-                        plgpu.transpose_ref(p_s, (1, 0)))
-
-        return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
 def _kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfp8kv.kernels import mosaic_decode, reference
-
-from .cases import (HOPPER_MARKS, assert_close, assert_lowers_for_hopper, attention_case,
+from jfp8kv.kernels import reference
+from lab import mosaic_decode
+from tests.kernels.cases import (HOPPER_MARKS, assert_close, assert_lowers_for_hopper, attention_case,
                     decode_lengths, make_cfg, on_cpu, on_exec)
 
 pytest.importorskip("absl", reason="jax's Mosaic GPU module needs absl-py")
@@ -40,7 +40,8 @@ CASES = [
 IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-ns{c[6]}-st{c[7]}" for c in CASES]
 
 
-PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:2], IDS)]
+PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret", marks=pytest.mark.lab)
+           for c, i in zip(CASES[:2], IDS)]
           + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=HOPPER_MARKS) for c, i in zip(CASES, IDS)])
 OVERLAP_CASES = [0, 4]  # with V's upcast during q.K^T (``overlap_v``): interpret + native
 
@@ -70,7 +71,7 @@ def test_mosaic_decode_matches_reference(case, exec_mode, overlap_v=False):
 
 
 @pytest.mark.parametrize("case,exec_mode", [
-    pytest.param(CASES[0], "interpret", id=f"{IDS[0]}-interpret")] + [
+    pytest.param(CASES[0], "interpret", id=f"{IDS[0]}-interpret", marks=pytest.mark.lab)] + [
     pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in OVERLAP_CASES])
 def test_mosaic_decode_overlap_v_matches_reference(case, exec_mode):
     test_mosaic_decode_matches_reference(case, exec_mode, overlap_v=True)
