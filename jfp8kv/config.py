@@ -204,17 +204,15 @@ def check_compute_dtype(dtype: str) -> str:
 class CacheConfig:
     """Static description of the paged KV cache.
 
-    ``storage_dtype`` is the dtype of the page arrays (``float8_e4m3fn``, ``float8_e5m2``,
-    ``bfloat16``, ``float16`` or ``float32``); it is a different thing from the model's
-    compute dtype. ``scale_mode`` is meaningful only for fp8 storage (``None`` otherwise).
-    ``layout="latent"`` (MLA models): one page array per layer, ``num_kv_heads`` 1 and
+    ``storage_dtype``: the page arrays' dtype (``float8_e4m3fn``, ``float8_e5m2``, ``bfloat16``,
+    ``float16``, ``float32``), not the model's compute dtype. ``scale_mode``: fp8 only (else
+    ``None``). ``layout="latent"`` (MLA): one page array per layer, ``num_kv_heads`` 1,
     ``head_dim`` = kv_lora_rank + qk_rope_head_dim, no V array (``jfp8kv.kvcache.latent``).
-    ``kv_rotation``: the transform applied to K before it is stored (and to the queries),
+    ``kv_rotation``: the transform of K before storage (and of the queries),
     ``jfp8kv.kvcache.k_transform``; the engine builder sets it for fp8 storage only.
-    ``bitcast_pool``: hold 8/16-bit pages as same-width unsigned integers (the bits of the
-    storage dtype; ``jfp8kv.kvcache.cache.pool_dtype``). The builder sets it for the
-    reference backend on CPU, where XLA updates integer pools in place but rewrites a whole
-    bf16/fp8 pool per scatter; the Pallas kernels take float pools only.
+    ``bitcast_pool``: 8/16-bit pages held as same-width unsigned integers
+    (``kvcache.cache.pool_dtype``), set by the builder for the reference backend on CPU,
+    where XLA updates integer pools in place but rewrites a whole float pool per scatter.
     """
 
     num_layers: int
@@ -242,9 +240,8 @@ class CacheConfig:
         return (self.num_pages - 1) * self.page_size
 
 
-# -- what a user asks for: model source, cache storage, engine knobs ---------------------
-# Each field's metadata carries its command-line help (and choices / a parser for the flag
-# value), so ``jfp8kv.cli`` builds every flag from these classes: a new knob is one field.
+# -- what a user asks for: model source, cache storage, engine knobs. Each field's metadata
+# carries its flag's help, choices and parser: ``jfp8kv.cli`` builds every flag from them.
 
 
 def _knob(default, help: str, *, choices=None, parse=None, metavar=None):
@@ -315,11 +312,10 @@ class CacheOptions:
 class EngineConfig:
     """Scheduler, runner and capacity knobs of one engine.
 
-    ``None`` means "chosen by the builder": the model's context length for
-    ``max_model_len``, free device memory for ``kv_cache_memory``, and the device's shape
-    policy for ``decode_steps``, ``decode_buckets``, ``min_prefill_chunk`` and
-    ``max_num_batched_tokens``. The builder returns the resolved copy (no ``None`` left but
-    in ``decode_buckets``, where None means powers of two).
+    ``None`` means "chosen by the builder": the model's context length for ``max_model_len``,
+    free device memory for ``kv_cache_memory``, the device's shape policy for ``decode_steps``,
+    ``decode_buckets``, ``min_prefill_chunk`` and ``max_num_batched_tokens``; the builder
+    returns the resolved copy (``None`` left only in ``decode_buckets``: powers of two).
     """
 
     max_model_len: int | None = _knob(
