@@ -155,6 +155,21 @@ def choose_splits(batch: int, num_kv_heads: int, max_tokens: int, tuning: Decode
     return ns
 
 
+def split_state_shapes(lead: tuple, rows: int, width: int):
+    """``out_shape`` of a split kernel's partial state, merged by ``combine_splits``: the
+    unnormalized output [*lead, rows, width] and the running max and sum [*lead, rows], f32."""
+    return (jax.ShapeDtypeStruct((*lead, rows, width), jnp.float32),
+            jax.ShapeDtypeStruct((*lead, rows), jnp.float32),
+            jax.ShapeDtypeStruct((*lead, rows), jnp.float32))
+
+
+def triton_call(kernel, *, grid, out_shape, tuning, interpret: bool, name: str):
+    """``pl.pallas_call`` of a Triton kernel with ``tuning``'s warps and pipeline stages."""
+    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+                          compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
+                                                               num_stages=tuning.num_stages))
+
+
 def combine_splits(o, m, l):
     """Log-sum-exp merge. o [B, Hkv, NS, G, D] (unnormalized), m/l [B, Hkv, NS, G] (base 2)."""
     m_max = jnp.max(m, axis=2, keepdims=True)
@@ -187,25 +202,14 @@ def decode_attention(q, layer: LayerKV, page_tables, seq_lens, cfg: CacheConfig,
     ns = choose_splits(b, hkv, max_pages * s, tuning)
     qg = q.reshape(b, hkv, g, d)
     split = ns > 1
-    if split:
-        out_shape = (jax.ShapeDtypeStruct((b, hkv, ns, g, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, hkv, ns, g), jnp.float32),
-                     jax.ShapeDtypeStruct((b, hkv, ns, g), jnp.float32))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),)
+    out_shape = (split_state_shapes((b, hkv, ns), g, d) if split
+                 else (jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype),))
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_splits=ns, num_groups=g, kv=kv,
         block_k=tuning.block_k, split=split, variant=tuning.variant.resolve(cfg, interpret),
         rot=rot)
-    outs = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, ns),
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
-                                             num_stages=tuning.num_stages),
-        name="jfp8kv_paged_decode",
-    )(seq_lens.astype(jnp.int32), page_tables.astype(jnp.int32), qg,
+    outs = triton_call(kernel, grid=(b, hkv, ns), out_shape=out_shape, tuning=tuning,
+                       interpret=interpret, name="jfp8kv_paged_decode")(seq_lens.astype(jnp.int32), page_tables.astype(jnp.int32), qg,
       *kv.operands(layer, hkv), *([] if rot is None else [QueryRotation.matrix(cfg)]))
     if split:
         out = combine_splits(*outs)

@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
-                                          combine_splits)
+                                          combine_splits, split_state_shapes, triton_call)
 from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_dot_tile, cols,
                                   dequant_kv, init_state, k_variant, key_loop, load_kv_raw,
                                   next_pow2, normalize, softmax_step)
@@ -172,26 +172,15 @@ def latent_attention(q, pages, scale, page_tables, seq_lens, q_positions, cfg: C
         block_k=tuning.block_k, num_splits=tuning.num_splits,
         target_programs=tuning.target_programs))
     split = ns > 1
-    if split:
-        out_shape = (jax.ShapeDtypeStruct((b, nmb, ns, bm, value_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((b, nmb, ns, bm), jnp.float32),
-                     jax.ShapeDtypeStruct((b, nmb, ns, bm), jnp.float32))
-    else:
-        out_shape = (jax.ShapeDtypeStruct((b, t, nh, value_dim), q.dtype),)
+    out_shape = (split_state_shapes((b, nmb, ns), bm, value_dim) if split
+                 else (jax.ShapeDtypeStruct((b, t, nh, value_dim), q.dtype),))
     variant = dataclasses.replace(tuning.variant.resolve(cfg, interpret), vmask=False,
                                   nomma=False)
     kernel = functools.partial(
         _mla_kernel, sm_scale=float(sm_scale), rank=value_dim, block_m=bm,
         block_k=tuning.block_k, num_splits=ns, kv=kv, split=split, variant=variant)
-    outs = pl.pallas_call(
-        kernel,
-        grid=(b, nmb, ns),
-        out_shape=out_shape,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
-                                             num_stages=tuning.num_stages),
-        name="jfp8kv_mla_attention",
-    )(seq_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
+    outs = triton_call(kernel, grid=(b, nmb, ns), out_shape=out_shape, tuning=tuning,
+                       interpret=interpret, name="jfp8kv_mla_attention")(seq_lens.astype(jnp.int32), page_tables.astype(jnp.int32),
       q_positions.astype(jnp.int32), q, pages.reshape(1, -1, width),
       kv.mode.kernel_scales(scale, 1))
     if not split:
