@@ -150,3 +150,15 @@ def build_tiny_checkpoint(path: Path, family: str, dtype: str = "float32",
     model.save_pretrained(str(path), max_shard_size=shard)
     build_tiny_tokenizer(path)
     return path
+
+
+def first_layers(loaded, n: int):
+    """A loaded real model (``models.loader.LoadedModel``) cut to its first ``n`` layers: the
+    real weights, tokenizer and head layout (SmolLM2: 9 query heads, 3 KV heads of 64, vocab
+    49,152) with fewer layers to compile and run, for checks whose outcome does not depend on
+    the depth (sharding, prefix caching)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(loaded.config, num_layers=n)
+    return dataclasses.replace(loaded, config=cfg,
+                               params={**loaded.params, "layers": loaded.params["layers"][:n]})

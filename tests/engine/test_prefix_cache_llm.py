@@ -22,6 +22,7 @@ from jfp8kv.engine.llm import LLM
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.models.loader import load_model
+from tests.tiny_checkpoints import first_layers
 from tests.x64 import x64
 
 pytestmark = pytest.mark.timeout(900)
@@ -199,11 +200,14 @@ def test_poisoned_freed_and_evicted_pages_never_reach_a_request(tiny_f64, kv, mo
 @pytest.fixture(scope="module")
 def smollm2_f64(smollm2_gguf_path):
     with x64():
-        return load_model(str(smollm2_gguf_path), "float64")
+        return first_layers(load_model(str(smollm2_gguf_path), "float64"), SMOLLM2_LAYERS)
 
 
-# The real model in float64 costs minutes per configuration on CI's two cores: the default
-# fp8 mode and bf16 here; every mode is covered on the tiny models above.
+# The real model's first layers (real tokenizer, chat template and head layout; whether a
+# cached prefix changes anything does not depend on the depth: all 30 layers in float64 took
+# ~100 s of CI's two cores), the default fp8 mode and bf16; every mode is covered on the tiny
+# models above.
+SMOLLM2_LAYERS = 4
 @pytest.mark.parametrize("kv,mode", [("bfloat16", None), ("fp8_e4m3", "token")])
 def test_smollm2_identical_with_and_without_prefix_caching(smollm2_f64, kv, mode):
     tok = smollm2_f64.tokenizer

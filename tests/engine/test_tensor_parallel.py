@@ -35,7 +35,6 @@ compiles to one prefill, one decode and one NLL program per engine.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jfp8kv import LLM, SamplingParams
 from jfp8kv.config import EngineConfig
 from jfp8kv.kvcache.cache import bytes_per_token
-from tests.tiny_checkpoints import build_tiny_checkpoint
+from tests.tiny_checkpoints import build_tiny_checkpoint, first_layers
 from tests.x64 import x64
 
 DEVICES = 4
@@ -266,14 +265,6 @@ def smollm2_f64(smollm2_gguf_path):
 
     with x64():
         return load_model(str(smollm2_gguf_path), "float64")
-
-
-def first_layers(loaded, n: int):
-    """``loaded`` cut to its first ``n`` layers: the real weights and head layout (9 query
-    heads, 3 KV heads of 64, vocab 49152), fewer layers to compile."""
-    cfg = dataclasses.replace(loaded.config, num_layers=n)
-    return dataclasses.replace(loaded, config=cfg,
-                               params={**loaded.params, "layers": loaded.params["layers"][:n]})
 
 
 def smollm2_results(loaded, cache, sizes=(1, 3)) -> dict:
