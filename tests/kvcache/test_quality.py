@@ -92,8 +92,9 @@ def test_fakequant_dynamic_modes_never_saturate():
 # -- the real model ------------------------------------------------------------------------------
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 # One window: the check is agreement to ~1e-10 pp, not a quality figure (2,048+ tokens and
-# every config: bench/results/quality-cpu.json, same script).
-TOKENS = 512
+# every config: bench/results/quality-cpu.json, same script). 256 tokens (16 pages, 4 of
+# the 64-token tiles) halve both sides' float64 passes of all 30 layers against 512.
+TOKENS = 256
 CONFIGS = [f"{f}:{m}" for f in FORMATS for m in ("tensor:1.0", "channel:calib", "token", "block")]
 NLL_TOLERANCE_PP = 0.1  # the issue's acceptance
 SAME_REALIZATION_PP = 1e-6  # what float64 on both sides actually gives (~1e-10 measured)
