@@ -1,0 +1,131 @@
+"""fp8 products for prefill attention over e4m3 pages: the queries quantized to e4m3 and the
+jnp reference twin of ``mosaic_prefill``'s ``compute="fp8"`` path (tests compare the kernel
+with it; it computes the same quantized products tile by tile).
+
+Numerics contract (what is rounded where), per query row r (one token, one query head) and
+key tile of ``block_k`` keys, in the order the kernel does it:
+
+1. q' = q in f32, static K scales (tensor / channel) multiplied in per channel; its scale
+   s_q = ``fp8.dynamic_scale(amax_r(q'))`` (f32, rounded up so nothing saturates) and
+   q8 = ``fp8.quantize(q', s_q, e4m3)``: the same policy as a token-mode K row.
+2. S = q8 . K8^T: e4m3 x e4m3 products (exact in f32), f32 accumulation.
+3. Token mode: S *= k_tok * (sm_scale * log2 e) per key; the row factor is c = s_q. Static
+   modes: c = s_q * sm_scale * log2 e. Masked keys -> -inf.
+4. The online softmax in log2 units: m' = max(m, max_j S * c), p = exp2(S * c - m'), l =
+   l * 2^(m - m') + sum p (f32).
+5. Token mode: p *= v_tok per key (0 on masked keys); P is cast to f16 and P.V runs as an
+   f16 wgmma on V upcast exactly to f16 (f32 accumulation); static V scales multiply the
+   accumulator's channels at the end; out = acc / l (0 where l = 0).
+
+P.V stays 16-bit: an 8-bit wgmma takes its B operand K-major only, and V lands key-major
+([keys, D], its reduction axis outermost); the transposed 8-bit store into shared memory
+that FA3 uses does not lower in jax 0.10.2's warpgroup semantics (docs/kernels-notes.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jfp8kv.config import CacheConfig
+from jfp8kv.kernels.mosaic_ops import grouped_queries
+from jfp8kv.kernels.tiles import LOG2E, KVLayout
+from jfp8kv.kvcache import fp8
+from jfp8kv.kvcache.cache import LayerKV
+
+Q_DTYPE = jnp.float8_e4m3fn
+
+
+def check_config(cfg: CacheConfig) -> None:
+    """ValueError unless fp8 products can run on ``cfg``'s pages: e4m3 (an 8-bit wgmma
+    multiplies two operands of one format, and q needs e4m3's precision) with token,
+    tensor or channel scales (block scales vary inside q.K^T's reduction)."""
+    mode = cfg.scale_mode if cfg.is_fp8 else None
+    if cfg.storage_dtype != "float8_e4m3fn" or mode not in ("token", "tensor", "channel"):
+        raise ValueError(f"fp8 attention products need float8_e4m3fn pages with token, tensor "
+                         f"or channel scales, got {cfg.storage_dtype} with {mode} scales; use "
+                         "the dequantizing path (dequant) for these")
+
+
+def quantize_queries(q, kv: KVLayout, k_scales, num_kv_heads: int):
+    """q [B, T, H, D] -> (q8 e4m3 [B, T, H, D], its f32 scales [B, T, H]): step 1 of the
+    contract (static K scales folded in per channel first, then one scale per row)."""
+    qg = grouped_queries(q, kv, k_scales, num_kv_heads).reshape(q.shape)
+    scale = fp8.dynamic_scale(fp8.amax_ignoring_nan(qg, -1), Q_DTYPE)
+    return fp8.quantize(qg, scale[..., None], Q_DTYPE), scale
+
+
+def _slicer(start, size: int):
+    """(x, axis) -> x[start:start + size] along ``axis`` (a traced start)."""
+    return lambda x, axis: lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _gather(pages, page_tables, page_size: int, keys: int):
+    """[Hkv, P*S, ...] -> [B, Hkv, keys, ...]: each batch row's keys in order."""
+    tok = jnp.arange(keys, dtype=jnp.int32)
+    rows = page_tables[:, tok // page_size] * page_size + tok % page_size  # [B, keys]
+    return jnp.moveaxis(jnp.take(pages, rows, axis=1), 0, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "block_k"))
+def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: CacheConfig,
+                      sm_scale: float, block_k: int = 64):
+    """q [B, T, H, D] -> [B, T, H, D] (q's dtype), ``reference.paged_attention``'s masking
+    contract, computed with the contract's fp8 products tile by tile (``block_k`` keys, as
+    the kernel walks them). e4m3 pages with token, tensor or channel scales. Static: cfg,
+    sm_scale, block_k."""
+    b, t, nh, d = q.shape
+    hkv, ps = cfg.num_kv_heads, cfg.page_size
+    kv = KVLayout.of(cfg)
+    token = kv.groups == 1
+    k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
+    q8, qs = quantize_queries(q, kv, k_sc, hkv)
+    g = nh // hkv
+    q8 = q8.reshape(b, t, hkv, g, d)
+    c_row = qs.reshape(b, t, hkv, g) * (1.0 if token else float(sm_scale) * LOG2E)
+    n_tiles = -(-page_tables.shape[1] * ps // block_k)
+    keys = n_tiles * block_k
+    width = -(-keys // ps)  # whole tiles of entries; those past a sequence are masked
+    pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width - page_tables.shape[1])))
+    k8, v8 = (_gather(x, pt, ps, keys) for x in (k_pages, v_pages))  # [B, Hkv, N, D]
+    key = jnp.arange(keys, dtype=jnp.int32)
+    real = key[None, :] < seq_lens[:, None]  # [B, N]
+    v16 = jnp.where(real[:, None, :, None], v8.astype(jnp.float16), 0.0).astype(jnp.float16)
+    if token:
+        k_tok, v_tok = (_gather(x.astype(jnp.float32), pt, ps, keys) for x in (k_sc, v_sc))
+    pos = q_positions.astype(jnp.int32)
+
+    def tile(carry, i):
+        acc, m_i, l_i = carry  # [B, T, Hkv, G, D], [B, T, Hkv, G] x 2
+        sl = _slicer(i * block_k, block_k)
+        s = jnp.einsum("bthgd,bhkd->bthgk", q8, sl(k8, 2), preferred_element_type=jnp.float32)
+        kk = sl(key, 0)
+        if token:
+            kc = sl(k_tok, 2) * (float(sm_scale) * LOG2E)  # [B, Hkv, bk]
+            s = s * kc[:, None, :, None, :]
+        visible = ((kk[None, None, :] < seq_lens[:, None, None])
+                   & (kk[None, None, :] <= pos[:, :, None]))[:, :, None, None, :]
+        s = jnp.where(visible, s, -jnp.inf)
+        c = c_row[..., None]
+        m_new = jnp.maximum(m_i, s.max(-1) * c_row)
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s * c - m_use[..., None])
+        l_new = l_i * alpha + p.sum(-1)
+        if token:
+            p = jnp.where(visible, p * sl(v_tok, 2)[:, None, :, None, :], 0.0)
+        pv = jnp.einsum("bthgk,bhkd->bthgd", p.astype(jnp.float16), sl(v16, 2),
+                        preferred_element_type=jnp.float32)
+        return (acc * alpha[..., None] + pv, m_new, l_new), None
+
+    rows = (b, t, hkv, g)
+    init = (jnp.zeros((*rows, d), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32),
+            jnp.zeros(rows, jnp.float32))
+    (acc, _, l_i), _ = lax.scan(tile, init, jnp.arange(n_tiles))
+    if not token:
+        acc = acc * v_sc.astype(jnp.float32)[None, None, :, None, :]
+    out = acc / jnp.where(l_i > 0, l_i, 1.0)[..., None]
+    return out.reshape(b, t, nh, d).astype(q.dtype)
