@@ -24,11 +24,12 @@ see no key are zero.
 
 Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pages, bf16
 for bf16 pages; f32 accumulation; token scales on logits and probabilities; static K scales
-folded into q outside, static V scales on the accumulator). Supported: bf16/f16 and fp8
-pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes >= 8 that divide
-the key tile or are multiples of it; 128-key tiles for 16-bit pages only, and at most 3
-stages for fp8 pages (shared memory); no K rotation. ``check_supported`` raises ValueError
-for the rest.
+folded into q outside, static V scales on the accumulator); with ``compute="fp8"`` (e4m3
+pages) q.K^T multiplies e4m3 q rows and K as stored, ``fp8_products``' contract. Supported:
+bf16/f16 and fp8 pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes
+>= 8 that divide the key tile or are multiples of it; 128-key tiles for 16-bit pages only,
+and at most 3 stages for fp8 pages (shared memory); no K rotation. ``check_supported`` and
+``check_tuning`` raise ValueError for the rest.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import fp8_products
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, grouped_queries, interpret_kwargs,
                                        layout_problems, load_plgpu, take_turns)
-from jfp8kv.kernels.mosaic_prefill_walk import (CWGS, Program, fp8_products_warpgroup,
+from jfp8kv.kernels.mosaic_prefill_walk import (CWGS, Program, block_ends,
+                                                fp8_products_warpgroup, gathered_scales,
                                                 memory_warpgroup, scratch, tiles,
                                                 upcasting_warpgroup)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
@@ -339,23 +341,6 @@ def _tile_step(prog: Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu
     return acc, m_new, l_new
 
 
-def _gathered_scales(scales, page_tables, page_size: int):
-    """Token scales [Hkv, P*S] -> f32 [Hkv, B, width * S]: each batch row's keys in order
-    through its (tile-padded) page table; entries past a sequence read whatever page the
-    table holds there (their keys are masked)."""
-    tok = jnp.arange(page_tables.shape[1] * page_size, dtype=jnp.int32)
-    rows = page_tables[:, tok // page_size] * page_size + tok % page_size
-    return jnp.take(scales.astype(jnp.float32), rows, axis=1, mode="clip")
-
-
-def _block_ends(q_positions, seq_lens, tp: int):
-    """int32 [B, tp / ROWS, 2]: per 64-row block, the keys it needs (min(seq_len, max
-    position + 1)) and the keys every row sees (min(seq_len, min position + 1))."""
-    pos = q_positions.reshape(q_positions.shape[0], tp // ROWS, ROWS)
-    n = seq_lens[:, None]
-    return jnp.stack([jnp.minimum(n, pos.max(-1) + 1), jnp.clip(pos.min(-1) + 1, 0, n)], -1)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))
 def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg: CacheConfig,
                       sm_scale: float, interpret: bool = False,
@@ -407,10 +392,10 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
             unsafe_no_auto_barriers=not tuning.auto_barriers),
         kernel_name="jfp8kv_mosaic_prefill", **interpret_kwargs(interpret))
     seq_lens = seq_lens.astype(jnp.int32)
-    operands = [seq_lens, pt, _block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages,
+    operands = [seq_lens, pt, block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages,
                 *q_ops]
     if token_scales and dims.gather_scales:
-        operands += [_gathered_scales(sc, pt, s) for sc in (k_sc, v_sc)]
+        operands += [gathered_scales(sc, pt, s) for sc in (k_sc, v_sc)]
     elif token_scales:
         operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
     if static_v:

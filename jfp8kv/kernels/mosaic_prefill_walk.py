@@ -236,3 +236,20 @@ def scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims):
     if dims.pingpong:
         barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
     return smem, barriers
+
+
+def gathered_scales(scales, page_tables, page_size: int):
+    """Token scales [Hkv, P*S] -> f32 [Hkv, B, width * S]: each batch row's keys in order
+    through its (tile-padded) page table; entries past a sequence read whatever page the
+    table holds there (their keys are masked)."""
+    tok = jnp.arange(page_tables.shape[1] * page_size, dtype=jnp.int32)
+    rows = page_tables[:, tok // page_size] * page_size + tok % page_size
+    return jnp.take(scales.astype(jnp.float32), rows, axis=1, mode="clip")
+
+
+def block_ends(q_positions, seq_lens, tp: int):
+    """int32 [B, tp / ROWS, 2]: per 64-row block, the keys it needs (min(seq_len, max
+    position + 1)) and the keys every row sees (min(seq_len, min position + 1))."""
+    pos = q_positions.reshape(q_positions.shape[0], tp // ROWS, ROWS)
+    n = seq_lens[:, None]
+    return jnp.stack([jnp.minimum(n, pos.max(-1) + 1), jnp.clip(pos.min(-1) + 1, 0, n)], -1)

@@ -138,7 +138,10 @@ FIRST_SOFTMAX = {"fma_softmax": False, "early_rescale": False}  # the bench's "b
     ("float8_e4m3fn", "token", 3, 64, {"gather_scales": True, "upcast_wgs": 2}),
     # the bench's diagnostics (wrong results by design: they only have to build)
     ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_copies"}),
-    ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_math"})])
+    ("float8_e4m3fn", "token", 3, 64, {"probe": "scale_math"}),
+    ("float8_e4m3fn", "token", 3, 64, {"compute": "fp8"}),
+    ("float8_e4m3fn", "tensor", 3, 64, {"compute": "fp8"}),
+    ("float8_e4m3fn", "channel", 2, 64, {"compute": "fp8", "pingpong": False})])
 def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, bk, knobs):
     """Pallas lowers the kernel for CUDA in Python (layout inference and the Mosaic GPU
     dialect down to NVVM's wgmma, mbarrier and TMA operations) even without a GPU: what
