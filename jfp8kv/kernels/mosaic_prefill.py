@@ -67,7 +67,6 @@ class MosaicPrefillTuning:
     stages: int = 3
     pingpong: bool = True
     block_k: int = 64
-    probe: str = ""  # bench diagnostics, wrong results: "scale_copies" | "scale_math" skipped
     # Mosaic's automatic warpgroup barrier before every TMA copy and around every shared-
     # memory store (12 a tile in the fp8 memory warpgroup, 24 with token scales). Off: the
     # kernel's own barriers order every access (a slot is rewritten only after "consumed";
@@ -75,16 +74,12 @@ class MosaicPrefillTuning:
     # it; f16 tiles reach the wgmma through commit_smem, whose warpgroup barrier precedes
     # "ready"; each thread stores exactly the elements it loaded where it does both).
     auto_barriers: bool = False
-    # The online softmax as jax's FA3 kernel writes it: the running max kept in log2 units so
-    # that each logit costs one FFMA (max over raw logits, then s * c - m), token K scales
-    # pre-multiplied by c (one multiply a logit, not two). ``early_rescale``: the accumulator
-    # rescaled, and P cast, before the ping-pong turn (pinned there by an optimization
-    # barrier), so the warpgroup's tensor-core turn starts with its wgmma; None: by the
-    # pages, as measured on the H200 (docs/kernels-notes.md): on for 16-bit pages (-5% at
-    # 8k x 8k, -17% at 2k after 4k) and token scales (-2%, -8%), off for fp8 with static
-    # scales (+2%, +15% with it). Both off: the first version (logits scaled, then the max,
-    # then s - m; the rescale after the turn).
-    fma_softmax: bool = True
+    # The online softmax runs as jax's FA3 kernel writes it (the running max in log2 units,
+    # one FFMA a logit). ``early_rescale``: the accumulator rescaled, and P cast, before the
+    # ping-pong turn (pinned there by an optimization barrier), so the warpgroup's tensor-core
+    # turn starts with its wgmma; None: by the pages, as measured on the H200
+    # (docs/kernels-notes.md): on for 16-bit pages (-5% at 8k x 8k, -17% at 2k after 4k) and
+    # token scales (-2%, -8%), off for fp8 with static scales (+2%, +15% with it).
     early_rescale: bool | None = None
     # fp8 pages: warpgroups that upcast each tile. 1: one memory warpgroup copies and
     # upcasts K and V (96 registers a thread). 2: the first copies the tile and upcasts K (and
@@ -137,10 +132,8 @@ def check_tuning(cfg: CacheConfig, tuning: MosaicPrefillTuning) -> None:
         raise ValueError(f"compute must be one of {COMPUTES}, got {tuning.compute!r}")
     if tuning.compute == "fp8":
         fp8_products.check_config(cfg)
-        if (tuning.upcast_wgs, tuning.gather_scales, tuning.probe, tuning.fma_softmax) != (
-                1, False, "", True):
-            raise ValueError("compute='fp8' runs with the default upcast_wgs (1), "
-                             "gather_scales (False), probe ('') and fma_softmax (True)")
+        if (tuning.upcast_wgs, tuning.gather_scales) != (1, False):
+            raise ValueError("compute='fp8' runs with upcast_wgs=1 and gather_scales=False")
 
 
 class _Dims(NamedTuple):
@@ -158,22 +151,10 @@ class _Dims(NamedTuple):
     pingpong: bool
     block_k: int
     num_blocks: int  # query blocks (programs per batch row and head)
-    probe: str = ""
-    fma_softmax: bool = True
     early_rescale: bool = True
     upcast_wgs: int = 1  # fp8 pages: 1 or 2 (``MosaicPrefillTuning.upcast_wgs``); else 1
     gather_scales: bool = False  # token scales gathered per batch row (else False)
     f8: bool = False  # fp8 products (``MosaicPrefillTuning.compute == "fp8"``)
-
-    @property
-    def scale_copies(self) -> bool:
-        """Token scales copied (with K and V) and, for fp8, into the compute ring."""
-        return self.token_scales and self.probe != "scale_copies"
-
-    @property
-    def scale_math(self) -> bool:
-        """The compute warpgroups apply token scales (logits and probabilities)."""
-        return self.token_scales and self.probe != "scale_math"
 
 
 def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
@@ -250,7 +231,7 @@ def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, 
     # fp8 products: each row's factor c (q8's scale, times sm_scale * log2(e) unless token
     # scales carry it)
     qc = None if not dims.f8 else lay.load_rows(smem["qs"].at[wg]) * (
-        1.0 if dims.scale_math else dims.qk_scale)
+        1.0 if dims.token_scales else dims.qk_scale)
 
     bk = dims.block_k
     n_mine = tiles(end_ref[prog.b, blk, 0], bk)
@@ -297,18 +278,14 @@ def _tile_step(prog: Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
     k_op, v_op = smem["k"].at[slot], smem["v"].at[slot]
-    if dims.scale_math:
+    if dims.token_scales:
         k_tok = lay.load_cols(smem["ks"].at[slot])
         v_tok = lay.load_cols(smem["vs"].at[slot])
     turn = functools.partial(take_turns, plgpu, barriers.get("sched"))  # no-op: no pingpong
     s = lay.qk(q_s, k_op, during=turn)
-    if dims.scale_math:  # per key: its scale (times sm_scale * log2(e) when fma_softmax)
-        k_c = k_tok * dims.qk_scale if dims.fma_softmax else k_tok
-        s = s * lax.broadcast_in_dim(k_c, s.shape, [1])
-    if dims.fma_softmax:  # logits in log2 units are s * c (c None: s itself)
-        c = None if dims.scale_math else dims.qk_scale
-    else:  # the first version: logits scaled, then the max, then s - m
-        s, c = s * dims.qk_scale, None
+    if dims.token_scales:  # per key: its scale times sm_scale * log2(e)
+        s = s * lax.broadcast_in_dim(k_tok * dims.qk_scale, s.shape, [1])
+    c = None if dims.token_scales else dims.qk_scale  # logits in log2 units: s * c
     c_b = c  # c broadcast over the logits
     if qc is not None:
         c, c_b = qc, lax.broadcast_in_dim(qc, s.shape, [0])
@@ -323,7 +300,7 @@ def _tile_step(prog: Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu
     m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
     p = jnp.exp2(s - m_b if c is None else s * c_b - m_b)  # s * c - m: one FFMA a logit
     l_new = l_i * alpha + p.sum(axis=1)
-    if dims.scale_math:
+    if dims.token_scales:
         p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
         if masked:  # past the sequence the scales are unwritten (NaN in the tests)
             p = jnp.where(visible, p, 0.0)
@@ -377,7 +354,7 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width - mp)))
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
-                 tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg),
+                 tuning.rescales_early(cfg),
                  tuning.upcast_wgs if cfg.is_fp8 else 1, tuning.gather_scales and token_scales,
                  f8)
     smem, barriers = scratch(plgpu, cfg, kv, dims)

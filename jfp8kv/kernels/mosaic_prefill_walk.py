@@ -94,7 +94,7 @@ def upcasting_warpgroup(prog: Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs
         if "v" in part:
             smem["v"].at[slot][...] = lay.upcast(fp8["v"].at[slot], jnp.float16,
                                                  prog.kv_end - t * bk if masked else None)
-        if dims.scale_copies:
+        if dims.token_scales:
             for name in ("ks", "vs"):
                 if name[0] in part:
                     smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
@@ -185,12 +185,12 @@ def _copy_tile(prog: Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref, 
         plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], smem["k"].at[slot, dst], barrier)
         plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], smem["v"].at[slot, dst], barrier)
         copies += 2
-        if dims.scale_copies and not dims.gather_scales:  # 4 bytes a token: plain bulk
+        if dims.token_scales and not dims.gather_scales:  # 4 bytes a token: plain bulk
             for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):  # copies
                 plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst], barrier,
                                         oob_mode=in_bounds)
                 copies += 1
-    if dims.scale_copies and dims.gather_scales:  # the tile's keys, gathered: [Hkv, B, keys]
+    if dims.token_scales and dims.gather_scales:  # the tile's keys, gathered: [Hkv, B, keys]
         keys = pl.ds(t * bk, bk)
         for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):
             plgpu.copy_gmem_to_smem(src.at[prog.hkv, prog.b, keys], dst_s.at[slot], barrier,
@@ -220,7 +220,7 @@ def scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims):
         smem.update({name + "8": ref for name, ref in ring.items()},
                     k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))
     pages = max(1, bk // cfg.page_size)
-    copies = 2 * pages + (0 if not dims.scale_copies else 2 if dims.gather_scales else 2 * pages)
+    copies = 2 * pages + (0 if not dims.token_scales else 2 if dims.gather_scales else 2 * pages)
     q_copies = 2 + int(dims.static_v) + int(dims.f8)
     barriers = {"ready": plgpu.Barrier(num_arrivals=dims.upcast_wgs if dims.fp8 else copies,
                                        num_barriers=st),
