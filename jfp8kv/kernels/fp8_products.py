@@ -44,10 +44,11 @@ def check_config(cfg: CacheConfig) -> None:
     multiplies two operands of one format, and q needs e4m3's precision) with token,
     tensor or channel scales (block scales vary inside q.K^T's reduction)."""
     mode = cfg.scale_mode if cfg.is_fp8 else None
-    if cfg.storage_dtype != "float8_e4m3fn" or mode not in ("token", "tensor", "channel"):
-        raise ValueError(f"fp8 attention products need float8_e4m3fn pages with token, tensor "
-                         f"or channel scales, got {cfg.storage_dtype} with {mode} scales; use "
-                         "the dequantizing path (dequant) for these")
+    if (cfg.storage_dtype != "float8_e4m3fn" or cfg.layout != "kv"
+            or mode not in ("token", "tensor", "channel")):
+        raise ValueError(f"fp8_attention_compute='fp8' needs fp8_e4m3 K/V pages with token, "
+                         f"tensor or channel scales, got {cfg.storage_dtype} ({cfg.layout}) "
+                         f"with {mode} scales; use fp8_attention_compute='dequant' for these")
 
 
 def quantize_queries(q, kv: KVLayout, k_scales, num_kv_heads: int):
