@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jfp8kv.config import CacheConfig
@@ -36,7 +37,8 @@ from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache import fp8
 from jfp8kv.kvcache.cache import LayerKV
 
-Q_DTYPE = jnp.float8_e4m3fn
+Q_DTYPE = jnp.float8_e4m3fn  # q's and P's format
+P_MAX = 256.0  # P's quantized values stay <= P_MAX (e4m3 holds 448), a power of two: exact
 
 
 def check_config(cfg: CacheConfig) -> None:
@@ -57,6 +59,22 @@ def quantize_queries(q, kv: KVLayout, k_scales, num_kv_heads: int):
     qg = grouped_queries(q, kv, k_scales, num_kv_heads).reshape(q.shape)
     scale = fp8.dynamic_scale(fp8.amax_ignoring_nan(qg, -1), Q_DTYPE)
     return fp8.quantize(qg, scale[..., None], Q_DTYPE), scale
+
+
+def p_scales(v_scales, page_tables, seq_lens, page_size: int):
+    """Token mode: per (batch row, KV head), the power of two c with max_j v_tok_j * c <=
+    ``P_MAX`` over the row's keys (1 where it has none), f32 [B, Hkv]: P's columns are
+    multiplied by v_tok * c before P is quantized, and the output divided by c. v_scales:
+    [Hkv, P*S] (the kernel layout)."""
+    keys = page_tables.shape[1] * page_size
+    tok = jnp.arange(keys, dtype=jnp.int32)
+    rows = page_tables[:, tok // page_size] * page_size + tok % page_size  # [B, keys]
+    v = jnp.take(v_scales.astype(jnp.float32), rows, axis=1)  # [Hkv, B, keys]
+    v = jnp.where(tok[None, None, :] < seq_lens[None, :, None], v, 0.0)
+    vmax = v.max(-1).T
+    _, e = jnp.frexp(vmax)  # vmax = m * 2^e, m in [0.5, 1): vmax * 2^(8 - e) <= 256
+    c = jnp.ldexp(jnp.float32(1.0), int(np.log2(P_MAX)) - e)
+    return jnp.where((vmax > 0) & jnp.isfinite(vmax), c, 1.0)
 
 
 def _slicer(start, size: int):
@@ -94,7 +112,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     k8, v8 = (_gather(x, pt, ps, keys) for x in (k_pages, v_pages))  # [B, Hkv, N, D]
     key = jnp.arange(keys, dtype=jnp.int32)
     real = key[None, :] < seq_lens[:, None]  # [B, N]
-    v16 = jnp.where(real[:, None, :, None], v8.astype(jnp.float16), 0.0).astype(jnp.float16)
+    v8 = jnp.where(real[:, None, :, None], v8, jnp.zeros((), v8.dtype))
+    p_c = p_scales(v_sc, page_tables, seq_lens, ps) if token else jnp.full((b, hkv), P_MAX)
     if token:
         k_tok, v_tok = (_gather(x.astype(jnp.float32), pt, ps, keys) for x in (k_sc, v_sc))
     pos = q_positions.astype(jnp.int32)
@@ -117,8 +136,11 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
         p = jnp.exp2(s * c - m_use[..., None])
         l_new = l_i * alpha + p.sum(-1)
         if token:
-            p = jnp.where(visible, p * sl(v_tok, 2)[:, None, :, None, :], 0.0)
-        pv = jnp.einsum("bthgk,bhkd->bthgd", p.astype(jnp.float16), sl(v16, 2),
+            vc = sl(v_tok, 2) * p_c[:, :, None]
+            p = jnp.where(visible, p * vc[:, None, :, None, :], 0.0)
+        else:
+            p = p * P_MAX
+        pv = jnp.einsum("bthgk,bhkd->bthgd", p.astype(Q_DTYPE), sl(v8, 2),
                         preferred_element_type=jnp.float32)
         return (acc * alpha[..., None] + pv, m_new, l_new), None
 
@@ -128,5 +150,5 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     (acc, _, l_i), _ = lax.scan(tile, init, jnp.arange(n_tiles))
     if not token:
         acc = acc * v_sc.astype(jnp.float32)[None, None, :, None, :]
-    out = acc / jnp.where(l_i > 0, l_i, 1.0)[..., None]
+    out = acc / (jnp.where(l_i > 0, l_i, 1.0) * p_c[:, None, :, None])[..., None]
     return out.reshape(b, t, nh, d).astype(q.dtype)

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kernels import fp8_products
+from jfp8kv.kernels.fp8_products import P_MAX
 from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, grouped_queries, interpret_kwargs,
                                        layout_problems, load_plgpu, take_turns)
 from jfp8kv.kernels.mosaic_prefill_walk import (CWGS, Program, block_ends,
@@ -164,6 +165,7 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     # or static V scales [Hkv, D]
     refs = list(refs)
     qs_ref = refs.pop(0) if dims.f8 else None  # q8's row scales [B, H, Tp]
+    pc_ref = refs.pop(0) if dims.f8 and dims.token_scales else None  # P's scales [B, Hkv]
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if dims.token_scales else (None, None)
     vsc_ref = refs.pop(0) if dims.static_v else None
     o_ref, smem, barriers = refs
@@ -204,7 +206,7 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     @pl.when(prog.wg < CWGS)
     def _():
         plgpu.set_max_registers(compute_regs, action="increase")
-        _compute_warpgroup(prog, end_ref, pos_ref, (q_ref, qs_ref), vsc_ref, o_ref, smem,
+        _compute_warpgroup(prog, end_ref, pos_ref, (q_ref, qs_ref, pc_ref), vsc_ref, o_ref, smem,
                            barriers, dims=dims, plgpu=plgpu, lay=lay)
 
 
@@ -214,7 +216,7 @@ def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, 
     runs the program's tiles it needs (unmasked, then masked), releases the others unread,
     then writes its rows."""
     d, wg = dims.d, prog.wg
-    (q_ref, qs_ref), qo_s, pos_s = q_refs, smem["qo"].at[wg], smem["pos"].at[wg]
+    (q_ref, qs_ref, pc_ref), qo_s, pos_s = q_refs, smem["qo"].at[wg], smem["pos"].at[wg]
     q_s = smem["q8"].at[wg] if dims.f8 else qo_s
     blk = prog.qb * CWGS + wg
     t0 = pl.multiple_of(blk * ROWS, ROWS)
@@ -232,6 +234,8 @@ def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, 
     # scales carry it)
     qc = None if not dims.f8 else lay.load_rows(smem["qs"].at[wg]) * (
         1.0 if dims.token_scales else dims.qk_scale)
+    # and P's scale (``fp8_products.p_scales``)
+    p_c = None if not dims.f8 else pc_ref[prog.b, prog.hkv] if dims.token_scales else P_MAX
 
     bk = dims.block_k
     n_mine = tiles(end_ref[prog.b, blk, 0], bk)
@@ -240,7 +244,7 @@ def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, 
     other = prog.qb * CWGS + (1 - wg)
     n_prog = jnp.maximum(n_mine, tiles(end_ref[prog.b, other, 0], bk))
     step = functools.partial(_tile_step, prog, q_s, pos, smem, barriers, dims=dims,
-                             plgpu=plgpu, lay=lay, qc=qc)
+                             plgpu=plgpu, lay=lay, qc=qc, p_c=p_c)
     carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
              lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
              lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
@@ -261,7 +265,7 @@ def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, 
     acc, _, l_i = carry
     if vsc_ref is not None:
         acc = acc * lax.broadcast_in_dim(lay.load_cols(smem["vsc"].at[wg]), acc.shape, [1])
-    l_safe = jnp.where(l_i > 0, l_i, 1.0)
+    l_safe = jnp.where(l_i > 0, l_i, 1.0) * (1.0 if p_c is None else p_c)
     qo_s[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(qo_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_s, o_ref.at[prog.b, pl.ds(t0, ROWS), prog.h])
@@ -269,15 +273,15 @@ def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, 
 
 
 def _tile_step(prog: Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu, lay,
-               masked: bool, qc=None):
-    """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l). ``qc``:
-    fp8 products' row factors (else None)."""
+               masked: bool, qc=None, p_c=None):
+    """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l). fp8
+    products: ``qc`` the rows' logit factors, ``p_c`` P's scale (else None)."""
     acc, m_i, l_i = carry
     slot = lax.rem(t, dims.stages)
     tok0 = t * dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
-    k_op, v_op = smem["k"].at[slot], smem["v"].at[slot]
+    k_op, v_op = smem["k"].at[slot], smem["vt" if dims.f8 else "v"].at[slot]
     if dims.token_scales:
         k_tok = lay.load_cols(smem["ks"].at[slot])
         v_tok = lay.load_cols(smem["vs"].at[slot])
@@ -300,20 +304,29 @@ def _tile_step(prog: Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu
     m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
     p = jnp.exp2(s - m_b if c is None else s * c_b - m_b)  # s * c - m: one FFMA a logit
     l_new = l_i * alpha + p.sum(axis=1)
-    if dims.token_scales:
-        p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
+    if dims.token_scales:  # fp8 products: P's scale p_c rides on V's token scales
+        p = p * lax.broadcast_in_dim(v_tok if qc is None else v_tok * p_c, s.shape, [1])
         if masked:  # past the sequence the scales are unwritten (NaN in the tests)
             p = jnp.where(visible, p, 0.0)
+    elif qc is not None:
+        p = p * p_c
+    if qc is not None:  # P quantized into shared memory, where the 8-bit wgmma reads it
+        p_op = smem["p8"].at[prog.wg]
+        p_op[...] = p.astype(p_op.dtype)
+        plgpu.commit_smem()
+        pv = lay.pv8_into
+    else:
+        p_op, pv = p.astype(dims.cdt), lay.pv_into
     if dims.early_rescale:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dims.cdt)
-        acc, p16, m_new, l_new = lax.optimization_barrier((acc, p16, m_new, l_new))
+        kept = (acc, m_new, l_new) + ((p_op,) if qc is None else ())  # (p_op: a ref for fp8)
+        acc, m_new, l_new, *p_kept = lax.optimization_barrier(kept)
+        p_op = p_kept[0] if p_kept else p_op
         turn()  # softmax done: P.V when the other warpgroup's products are issued
-        acc = lay.pv_into(acc, p16, v_op)
+        acc = pv(acc, p_op, v_op)
     else:
         turn()
-        acc = lay.pv_into(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
-                          p.astype(dims.cdt), v_op)
+        acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_op, v_op)
     plgpu.barrier_arrive(consumed.at[slot])  # P.V has read the slot (the wgmma is waited for)
     return acc, m_new, l_new
 
@@ -340,7 +353,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     if f8:  # q8 [B, Tp, H, D], its row scales [B, H, Tp]
         qk, q_scale = fp8_products.quantize_queries(q, kv, k_sc, hkv)
         q_scale = jnp.pad(q_scale, ((0, 0), (0, tp - t), (0, 0)), constant_values=1.0)
-        q_ops = [jnp.swapaxes(q_scale, 1, 2)]
+        q_ops = [jnp.swapaxes(q_scale, 1, 2)] + ([fp8_products.p_scales(
+            v_sc, page_tables, seq_lens, s)] if token_scales else [])
     else:
         qk, q_ops = grouped_queries(q, kv, k_sc, hkv).reshape(b, t, nh, d).astype(kv.cdt), []
     qk = jnp.pad(qk, ((0, 0), (0, tp - t), (0, 0), (0, 0)))

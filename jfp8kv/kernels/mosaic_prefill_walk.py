@@ -129,8 +129,8 @@ def fp8_products_warpgroup(prog: Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref,
                            smem, barriers, *, dims, plgpu, lay):
     """fp8 products: copies tile t's pages (K and token scales where the compute warpgroups
     read them, V into "v8") once the slot's previous tile is consumed, and, one tile behind,
-    upcasts the landed V into "v" (rows past ``kv_end`` zeroed in the last tile) and makes
-    the slot ready. K is never upcast: q8.K^T runs on it as it landed."""
+    transposes the landed V into "vt" (exactly; rows past ``kv_end`` zeroed in the last
+    tile) and makes the slot ready. K is used as it landed."""
     stages, bk = dims.stages, dims.block_k
     landed, ready, consumed = barriers["landed"], barriers["ready"], barriers["consumed"]
     last = n_tiles - 1
@@ -139,8 +139,8 @@ def fp8_products_warpgroup(prog: Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref,
                              ks_ref=ks_ref, vs_ref=vs_ref, smem=dst, dims=dims, plgpu=plgpu)
 
     def upcast(u, slot, masked: bool):
-        smem["v"].at[slot][...] = lay.upcast(smem["v8"].at[slot], jnp.float16,
-                                             prog.kv_end - u * bk if masked else None)
+        lay.transpose8(smem["v8"].at[slot], smem["vt"].at[slot],
+                       prog.kv_end - u * bk if masked else None)
 
     @pl.loop(0, n_tiles + 1)
     def _step(t):
@@ -161,7 +161,7 @@ def fp8_products_warpgroup(prog: Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref,
             plgpu.barrier_wait(landed.at[slot])
             pl.when(u < last)(lambda: upcast(u, slot, masked=False))
             pl.when(u == last)(lambda: upcast(u, slot, masked=True))
-            plgpu.commit_smem()  # the f16 V tile visible to the wgmma (async proxy)
+            plgpu.commit_smem()  # V^T visible to the wgmma (async proxy)
             plgpu.barrier_arrive(ready.at[slot])
 
     drain_slots(plgpu, n_tiles, stages, consumed)
@@ -205,8 +205,11 @@ def scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims):
     fp8 products (``dims.f8``): K and the scales land where the compute warpgroups read
     them, V in "v8" (upcast into "v"); q8 and its row scales ("q8", "qs") beside "qo"."""
     d, pages, st, bk = cfg.head_dim, jnp.dtype(cfg.storage_dtype), dims.stages, dims.block_k
-    ring = {"k": swizzled(plgpu, (st, bk, d), pages if dims.f8 else kv.cdt),
-            "v": swizzled(plgpu, (st, bk, d), kv.cdt)}
+    ring = {"k": swizzled(plgpu, (st, bk, d), pages if dims.f8 else kv.cdt)}
+    if dims.f8:  # V transposed: an 8-bit wgmma's B operand is K-major only
+        ring["vt"] = swizzled(plgpu, (st, d, bk), pages)
+    else:
+        ring["v"] = swizzled(plgpu, (st, bk, d), kv.cdt)
     if dims.token_scales:
         ring.update(ks=plgpu.SMEM((st, bk), jnp.float32), vs=plgpu.SMEM((st, bk), jnp.float32))
     smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), kv.cdt),  # q in (16-bit q), the output out
@@ -215,7 +218,8 @@ def scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims):
         smem["vsc"] = plgpu.SMEM((CWGS, d), jnp.float32)
     if dims.f8:
         smem.update(q8=swizzled(plgpu, (CWGS, ROWS, d), pages), qs=plgpu.SMEM((CWGS, ROWS),
-                    jnp.float32), v8=swizzled(plgpu, (st, bk, d), pages))
+                    jnp.float32), v8=swizzled(plgpu, (st, bk, d), pages),
+                    p8=swizzled(plgpu, (CWGS, ROWS, bk), pages))
     elif cfg.is_fp8:
         smem.update({name + "8": ref for name, ref in ring.items()},
                     k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))

@@ -10,6 +10,8 @@ its last position); unseen slots and scales NaN-poisoned; fresh random inputs.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,10 +148,16 @@ def test_mosaic_prefill_lowers_for_hopper_on_any_machine(storage, mode, stages, 
     q = jnp.zeros((2, 256, 32, 128), "bfloat16")
     pos = jnp.zeros((2, 256), jnp.int32)
     tuning = mosaic_prefill.MosaicPrefillTuning(stages=stages, block_k=bk, **knobs)
-    assert_lowers_for_hopper(
+    text = assert_lowers_for_hopper(
         jax.jit(mosaic_prefill.prefill_attention, static_argnums=(5, 6),
                 static_argnames="tuning"),
         q, case_.clean, case_.page_tables, case_.seq_lens, pos, cfg, 0.1, tuning=tuning)
+    products = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.f32\.\w+)",
+                              text))
+    if knobs.get("compute") == "fp8":  # q.K^T (N = 64 keys) and P.V (N = D) both e4m3
+        assert products == {"m64n64k32.f32.e4m3", "m64n128k32.f32.e4m3"}, products
+    else:
+        assert not any("e4m3" in p for p in products), products
 
 
 def test_mosaic_prefill_gathers_scales_for_page_tables_narrower_than_its_stages():
@@ -232,8 +240,9 @@ def test_fp8_products_twin_stays_near_the_float_reference(case):
     assert 1e-3 < rel < 0.08, rel  # not the float path, and not far from it
 
 
-@pytest.mark.parametrize("case,exec_mode", [
-    pytest.param(c, "interpret", id=f"{c[0]}-S{c[1]}-T{c[5]}-interpret") for c in F8_CASES]
+@pytest.mark.parametrize("case,exec_mode", [  # channel differs from tensor only in XLA (q's
+    # K scales, V's on the accumulator: the twin test covers it): GPU only, ~35 s of CI saved
+    pytest.param(c, "interpret", id=f"{c[0]}-S{c[1]}-T{c[5]}-interpret") for c in F8_CASES[:2]]
     + [pytest.param(c, "gpu", id=f"{c[0]}-S{c[1]}-T{c[5]}-gpu", marks=HOPPER_MARKS)
        for c in F8_CASES])
 def test_mosaic_prefill_fp8_products_match_the_twin(case, exec_mode):
