@@ -1,6 +1,6 @@
-"""fp8 products for prefill attention over e4m3 pages: the queries quantized to e4m3 and the
-jnp reference twin of ``mosaic_prefill``'s ``compute="fp8"`` path (tests compare the kernel
-with it; it computes the same quantized products tile by tile).
+"""fp8 products for prefill attention over e4m3 pages: the queries quantized to e4m3, P's
+scales, and the jnp reference twin of ``mosaic_prefill``'s ``compute="fp8"`` path (tests
+compare the kernel with it; it computes the same quantized products tile by tile).
 
 Numerics contract (what is rounded where), per query row r (one token, one query head) and
 key tile of ``block_k`` keys, in the order the kernel does it:
@@ -9,17 +9,19 @@ key tile of ``block_k`` keys, in the order the kernel does it:
    s_q = ``fp8.dynamic_scale(amax_r(q'))`` (f32, rounded up so nothing saturates) and
    q8 = ``fp8.quantize(q', s_q, e4m3)``: the same policy as a token-mode K row.
 2. S = q8 . K8^T: e4m3 x e4m3 products (exact in f32), f32 accumulation.
-3. Token mode: S *= k_tok * (sm_scale * log2 e) per key; the row factor is c = s_q. Static
-   modes: c = s_q * sm_scale * log2 e. Masked keys -> -inf.
-4. The online softmax in log2 units: m' = max(m, max_j S * c), p = exp2(S * c - m'), l =
+3. Token mode: S *= k_tok * (sm_scale * log2 e) per key; the row factor is f = s_q. Static
+   modes: f = s_q * sm_scale * log2 e. Masked keys -> -inf.
+4. The online softmax in log2 units: m' = max(m, max_j S * f), p = exp2(S * f - m'), l =
    l * 2^(m - m') + sum p (f32).
-5. Token mode: p *= v_tok per key (0 on masked keys); P is cast to f16 and P.V runs as an
-   f16 wgmma on V upcast exactly to f16 (f32 accumulation); static V scales multiply the
-   accumulator's channels at the end; out = acc / l (0 where l = 0).
+5. P's scale c: token mode ``p_scales`` (a power of two per batch row and KV head, from the
+   row's largest V token scale), else ``P_MAX``; p *= v_tok * c per key (token; 0 on masked
+   keys) or p *= c (static), then P8 = e4m3(p) (<= P_MAX: no saturation).
+6. acc = acc * 2^(m - m') + P8 . V8 (e4m3 x e4m3, f32 accumulation; V rows past the
+   sequence 0); static V scales multiply acc's channels at the end; out = acc / (l * c)
+   (0 where l = 0).
 
-P.V stays 16-bit: an 8-bit wgmma takes its B operand K-major only, and V lands key-major
-([keys, D], its reduction axis outermost); the transposed 8-bit store into shared memory
-that FA3 uses does not lower in jax 0.10.2's warpgroup semantics (docs/kernels-notes.md).
+In the kernel V is transposed exactly into shared memory first (an 8-bit wgmma reads its B
+operand K-major only) and P is quantized into shared memory (docs/kernels-notes.md).
 """
 
 from __future__ import annotations

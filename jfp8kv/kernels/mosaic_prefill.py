@@ -25,7 +25,7 @@ see no key are zero.
 Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pages, bf16
 for bf16 pages; f32 accumulation; token scales on logits and probabilities; static K scales
 folded into q outside, static V scales on the accumulator); with ``compute="fp8"`` (e4m3
-pages) q.K^T multiplies e4m3 q rows and K as stored, ``fp8_products``' contract. Supported:
+pages) q.K^T and P.V are e4m3 wgmmas, ``fp8_products``' contract. Supported:
 bf16/f16 and fp8 pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes
 >= 8 that divide the key tile or are multiples of it; 128-key tiles for 16-bit pages only,
 and at most 3 stages for fp8 pages (shared memory); no K rotation. ``check_supported`` and

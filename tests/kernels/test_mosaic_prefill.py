@@ -246,6 +246,8 @@ def test_fp8_products_twin_stays_near_the_float_reference(case):
     + [pytest.param(c, "gpu", id=f"{c[0]}-S{c[1]}-T{c[5]}-gpu", marks=HOPPER_MARKS)
        for c in F8_CASES])
 def test_mosaic_prefill_fp8_products_match_the_twin(case, exec_mode):
+    """compute="fp8" (q.K^T and P.V as e4m3 wgmmas) against ``fp8_products``' twin: the
+    same quantized products, so far closer than either is to the float reference."""
     rng = np.random.default_rng()
     cfg, case_, q, pos = _f8_case(rng, *case)
     tuning = mosaic_prefill.MosaicPrefillTuning(compute="fp8")
