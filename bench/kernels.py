@@ -823,11 +823,10 @@ def compare_mosaic(b: Bench, smoke: bool, run, old: bool = True):
 # TMA page copies, wgmma) next to the Triton kernel's default, bf16 and e4m3 token / tensor,
 # at the prefill sweep's shapes (batch, chunk, cached prefix): 8k x 8k causal and 2k after 4k.
 MOSAIC_PREFILL_SHAPES = ((1, 8192, 0), (1, 2048, 4096))
-# the online softmax's versions (``MosaicPrefillTuning.fma_softmax`` / ``early_rescale``),
-# timed beside the default for every storage (one of the last two is the default again:
-# early for 16-bit pages and token scales, late for static fp8 scales)
-MOSAIC_PREFILL_SOFTMAX = (("st3 first softmax", dict(fma_softmax=False, early_rescale=False)),
-                          ("st3 fma, late rescale", dict(early_rescale=False)),
+# the online softmax's rescale placement (``MosaicPrefillTuning.early_rescale``), timed
+# beside the default for every storage (one of the two is the default again: early for
+# 16-bit pages and token scales, late for static fp8 scales)
+MOSAIC_PREFILL_SOFTMAX = (("st3 fma, late rescale", dict(early_rescale=False)),
                           ("st3 fma, early rescale", dict(early_rescale=True)))
 MOSAIC_PREFILL_SETTINGS = (("st3", {}), *MOSAIC_PREFILL_SOFTMAX,
                            ("st4", dict(stages=4)), ("st3 no pingpong", dict(pingpong=False)),
@@ -838,9 +837,8 @@ MOSAIC_PREFILL_FP8 = (("st3 2 upcast wgs", dict(upcast_wgs=2)),)
 MOSAIC_PREFILL_GATHER = (("st3 gathered scales", dict(gather_scales=True)),
                          ("st3 2 upcast wgs, gathered scales",
                           dict(upcast_wgs=2, gather_scales=True)))
-# token scales' cost in the Mosaic kernel, split (diagnostics: wrong results)
-MOSAIC_PREFILL_TOKEN_PROBES = (("st3 probe no scale copies", dict(probe="scale_copies")),
-                               ("st3 probe no scale math", dict(probe="scale_math")))
+# e4m3 pages: q.K^T as an e4m3 wgmma (``MosaicPrefillTuning.compute``, issue 34)
+MOSAIC_PREFILL_PRODUCTS = (("st3 fp8 products", dict(compute="fp8")),)
 
 
 def compare_mosaic_prefill(b: Bench, smoke: bool, run):
@@ -871,8 +869,7 @@ def compare_mosaic_prefill(b: Bench, smoke: bool, run):
                 MOSAIC_PREFILL_SETTINGS if storage == "bfloat16" else
                 MOSAIC_PREFILL_SETTINGS[:1] + MOSAIC_PREFILL_FP8
                 + (MOSAIC_PREFILL_GATHER if mode == "token" else ())
-                + MOSAIC_PREFILL_SETTINGS[1:4]
-                + (MOSAIC_PREFILL_TOKEN_PROBES if mode == "token" else ()))
+                + MOSAIC_PREFILL_SETTINGS[1:3] + MOSAIC_PREFILL_PRODUCTS)
             for label, knobs in settings:
                 r = row(f"mosaic {label}", "mosaic", storage, mode, shape,
                         MosaicPrefillTuning(**knobs))

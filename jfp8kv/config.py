@@ -172,6 +172,7 @@ KV_SCALE_MODES = ("tensor", "channel", "token", "block")
 KV_ROTATIONS = ("none", "hadamard", "smooth", "smooth+hadamard")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas_triton", "reference")
 GEMM_AUTOTUNE = ("default", "exhaustive")  # EngineConfig.decode_gemm_autotune
+FP8_ATTENTION_COMPUTES = ("dequant", "fp8")  # CacheOptions.fp8_attention_compute
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Not for serving: float64 compute exists so the fp8 cache can be checked against another
 # float64 implementation without float32 rounding noise (CPU, reference attention, x64 on).
@@ -226,9 +227,11 @@ class CacheConfig:
     bitcast_pool: bool = False
     layout: str = "kv"  # "kv": K and V pages; "latent": one MLA row per token (kvcache/latent.py)
     kv_rotation: str = "none"  # KV_ROTATIONS; see jfp8kv.kvcache.k_transform
+    # FP8_ATTENTION_COMPUTES: "fp8" = e4m3 q.K^T products (``kernels.fp8_products``)
+    attention_compute: str = "dequant"
 
     def __post_init__(self):
-        check_choices(self, kv_rotation=KV_ROTATIONS)
+        check_choices(self, kv_rotation=KV_ROTATIONS, attention_compute=FP8_ATTENTION_COMPUTES)
 
     @property
     def is_fp8(self) -> bool:
@@ -296,9 +299,14 @@ class CacheOptions:
         "none", "fp8 K transform before storage: none, hadamard (K and queries rotated), "
                 "smooth (a calibrated per-channel K mean subtracted; exact for attention) "
                 "or smooth+hadamard", choices=KV_ROTATIONS)
+    fp8_attention_compute: str = _knob(
+        "dequant", "fp8 prefill attention's products: dequant (fp8 tiles upcast, 16-bit "
+        "products) or fp8 (q quantized per row to e4m3, q.K^T on fp8 tensor cores; Hopper's "
+        "Mosaic prefill kernel, fp8_e4m3 with token/tensor/channel scales; elsewhere dequant)",
+        choices=FP8_ATTENTION_COMPUTES)
 
     def __post_init__(self):
-        check_choices(self, kv_rotation=KV_ROTATIONS,
+        check_choices(self, kv_rotation=KV_ROTATIONS, fp8_attention_compute=FP8_ATTENTION_COMPUTES,
                       **({} if self.kv_scale_mode is None else {"kv_scale_mode": KV_SCALE_MODES}))
         s = self.kv_scales
         if isinstance(s, bool) or not isinstance(s, (int, float, str, type(None))):

@@ -329,6 +329,7 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     plan = plan_capacity(loaded.config, engine, storage, mode, device, tp,
                          bitcast_pool=device.platform == "cpu" and backend == "reference",
                          kv_rotation=cache.kv_rotation if fp8.is_fp8(storage) else "none")
+    plan = kernels.with_attention_compute(plan, cache.fp8_attention_compute)
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
     if loaded.config.is_mla:

@@ -4,7 +4,8 @@
 * ``"reference"``: the pure-jnp twins (any device, any dtype; XLA emulates fp8 on CPU);
 * ``"pallas"``: Pallas kernels on an NVIDIA GPU: on Hopper (sm_90) the Mosaic GPU prefill
   kernel where it runs (``mosaic_prefill_runs``: 16-bit pages, fp8 pages with token or
-  static scales; faster than Triton in each, docs/kernels-notes.md), Triton for the rest;
+  static scales; faster than Triton in each, docs/kernels-notes.md), with fp8 q.K^T products
+  where ``cfg.attention_compute`` is "fp8" (``fp8_products``), Triton for the rest;
 * ``"pallas_triton"``: the Pallas Triton kernels only (Ada, or to compare);
 * ``"pallas_interpret"``: the same Pallas kernels in interpret mode (CPU tests).
 
@@ -17,6 +18,8 @@ MoE experts: ``grouped_matmul`` (``jax.lax.ragged_dot``'s meaning; Pallas backen
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ from jfp8kv.kernels.reference import (NewRows, PageTables, Positions, Queries, S
 from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import LayerKV
 
+log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas", "pallas_triton", "pallas_interpret")
 LatentOut = Float[Array, "b t heads value_dim"]
 
@@ -98,12 +102,35 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
     if backend == "pallas" and mosaic_prefill_runs(cfg, q.shape[2]):
         from jfp8kv.kernels import mosaic_prefill
 
+        tuning = (mosaic_prefill.MosaicPrefillTuning(compute="fp8")
+                  if cfg.attention_compute == "fp8" else None)
         return mosaic_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions,
-                                                cfg, sm_scale)
+                                                cfg, sm_scale, tuning=tuning)
     from jfp8kv.kernels import pallas_prefill
 
     return pallas_prefill.prefill_attention(q, layer, page_tables, seq_lens, q_positions, cfg,
                                             sm_scale, interpret=interpret)
+
+
+def with_attention_compute(plan, requested: str):
+    """``plan`` (the engine builder's capacity plan) with its ``cache_config``'s
+    ``attention_compute`` set to ``requested`` (``CacheOptions.fp8_attention_compute``):
+    ValueError at build where "fp8" products cannot run on fp8 pages
+    (``fp8_products.check_config``); 16-bit pages keep "dequant" (an fp8-only option,
+    ignored with a warning, as the builder does for the others)."""
+    import dataclasses
+
+    cfg = plan.cache_config
+    if requested == "fp8" and not cfg.is_fp8:
+        log.warning("fp8_attention_compute='fp8' ignored: the KV cache stores %s",
+                    cfg.storage_dtype)
+        return plan
+    cfg = dataclasses.replace(cfg, attention_compute=requested)
+    if requested == "fp8":
+        from jfp8kv.kernels import fp8_products
+
+        fp8_products.check_config(cfg)
+    return dataclasses.replace(plan, cache_config=cfg)
 
 
 def mosaic_prefill_runs(cfg: CacheConfig, num_heads: int) -> bool:

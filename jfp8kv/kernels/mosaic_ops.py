@@ -253,6 +253,37 @@ class MosaicOps:
 
         return pl.run_state(body)(self.plgpu.ACC.init(acc))
 
+    def pv8_into(self, acc, p_s, vt):
+        """acc + P [ROWS, BK] . V for 8-bit operands in shared memory: P itself and V^T
+        [D, BK] (an 8-bit wgmma reads B K-major only, so V is stored transposed)."""
+        if self.interpret:
+            return acc + lax.dot_general(p_s[...], vt[...], (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+
+        def body(acc_ref):
+            self.plgpu.wgmma(acc_ref, p_s, self.plgpu.transpose_ref(vt, (1, 0)))
+
+        return pl.run_state(body)(self.plgpu.ACC.init(acc))
+
+    def transpose8(self, src, dst, valid_rows=None):
+        """An 8-bit tile [R, C] in shared memory (R a multiple of ``ROWS``) -> ``dst`` [C, R]
+        (8-bit, swizzled), exactly; src rows at or past ``valid_rows`` (if given) zero. Via
+        f16 registers: Mosaic relayouts WGMMA -> WGMMA_TRANSPOSED for 16-bit values only,
+        then stores the 8-bit cast through a transposed view of ``dst``."""
+        if self.interpret:
+            x = src[...].astype(jnp.float16)
+            rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        else:
+            x = self.plgpu.load(src, (), layout=self.wgmma).astype(jnp.float16)
+            rows = self.plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=self.wgmma)
+        if valid_rows is not None:
+            x = jnp.where(rows < valid_rows, x, jnp.zeros_like(x))
+        if self.interpret:
+            dst[...] = x.T.astype(dst.dtype)
+            return
+        x = self.plgpu.layout_cast(x, self.plgpu.Layout.WGMMA_TRANSPOSED).astype(dst.dtype)
+        self.plgpu.transpose_ref(dst, (1, 0))[...] = x
+
     def _wgmma(self, shape, a, b, during=None):
         def body(acc_ref):
             self.plgpu.wgmma(acc_ref, a, b)

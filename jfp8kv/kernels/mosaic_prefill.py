@@ -24,11 +24,12 @@ see no key are zero.
 
 Numerics: ``pallas_prefill``'s (operands in the pages' dot dtype: f16 for fp8 pages, bf16
 for bf16 pages; f32 accumulation; token scales on logits and probabilities; static K scales
-folded into q outside, static V scales on the accumulator). Supported: bf16/f16 and fp8
-pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes >= 8 that divide
-the key tile or are multiples of it; 128-key tiles for 16-bit pages only, and at most 3
-stages for fp8 pages (shared memory); no K rotation. ``check_supported`` raises ValueError
-for the rest.
+folded into q outside, static V scales on the accumulator); with ``compute="fp8"`` (e4m3
+pages) q.K^T and P.V are e4m3 wgmmas, ``fp8_products``' contract. Supported:
+bf16/f16 and fp8 pages; no, token, tensor and channel scales; head_dim 64 or 128; page sizes
+>= 8 that divide the key tile or are multiples of it; 128-key tiles for 16-bit pages only,
+and at most 3 stages for fp8 pages (shared memory); no K rotation. ``check_supported`` and
+``check_tuning`` raise ValueError for the rest.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, drain_slots, grouped_queries,
-                                       interpret_kwargs, layout_problems, load_plgpu, swizzled,
-                                       take_turns, walk_tiles)
+from jfp8kv.kernels import fp8_products
+from jfp8kv.kernels.fp8_products import P_MAX
+from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps, grouped_queries, interpret_kwargs,
+                                       layout_problems, load_plgpu, take_turns)
+from jfp8kv.kernels.mosaic_prefill_walk import (CWGS, Program, block_ends,
+                                                fp8_products_warpgroup, gathered_scales,
+                                                memory_warpgroup, scratch, tiles,
+                                                upcasting_warpgroup)
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
 BLOCK_KS = (64, 128)  # keys per tile (``MosaicPrefillTuning.block_k``)
-CWGS = 2  # compute warpgroups: a program's query block is CWGS * ROWS queries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +68,6 @@ class MosaicPrefillTuning:
     stages: int = 3
     pingpong: bool = True
     block_k: int = 64
-    probe: str = ""  # bench diagnostics, wrong results: "scale_copies" | "scale_math" skipped
     # Mosaic's automatic warpgroup barrier before every TMA copy and around every shared-
     # memory store (12 a tile in the fp8 memory warpgroup, 24 with token scales). Off: the
     # kernel's own barriers order every access (a slot is rewritten only after "consumed";
@@ -71,16 +75,12 @@ class MosaicPrefillTuning:
     # it; f16 tiles reach the wgmma through commit_smem, whose warpgroup barrier precedes
     # "ready"; each thread stores exactly the elements it loaded where it does both).
     auto_barriers: bool = False
-    # The online softmax as jax's FA3 kernel writes it: the running max kept in log2 units so
-    # that each logit costs one FFMA (max over raw logits, then s * c - m), token K scales
-    # pre-multiplied by c (one multiply a logit, not two). ``early_rescale``: the accumulator
-    # rescaled, and P cast, before the ping-pong turn (pinned there by an optimization
-    # barrier), so the warpgroup's tensor-core turn starts with its wgmma; None: by the
-    # pages, as measured on the H200 (docs/kernels-notes.md): on for 16-bit pages (-5% at
-    # 8k x 8k, -17% at 2k after 4k) and token scales (-2%, -8%), off for fp8 with static
-    # scales (+2%, +15% with it). Both off: the first version (logits scaled, then the max,
-    # then s - m; the rescale after the turn).
-    fma_softmax: bool = True
+    # The online softmax runs as jax's FA3 kernel writes it (the running max in log2 units,
+    # one FFMA a logit). ``early_rescale``: the accumulator rescaled, and P cast, before the
+    # ping-pong turn (pinned there by an optimization barrier), so the warpgroup's tensor-core
+    # turn starts with its wgmma; None: by the pages, as measured on the H200
+    # (docs/kernels-notes.md): on for 16-bit pages (-5% at 8k x 8k, -17% at 2k after 4k) and
+    # token scales (-2%, -8%), off for fp8 with static scales (+2%, +15% with it).
     early_rescale: bool | None = None
     # fp8 pages: warpgroups that upcast each tile. 1: one memory warpgroup copies and
     # upcasts K and V (96 registers a thread). 2: the first copies the tile and upcasts K (and
@@ -92,6 +92,10 @@ class MosaicPrefillTuning:
     # KV head), so that a tile's K and V scales are two 4 * block_k-byte copies, not two
     # 4 * page_size-byte copies a page (8 a tile at 16-token pages). Not yet timed on a GPU.
     gather_scales: bool = False
+    # "dequant": fp8 tiles upcast to f16 for 16-bit products. "fp8": q quantized to e4m3 per
+    # row and q.K^T an e4m3 wgmma on K as it landed (``fp8_products``' contract; e4m3 pages,
+    # token/tensor/channel scales, the default softmax, one memory warpgroup, no gathering).
+    compute: str = "dequant"
 
     def rescales_early(self, cfg: CacheConfig) -> bool:
         if self.early_rescale is not None:
@@ -114,6 +118,25 @@ def check_supported(cfg: CacheConfig, num_heads: int, block_k: int = 64) -> None
                          + "; use the Triton kernel (pallas_prefill)")
 
 
+COMPUTES = ("dequant", "fp8")  # ``MosaicPrefillTuning.compute``
+
+
+def check_tuning(cfg: CacheConfig, tuning: MosaicPrefillTuning) -> None:
+    """ValueError naming what works for a tuning this kernel cannot run on ``cfg``."""
+    if tuning.block_k not in BLOCK_KS:
+        raise ValueError(f"block_k must be one of {BLOCK_KS}, got {tuning.block_k}")
+    if cfg.is_fp8 and tuning.stages > 3:  # 3 x (fp8 tile + its f16 copy): 176 KB
+        raise ValueError(f"fp8 pages take at most 3 stages (shared memory), got {tuning.stages}")
+    if tuning.upcast_wgs not in (1, 2):
+        raise ValueError(f"upcast_wgs must be 1 or 2, got {tuning.upcast_wgs}")
+    if tuning.compute not in COMPUTES:
+        raise ValueError(f"compute must be one of {COMPUTES}, got {tuning.compute!r}")
+    if tuning.compute == "fp8":
+        fp8_products.check_config(cfg)
+        if (tuning.upcast_wgs, tuning.gather_scales) != (1, False):
+            raise ValueError("compute='fp8' runs with upcast_wgs=1 and gather_scales=False")
+
+
 class _Dims(NamedTuple):
     """The kernel's static parameters."""
 
@@ -129,38 +152,10 @@ class _Dims(NamedTuple):
     pingpong: bool
     block_k: int
     num_blocks: int  # query blocks (programs per batch row and head)
-    probe: str = ""
-    fma_softmax: bool = True
     early_rescale: bool = True
     upcast_wgs: int = 1  # fp8 pages: 1 or 2 (``MosaicPrefillTuning.upcast_wgs``); else 1
     gather_scales: bool = False  # token scales gathered per batch row (else False)
-
-    @property
-    def scale_copies(self) -> bool:
-        """Token scales copied (with K and V) and, for fp8, into the compute ring."""
-        return self.token_scales and self.probe != "scale_copies"
-
-    @property
-    def scale_math(self) -> bool:
-        """The compute warpgroups apply token scales (logits and probabilities)."""
-        return self.token_scales and self.probe != "scale_math"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """What every warpgroup of one (batch row, query head, query block) program knows."""
-
-    b: jax.Array
-    h: jax.Array  # query head
-    hkv: jax.Array
-    qb: jax.Array
-    wg: jax.Array
-    seq_len: jax.Array
-    kv_end: jax.Array  # keys the program needs: min(seq_len, its largest position + 1)
-
-
-def _tiles(end, block_k: int):
-    return (end + block_k - 1) // block_k
+    f8: bool = False  # fp8 products (``MosaicPrefillTuning.compute == "fp8"``)
 
 
 def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims, plgpu, lay):
@@ -169,6 +164,8 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     # [Hkv, P*S, D]; then token scales [Hkv, P*S] x 2 (``gather_scales``: [Hkv, B, keys]),
     # or static V scales [Hkv, D]
     refs = list(refs)
+    qs_ref = refs.pop(0) if dims.f8 else None  # q8's row scales [B, H, Tp]
+    pc_ref = refs.pop(0) if dims.f8 and dims.token_scales else None  # P's scales [B, Hkv]
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if dims.token_scales else (None, None)
     vsc_ref = refs.pop(0) if dims.static_v else None
     o_ref, smem, barriers = refs
@@ -176,7 +173,7 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     # the last query blocks (the longest causal key ranges) launch first: a shorter tail
     qb = dims.num_blocks - 1 - lax.axis_index("qb")
     kv_end = jnp.maximum(end_ref[b, qb * CWGS, 0], end_ref[b, qb * CWGS + 1, 0])
-    prog = _Program(b, h, h // dims.group, qb, lax.axis_index("wg"), len_ref[b], kv_end)
+    prog = Program(b, h, h // dims.group, qb, lax.axis_index("wg"), len_ref[b], kv_end)
 
     # Registers a thread: 168 at launch (3 warpgroups); what the compute warpgroups add must
     # not exceed what the memory warpgroup gives back, or setmaxnreg waits forever (it did,
@@ -186,12 +183,14 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
         (96, 200) if dims.upcast_wgs == 1 else (56, 200))
 
     def walk(part: str):
-        args = (prog, _tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
+        args = (prog, tiles(kv_end, dims.block_k), pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
                 barriers)
-        if dims.fp8:
-            _upcasting_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay, part=part)
+        if dims.f8:
+            fp8_products_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay)
+        elif dims.fp8:
+            upcasting_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay, part=part)
         else:
-            _memory_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay)
+            memory_warpgroup(*args, dims=dims, plgpu=plgpu, lay=lay)
 
     @pl.when(prog.wg == CWGS)
     def _():
@@ -207,154 +206,45 @@ def _kernel(len_ref, pt_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, *refs, dims,
     @pl.when(prog.wg < CWGS)
     def _():
         plgpu.set_max_registers(compute_regs, action="increase")
-        _compute_warpgroup(prog, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem, barriers,
-                           dims=dims, plgpu=plgpu, lay=lay)
+        _compute_warpgroup(prog, end_ref, pos_ref, (q_ref, qs_ref, pc_ref), vsc_ref, o_ref, smem,
+                           barriers, dims=dims, plgpu=plgpu, lay=lay)
 
 
-def _memory_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-                      barriers, *, dims, plgpu, lay):
-    """16-bit pages: copies each of the program's tiles' pages into its slot once both
-    compute warpgroups have released the slot's previous tile. The last tile's copies land on
-    a barrier of their own, V's rows past the program's keys (``kv_end``: unwritten slots,
-    or page 0 where a page lies past it) are zeroed, then the slot is made ready with as many
-    arrivals as the copies would have made."""
-    stages, bk = dims.stages, dims.block_k
-    ready, consumed = barriers["ready"], barriers["consumed"]
-    last = n_tiles - 1
-    copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
-                             ks_ref=ks_ref, vs_ref=vs_ref, smem=smem, dims=dims, plgpu=plgpu)
-
-    def copy_tile(t, slot):
-        @pl.when(t < last)
-        def _():
-            copy(t, slot, barrier=ready.at[slot])
-
-        @pl.when(t == last)
-        def _():
-            copies = copy(t, slot, barrier=barriers["last"])
-            plgpu.barrier_wait(barriers["last"])
-            lay.zero_rows_from(smem["v"].at[slot], prog.kv_end - t * bk)
-            plgpu.commit_smem()  # visible to the wgmma (async proxy) before the arrivals
-            for _ in range(copies):
-                plgpu.barrier_arrive(ready.at[slot])
-
-    walk_tiles(plgpu, n_tiles, stages, consumed, copy_tile)
-
-
-def _upcasting_warpgroup(prog: _Program, n_tiles, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-                         barriers, *, dims, plgpu, lay, part: str = "kv"):
-    """fp8 pages: copies each tile's pages into an fp8 slot ``stages`` tiles ahead, upcasts
-    the landed tile once into the f16 slot both compute warpgroups read (V's rows past
-    ``kv_end`` zeroed in the last tile; token scales copied beside it), then refills the
-    fp8 slot once it has been read. The compute warpgroups see the same slots and barriers
-    as for 16-bit pages. ``part``: "kv" (one upcasting warpgroup), or "k" (copies, upcasts
-    K) / "v" (upcasts V) for two; each arrives on the slot's "ready" and "read" barriers."""
-    stages, bk = dims.stages, dims.block_k
-    landed, ready, consumed = barriers["landed"], barriers["ready"], barriers["consumed"]
-    read = barriers["read"]
-    last = n_tiles - 1
-    issues_copies = part != "v"
-    fp8 = {name: smem[name + "8"] for name in ("k", "v", "ks", "vs") if name + "8" in smem}
-    copy = functools.partial(_copy_tile, prog, pt_ref=pt_ref, k_ref=k_ref, v_ref=v_ref,
-                             ks_ref=ks_ref, vs_ref=vs_ref, smem=fp8, dims=dims, plgpu=plgpu)
-
-    if issues_copies:
-        for t in range(stages):  # the first tiles' copies
-            pl.when(t < n_tiles)(lambda t=t: (copy(t, t, barrier=landed.at[t]), None)[1])
-
-    def upcast(t, slot, masked: bool):
-        if "k" in part:
-            smem["k"].at[slot][...] = lay.upcast(fp8["k"].at[slot], jnp.float16)
-        if "v" in part:
-            smem["v"].at[slot][...] = lay.upcast(fp8["v"].at[slot], jnp.float16,
-                                                 prog.kv_end - t * bk if masked else None)
-        if dims.scale_copies:
-            for name in ("ks", "vs"):
-                if name[0] in part:
-                    smem[name].at[slot][...] = lay.load_cols(fp8[name].at[slot])
-
-    @pl.loop(0, n_tiles)
-    def _tile(t):
-        slot = lax.rem(t, stages)
-        plgpu.barrier_wait(landed.at[slot])
-
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-        pl.when(t < last)(lambda: upcast(t, slot, masked=False))
-        pl.when(t == last)(lambda: upcast(t, slot, masked=True))
-        plgpu.commit_smem()  # the f16 tile visible to the wgmma (async proxy)
-        plgpu.barrier_arrive(ready.at[slot])
-        # every upcasting thread has read the fp8 slot: TMA may overwrite it
-        read_slot = read.at[slot] if dims.upcast_wgs == 2 else read  # one warpgroup: one
-        plgpu.barrier_arrive(read_slot)
-        if issues_copies:
-            plgpu.barrier_wait(read_slot)
-
-            @pl.when(t + stages < n_tiles)
-            def _():
-                copy(t + stages, slot, barrier=landed.at[slot])
-
-    drain_slots(plgpu, n_tiles, stages, consumed)
-
-
-def _copy_tile(prog: _Program, t, slot, *, pt_ref, k_ref, v_ref, ks_ref, vs_ref, smem,
-               barrier, dims, plgpu) -> int:
-    """Issues tile ``t``'s page copies (K, V, token scales) into ``slot``, each arriving on
-    ``barrier``; returns how many. Pages past ``prog.kv_end`` copy any real page (page 0)."""
-    page_size, bk = dims.page_size, dims.block_k
-    copy_rows = min(page_size, bk)
-    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS  # every copy reads a real page
-    copies = 0
-    for j in range(bk // copy_rows):
-        tok0 = t * bk + j * copy_rows
-        pidx = tok0 // page_size
-        page = jnp.where(tok0 < prog.kv_end, pt_ref[prog.b, pidx], 0)
-        row0 = page * page_size + (tok0 - pidx * page_size)
-        rows = pl.ds(pl.multiple_of(row0, copy_rows), copy_rows)
-        dst = pl.ds(j * copy_rows, copy_rows)
-        plgpu.copy_gmem_to_smem(k_ref.at[prog.hkv, rows], smem["k"].at[slot, dst], barrier)
-        plgpu.copy_gmem_to_smem(v_ref.at[prog.hkv, rows], smem["v"].at[slot, dst], barrier)
-        copies += 2
-        if dims.scale_copies and not dims.gather_scales:  # 4 bytes a token: plain bulk
-            for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):  # copies
-                plgpu.copy_gmem_to_smem(src.at[prog.hkv, rows], dst_s.at[slot, dst], barrier,
-                                        oob_mode=in_bounds)
-                copies += 1
-    if dims.scale_copies and dims.gather_scales:  # the tile's keys, gathered: [Hkv, B, keys]
-        keys = pl.ds(t * bk, bk)
-        for src, dst_s in ((ks_ref, smem["ks"]), (vs_ref, smem["vs"])):
-            plgpu.copy_gmem_to_smem(src.at[prog.hkv, prog.b, keys], dst_s.at[slot], barrier,
-                                    oob_mode=in_bounds)
-            copies += 1
-    return copies
-
-
-def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, smem,
+def _compute_warpgroup(prog: Program, end_ref, pos_ref, q_refs, vsc_ref, o_ref, smem,
                        barriers, *, dims, plgpu, lay):
-    """Loads its 64 query rows and their positions, runs the program's tiles it needs
-    (unmasked, then masked), releases the others unread, then writes its rows."""
+    """Loads its 64 query rows (fp8 products: q8 and its row scales) and their positions,
+    runs the program's tiles it needs (unmasked, then masked), releases the others unread,
+    then writes its rows."""
     d, wg = dims.d, prog.wg
-    qo_s, pos_s = smem["qo"].at[wg], smem["pos"].at[wg]
+    (q_ref, qs_ref, pc_ref), qo_s, pos_s = q_refs, smem["qo"].at[wg], smem["pos"].at[wg]
+    q_s = smem["q8"].at[wg] if dims.f8 else qo_s
     blk = prog.qb * CWGS + wg
     t0 = pl.multiple_of(blk * ROWS, ROWS)
     q_bar = barriers["q"].at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[prog.b, pl.ds(t0, ROWS), prog.h], qo_s, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[prog.b, pl.ds(t0, ROWS), prog.h], q_s, q_bar)
     plgpu.copy_gmem_to_smem(pos_ref.at[prog.b, pl.ds(t0, ROWS)], pos_s, q_bar)
+    if dims.f8:
+        plgpu.copy_gmem_to_smem(qs_ref.at[prog.b, prog.h, pl.ds(t0, ROWS)], smem["qs"].at[wg],
+                                q_bar)
     if vsc_ref is not None:
         plgpu.copy_gmem_to_smem(vsc_ref.at[prog.hkv], smem["vsc"].at[wg], q_bar)
     plgpu.barrier_wait(q_bar)
     pos = lay.load_rows(pos_s)
+    # fp8 products: each row's factor c (q8's scale, times sm_scale * log2(e) unless token
+    # scales carry it)
+    qc = None if not dims.f8 else lay.load_rows(smem["qs"].at[wg]) * (
+        1.0 if dims.token_scales else dims.qk_scale)
+    # and P's scale (``fp8_products.p_scales``)
+    p_c = None if not dims.f8 else pc_ref[prog.b, prog.hkv] if dims.token_scales else P_MAX
 
     bk = dims.block_k
-    n_mine = _tiles(end_ref[prog.b, blk, 0], bk)
+    n_mine = tiles(end_ref[prog.b, blk, 0], bk)
     # the last tile is always masked: its keys may run past the sequence
     n_full = jnp.minimum(end_ref[prog.b, blk, 1] // bk, jnp.maximum(n_mine - 1, 0))
     other = prog.qb * CWGS + (1 - wg)
-    n_prog = jnp.maximum(n_mine, _tiles(end_ref[prog.b, other, 0], bk))
-    step = functools.partial(_tile_step, prog, qo_s, pos, smem, barriers, dims=dims,
-                             plgpu=plgpu, lay=lay)
+    n_prog = jnp.maximum(n_mine, tiles(end_ref[prog.b, other, 0], bk))
+    step = functools.partial(_tile_step, prog, q_s, pos, smem, barriers, dims=dims,
+                             plgpu=plgpu, lay=lay, qc=qc, p_c=p_c)
     carry = (lay.cast(jnp.zeros((ROWS, d), jnp.float32), lay.wgmma),
              lay.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), lay.row),
              lay.cast(jnp.zeros((ROWS,), jnp.float32), lay.row))
@@ -375,34 +265,34 @@ def _compute_warpgroup(prog: _Program, end_ref, pos_ref, q_ref, vsc_ref, o_ref, 
     acc, _, l_i = carry
     if vsc_ref is not None:
         acc = acc * lax.broadcast_in_dim(lay.load_cols(smem["vsc"].at[wg]), acc.shape, [1])
-    l_safe = jnp.where(l_i > 0, l_i, 1.0)
+    l_safe = jnp.where(l_i > 0, l_i, 1.0) * (1.0 if p_c is None else p_c)
     qo_s[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(qo_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_s, o_ref.at[prog.b, pl.ds(t0, ROWS), prog.h])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu, lay,
-               masked: bool):
-    """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l)."""
+def _tile_step(prog: Program, q_s, pos, smem, barriers, t, carry, *, dims, plgpu, lay,
+               masked: bool, qc=None, p_c=None):
+    """One tile: q.K^T, (mask), online softmax, P.V. carry = (acc [ROWS, D], m, l). fp8
+    products: ``qc`` the rows' logit factors, ``p_c`` P's scale (else None)."""
     acc, m_i, l_i = carry
     slot = lax.rem(t, dims.stages)
     tok0 = t * dims.block_k
     ready, consumed = barriers["ready"], barriers["consumed"]
     plgpu.barrier_wait(ready.at[slot])
-    k_op, v_op = smem["k"].at[slot], smem["v"].at[slot]
-    if dims.scale_math:
+    k_op, v_op = smem["k"].at[slot], smem["vt" if dims.f8 else "v"].at[slot]
+    if dims.token_scales:
         k_tok = lay.load_cols(smem["ks"].at[slot])
         v_tok = lay.load_cols(smem["vs"].at[slot])
     turn = functools.partial(take_turns, plgpu, barriers.get("sched"))  # no-op: no pingpong
     s = lay.qk(q_s, k_op, during=turn)
-    if dims.scale_math:  # per key: its scale (times sm_scale * log2(e) when fma_softmax)
-        k_c = k_tok * dims.qk_scale if dims.fma_softmax else k_tok
-        s = s * lax.broadcast_in_dim(k_c, s.shape, [1])
-    if dims.fma_softmax:  # logits in log2 units are s * c (c None: s itself)
-        c = None if dims.scale_math else dims.qk_scale
-    else:  # the first version: logits scaled, then the max, then s - m
-        s, c = s * dims.qk_scale, None
+    if dims.token_scales:  # per key: its scale times sm_scale * log2(e)
+        s = s * lax.broadcast_in_dim(k_tok * dims.qk_scale, s.shape, [1])
+    c = None if dims.token_scales else dims.qk_scale  # logits in log2 units: s * c
+    c_b = c  # c broadcast over the logits
+    if qc is not None:
+        c, c_b = qc, lax.broadcast_in_dim(qc, s.shape, [0])
     if masked:
         key = lay.iota((ROWS, dims.block_k), 1) + tok0
         visible = (key < prog.seq_len) & (key <= lax.broadcast_in_dim(pos, s.shape, [0]))
@@ -412,72 +302,33 @@ def _tile_step(prog: _Program, q_s, pos, smem, barriers, t, carry, *, dims, plgp
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_use)
     m_b = lax.broadcast_in_dim(m_use, s.shape, [0])
-    p = jnp.exp2(s - m_b if c is None else s * c - m_b)  # s * c - m: one FFMA a logit
+    p = jnp.exp2(s - m_b if c is None else s * c_b - m_b)  # s * c - m: one FFMA a logit
     l_new = l_i * alpha + p.sum(axis=1)
-    if dims.scale_math:
-        p = p * lax.broadcast_in_dim(v_tok, s.shape, [1])
+    if dims.token_scales:  # fp8 products: P's scale p_c rides on V's token scales
+        p = p * lax.broadcast_in_dim(v_tok if qc is None else v_tok * p_c, s.shape, [1])
         if masked:  # past the sequence the scales are unwritten (NaN in the tests)
             p = jnp.where(visible, p, 0.0)
+    elif qc is not None:
+        p = p * p_c
+    if qc is not None:  # P quantized into shared memory, where the 8-bit wgmma reads it
+        p_op = smem["p8"].at[prog.wg]
+        p_op[...] = p.astype(p_op.dtype)
+        plgpu.commit_smem()
+        pv = lay.pv8_into
+    else:
+        p_op, pv = p.astype(dims.cdt), lay.pv_into
     if dims.early_rescale:
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dims.cdt)
-        acc, p16, m_new, l_new = lax.optimization_barrier((acc, p16, m_new, l_new))
+        kept = (acc, m_new, l_new) + ((p_op,) if qc is None else ())  # (p_op: a ref for fp8)
+        acc, m_new, l_new, *p_kept = lax.optimization_barrier(kept)
+        p_op = p_kept[0] if p_kept else p_op
         turn()  # softmax done: P.V when the other warpgroup's products are issued
-        acc = lay.pv_into(acc, p16, v_op)
+        acc = pv(acc, p_op, v_op)
     else:
         turn()
-        acc = lay.pv_into(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]),
-                          p.astype(dims.cdt), v_op)
+        acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_op, v_op)
     plgpu.barrier_arrive(consumed.at[slot])  # P.V has read the slot (the wgmma is waited for)
     return acc, m_new, l_new
-
-
-def _scratch(plgpu, cfg: CacheConfig, kv: KVLayout, dims: _Dims):
-    """The compute warpgroups' slots ("k", "v", token scales "ks"/"vs") hold 16-bit tiles;
-    fp8 pages land in a ring of their own ("k8", ...) that the memory warpgroup upcasts."""
-    d, pages, st, bk = cfg.head_dim, jnp.dtype(cfg.storage_dtype), dims.stages, dims.block_k
-    ring = {"k": swizzled(plgpu, (st, bk, d), kv.cdt), "v": swizzled(plgpu, (st, bk, d), kv.cdt)}
-    if dims.token_scales:
-        ring.update(ks=plgpu.SMEM((st, bk), jnp.float32), vs=plgpu.SMEM((st, bk), jnp.float32))
-    smem = {"qo": swizzled(plgpu, (CWGS, ROWS, d), kv.cdt),  # q in, the output out
-            "pos": plgpu.SMEM((CWGS, ROWS), jnp.int32), **ring}
-    if dims.static_v:
-        smem["vsc"] = plgpu.SMEM((CWGS, d), jnp.float32)
-    if cfg.is_fp8:
-        smem.update({name + "8": ref for name, ref in ring.items()},
-                    k8=swizzled(plgpu, (st, bk, d), pages), v8=swizzled(plgpu, (st, bk, d), pages))
-    pages = max(1, bk // cfg.page_size)
-    copies = 2 * pages + (0 if not dims.scale_copies else 2 if dims.gather_scales else 2 * pages)
-    barriers = {"ready": plgpu.Barrier(num_arrivals=dims.upcast_wgs if dims.fp8 else copies,
-                                       num_barriers=st),
-                "consumed": plgpu.Barrier(num_arrivals=CWGS, num_barriers=st),
-                "q": plgpu.Barrier(num_arrivals=3 if dims.static_v else 2, num_barriers=CWGS)}
-    if dims.fp8:  # copies landed in the fp8 ring; the upcast has read an fp8 slot
-        barriers["landed"] = plgpu.Barrier(num_arrivals=copies, num_barriers=st)
-        barriers["read"] = (plgpu.Barrier(num_arrivals=2, num_barriers=st)
-                            if dims.upcast_wgs == 2 else plgpu.Barrier())
-    else:  # the last tile's copies (its V is zeroed past the sequence first)
-        barriers["last"] = plgpu.Barrier(num_arrivals=copies)
-    if dims.pingpong:
-        barriers["sched"] = plgpu.Barrier(num_arrivals=CWGS)
-    return smem, barriers
-
-
-def _gathered_scales(scales, page_tables, page_size: int):
-    """Token scales [Hkv, P*S] -> f32 [Hkv, B, width * S]: each batch row's keys in order
-    through its (tile-padded) page table; entries past a sequence read whatever page the
-    table holds there (their keys are masked)."""
-    tok = jnp.arange(page_tables.shape[1] * page_size, dtype=jnp.int32)
-    rows = page_tables[:, tok // page_size] * page_size + tok % page_size
-    return jnp.take(scales.astype(jnp.float32), rows, axis=1, mode="clip")
-
-
-def _block_ends(q_positions, seq_lens, tp: int):
-    """int32 [B, tp / ROWS, 2]: per 64-row block, the keys it needs (min(seq_len, max
-    position + 1)) and the keys every row sees (min(seq_len, min position + 1))."""
-    pos = q_positions.reshape(q_positions.shape[0], tp // ROWS, ROWS)
-    n = seq_lens[:, None]
-    return jnp.stack([jnp.minimum(n, pos.max(-1) + 1), jnp.clip(pos.min(-1) + 1, 0, n)], -1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sm_scale", "interpret", "tuning"))
@@ -490,13 +341,8 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     plgpu = load_plgpu()
     tuning = tuning or MosaicPrefillTuning()
     b, t, nh, d = q.shape
-    bk = tuning.block_k
-    if bk not in BLOCK_KS:
-        raise ValueError(f"block_k must be one of {BLOCK_KS}, got {bk}")
-    if cfg.is_fp8 and tuning.stages > 3:  # 3 x (fp8 tile + its f16 copy): 176 KB
-        raise ValueError(f"fp8 pages take at most 3 stages (shared memory), got {tuning.stages}")
-    if tuning.upcast_wgs not in (1, 2):
-        raise ValueError(f"upcast_wgs must be 1 or 2, got {tuning.upcast_wgs}")
+    bk, f8 = tuning.block_k, tuning.compute == "fp8"
+    check_tuning(cfg, tuning)
     check_supported(cfg, nh, bk)
     hkv, s = cfg.num_kv_heads, cfg.page_size
     kv = KVLayout.of(cfg)
@@ -504,7 +350,13 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     tp = -(-t // (CWGS * ROWS)) * CWGS * ROWS  # whole programs; padded rows dropped
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
     k_pages, v_pages, k_sc, v_sc = kv.operands(layer, hkv)
-    qk = grouped_queries(q, kv, k_sc, hkv).reshape(b, t, nh, d).astype(kv.cdt)
+    if f8:  # q8 [B, Tp, H, D], its row scales [B, H, Tp]
+        qk, q_scale = fp8_products.quantize_queries(q, kv, k_sc, hkv)
+        q_scale = jnp.pad(q_scale, ((0, 0), (0, tp - t), (0, 0)), constant_values=1.0)
+        q_ops = [jnp.swapaxes(q_scale, 1, 2)] + ([fp8_products.p_scales(
+            v_sc, page_tables, seq_lens, s)] if token_scales else [])
+    else:
+        qk, q_ops = grouped_queries(q, kv, k_sc, hkv).reshape(b, t, nh, d).astype(kv.cdt), []
     qk = jnp.pad(qk, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
     # page-table entries a tile reads; the table padded to whole tiles, and to at least
     # ``stages`` of them: the first tiles' copies are traced with static indices even where
@@ -516,9 +368,10 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
     pt = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, width - mp)))
     dims = _Dims(s, st, cfg.is_fp8, token_scales, static_v, float(sm_scale) * LOG2E, d,
                  nh // hkv, kv.cdt.name, tuning.pingpong, bk, tp // (CWGS * ROWS),
-                 tuning.probe, tuning.fma_softmax, tuning.rescales_early(cfg),
-                 tuning.upcast_wgs if cfg.is_fp8 else 1, tuning.gather_scales and token_scales)
-    smem, barriers = _scratch(plgpu, cfg, kv, dims)
+                 tuning.rescales_early(cfg),
+                 tuning.upcast_wgs if cfg.is_fp8 else 1, tuning.gather_scales and token_scales,
+                 f8)
+    smem, barriers = scratch(plgpu, cfg, kv, dims)
     kernel = plgpu.kernel(
         functools.partial(_kernel, dims=dims, plgpu=plgpu, lay=MosaicOps(plgpu, interpret)),
         out_type=jax.ShapeDtypeStruct((b, tp, nh, d), kv.cdt),
@@ -530,9 +383,10 @@ def prefill_attention(q, layer: LayerKV, page_tables, seq_lens, q_positions, cfg
             unsafe_no_auto_barriers=not tuning.auto_barriers),
         kernel_name="jfp8kv_mosaic_prefill", **interpret_kwargs(interpret))
     seq_lens = seq_lens.astype(jnp.int32)
-    operands = [seq_lens, pt, _block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages]
+    operands = [seq_lens, pt, block_ends(pos, seq_lens, tp), pos, qk, k_pages, v_pages,
+                *q_ops]
     if token_scales and dims.gather_scales:
-        operands += [_gathered_scales(sc, pt, s) for sc in (k_sc, v_sc)]
+        operands += [gathered_scales(sc, pt, s) for sc in (k_sc, v_sc)]
     elif token_scales:
         operands += [k_sc.astype(jnp.float32), v_sc.astype(jnp.float32)]
     if static_v:

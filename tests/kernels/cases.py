@@ -50,10 +50,11 @@ NVVM_OPS = ("nvvm.wgmma.fence", "nvvm.mbarrier.try_wait.parity", "nvvm.cp.async.
 def assert_lowers_for_hopper(fn, *args, **kwargs):
     """Lower ``fn(*args, **kwargs)`` (a jitted Pallas Mosaic GPU wrapper) for CUDA on this
     machine, GPU or not (Pallas's lowering, Mosaic's layout inference and its dialect down to
-    NVVM run in Python), and check the NVVM operations are there."""
+    NVVM run in Python), and check the NVVM operations are there; returns the lowered text."""
     text = fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
     for op in NVVM_OPS:
         assert op in text, op
+    return text
 
 
 def sweep(cases, ids, cpu_subset):
