@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfp8kv.serve import protocol as P
 from jfp8kv.serve.async_engine import AsyncEngine
+from jfp8kv.serve.limits import Guard, ServerLimits
 from jfp8kv.serve.openai_serving import ApiError, OpenAIServing
 
 RETRY_AFTER_S = "1"
@@ -76,12 +77,14 @@ def _health(async_engine: AsyncEngine):
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: Any,
               chat_prompt: Callable[[list[dict]], str], max_model_len: int,
-              vocab_size: int | None = None) -> FastAPI:
+              vocab_size: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """``chat_prompt`` renders messages with the chat template; ``vocab_size`` bounds the
-    token ids accepted in a prompt."""
+    token ids accepted in a prompt; ``limits``: API key, body size, deadline, pool bound
+    (``jfp8kv.serve.limits``; default: no key, 4 MiB bodies, no deadline)."""
+    limits = limits or ServerLimits()
     serving = OpenAIServing(async_engine, model=served_model_name,
                             tokenizer=tokenizer, chat_prompt=chat_prompt,
-                            max_model_len=max_model_len, vocab_size=vocab_size)
+                            max_model_len=max_model_len, vocab_size=vocab_size, limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,6 +93,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
         async_engine.shutdown()
 
     app = FastAPI(title="jfp8kv", lifespan=lifespan)
+    app.add_middleware(Guard, limits=limits)  # outermost: refusals cost no parsing
     _add_error_handlers(app)
 
     @app.post("/v1/completions")
