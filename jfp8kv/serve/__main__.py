@@ -74,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads so a busy port fails at once
-    (uvicorn serves on it; no window for another process to take the port)."""
+    """The listening socket, bound before the warm-up so a busy port fails in seconds, not
+    after compiling (uvicorn serves on it: no window for another process to take it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -155,8 +155,8 @@ def main(argv=None) -> None:
                               request_timeout_s=args.request_timeout)
     except ValueError as e:
         fail(PROG, str(e))
-    sock = bind_socket(args.host, args.port)
     llm = load_llm(args, PROG)  # logs the one KV-cache summary line
+    sock = bind_socket(args.host, args.port)  # before the warm-up's minutes of compiling
     limits = dataclasses.replace(limits, pool_tokens=llm.cache_config.max_tokens)
     check_chat_template(llm.chat_prompt)
     stop_compiling, compiler = threading.Event(), None
