@@ -88,7 +88,8 @@ class Soak:
 
     # -- requests -----------------------------------------------------------------------
     def _prompt(self) -> str:
-        words = " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, self.args.max_prompt_words)))
+        k = self.rng.randint(1, self.args.max_prompt_words)
+        words = " ".join(self.rng.choices(WORDS, k=k))
         return f"{self.rng.choice(PREFIXES)} {words}" if self.rng.random() < 0.3 else words
 
     def _body(self) -> tuple[str, dict]:
@@ -189,7 +190,8 @@ class Soak:
         for p in PROBES:
             r = await client.post("/v1/completions", headers=self.headers, json={
                 "prompt": p, "max_tokens": 12, "temperature": 0})
-            out.append(r.json()["choices"][0]["text"] if r.status_code == 200 else f"<{r.status_code}>")
+            ok = r.status_code == 200
+            out.append(r.json()["choices"][0]["text"] if ok else f"<{r.status_code}>")
         return out
 
     async def unloaded(self, client) -> list[float]:

@@ -4,7 +4,8 @@ Thin routes over ``OpenAIServing`` (validation, fan-out, formatting). Every erro
 can cause is a 4xx whose body is OpenAI's error object; FastAPI's 422 for validation errors is
 turned into a 400 of that shape. A request whose client goes away is aborted (its KV pages
 freed): streaming responses through the generator's ``finally``, non-streaming ones through a
-task that listens for ``http.disconnect``.
+task that listens for ``http.disconnect``. ``limits.Guard`` wraps the app: API key (401) and
+body size (413) are checked before any route runs.
 """
 
 from __future__ import annotations

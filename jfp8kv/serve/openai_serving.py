@@ -6,7 +6,8 @@ A request with ``n`` choices (or ``best_of`` candidates) becomes that many engin
 merged into one response, choices indexed 0..n-1, usage summed over them (the prompt counted
 once: its ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` are those of engine
 request 0, the first admitted; the others may find more of the prompt cached). Every engine request is aborted if the client goes away or the handler fails: each
-``RequestStream`` is closed in a ``finally``.
+``RequestStream`` is closed in a ``finally``; the same happens past ``--request-timeout``
+(``ServerLimits.request_timeout_s``): a 408, or an error event ending the stream.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ class OpenAIServing:
             for s in streams:
                 s.close()
 
-        return StreamingResponse(self._events(streams, rid, job, deadline), media_type="text/event-stream",
+        return StreamingResponse(self._events(streams, rid, job, deadline),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(close_all))
 
