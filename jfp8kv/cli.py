@@ -109,10 +109,10 @@ def fail(prog: str, message: str) -> NoReturn:
 
 @contextlib.contextmanager
 def user_errors(prog: str) -> Iterator[None]:
-    """Turn a missing file (model, scales JSON) or a rejected option into ``fail``; the
-    traceback is logged at DEBUG level for whoever needs it."""
+    """Turn a missing or unreadable file (model, scales JSON) or a rejected option into
+    ``fail``; the traceback is logged at DEBUG level for whoever needs it."""
     try:
         yield
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # OSError: missing or unreadable files
         log.debug("start-up failed", exc_info=True)
         fail(prog, str(e))

@@ -157,15 +157,17 @@ def device_defaults(engine: EngineConfig, device) -> EngineConfig:
             GPU_BATCHED_TOKENS if on_gpu else CPU_BATCHED_TOKENS))
 
 
-def default_cache_memory(device, bpt: int, max_model_len: int, max_num_seqs: int) -> int:
-    """GPU: a fraction of free device memory. CPU: room for a quarter of max_num_seqs (at
-    least 8) full-length sequences, capped at CPU_DEFAULT_CACHE_MEMORY."""
-    if device.platform == "gpu":
-        stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        if free > 0:
-            return int(free * GPU_CACHE_FRACTION)
-    return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, max_num_seqs // 4)))
+def cache_memory(device, requested: int | None, bpt: int, max_model_len: int, seqs: int) -> int:
+    """Pool bytes: ``requested`` if free on the GPU after the weights (else ValueError, not a
+    later XLA OOM); default: a fraction of free GPU memory, on CPU max(8, seqs // 4) rows."""
+    stats = (device.memory_stats() or {}) if device.platform == "gpu" else {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    if requested is not None and "bytes_limit" in stats and requested > free:
+        raise ValueError(f"kv_cache_memory={requested} bytes is more than the {max(free, 0)} bytes "
+                         f"free on {device}; lower --kv-cache-memory or leave it unset")
+    if requested is not None or free > 0:
+        return requested or int(free * GPU_CACHE_FRACTION)
+    return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, seqs // 4)))
 
 
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,
@@ -193,8 +195,7 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
                      head_dim=model_cfg.head_dim)
     max_model_len = engine.max_model_len or model_cfg.max_position_embeddings
     bpt = bytes_per_token(*shape.values(), storage, mode, layout=layout)
-    memory = engine.kv_cache_memory or default_cache_memory(device, bpt, max_model_len,
-                                                            engine.max_num_seqs)
+    memory = cache_memory(device, engine.kv_cache_memory, bpt, max_model_len, engine.max_num_seqs)
     usable = plan_num_pages(memory, **shape, page_size=engine.page_size,
                             storage_dtype=storage, scale_mode=mode, layout=layout)
     if usable * engine.page_size < max_model_len:

@@ -1,5 +1,12 @@
 """``python -m jfp8kv.serve``: run the OpenAI-compatible server (flag names follow vLLM's).
 
+Network-facing limits (docs/serving.md): ``--api-key`` (or JFP8KV_API_KEY) guards every
+route but /health and /metrics; ``--max-queued-requests`` bounds the waiting requests (503
+with Retry-After past it); ``--max-request-body-bytes`` (413) and ``--request-timeout``
+(408, the request aborted and its pages freed). Start-up errors an operator causes (port in
+use, a missing or unreadable model, a pool larger than free GPU memory) end the process with
+one line on stderr and exit code 2.
+
 Shutdown: the first SIGTERM/SIGINT starts a drain: new requests get 503 (with Retry-After),
 requests in flight run to completion (at most ``--drain-timeout`` seconds), then uvicorn
 shuts down and the engine thread stops. A second signal exits at once.
@@ -9,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -18,9 +27,10 @@ import time
 import jax
 import uvicorn
 
-from jfp8kv.cli import add_engine_args, build_llm, setup_logging
+from jfp8kv.cli import add_engine_args, build_llm, fail, setup_logging
 from jfp8kv.serve.app import build_app
 from jfp8kv.serve.async_engine import AsyncEngine
+from jfp8kv.serve.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
 
 logger = logging.getLogger("jfp8kv.serve")
 PROG = "python -m jfp8kv.serve"
@@ -29,7 +39,7 @@ PROG = "python -m jfp8kv.serve"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    add_engine_args(p, defaults={"max_queue_len": None})
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: the engine's model name)")
     p.add_argument("--host", default="127.0.0.1")
@@ -43,7 +53,53 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "only the shapes a first short request uses compile before /health "
                         "and the others in the background (the persistent compilation cache "
                         "makes later starts fast)")
-    return p.parse_args(argv)
+    net = p.add_argument_group("network limits")
+    net.add_argument("--api-key", default=os.environ.get("JFP8KV_API_KEY"),
+                     help="clients must send 'Authorization: Bearer <key>' on every route "
+                          "but /health and /metrics (default: $JFP8KV_API_KEY; unset: none); "
+                          "prefer the variable, a flag shows in the process list")
+    net.add_argument("--max-queued-requests", dest="max_queue_len", type=int,
+                     help="same as --max-queue-len: requests waiting for the engine beyond "
+                          "this get 503 + Retry-After at once (default: --max-num-seqs, one "
+                          "decode batch waiting behind the running one)")
+    net.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413 (default: %(default)s)")
+    net.add_argument("--request-timeout", type=float, default=None,
+                     help="seconds from arrival after which a request is aborted, its KV "
+                          "pages freed, and answered 408 (default: no deadline)")
+    args = p.parse_args(argv)
+    if args.max_queue_len is None:
+        args.max_queue_len = args.max_num_seqs
+    return args
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the warm-up so a busy port fails in seconds, not
+    after compiling (uvicorn serves on it: no window for another process to take it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        fail(PROG, f"cannot listen on {host}:{port}: {e.strerror or e} (is another server "
+                   "running there? pick another --port)")
+    sock.set_inheritable(True)
+    return sock
+
+
+def load_llm(args, prog: str):
+    """``build_llm``, with any other start-up failure (a corrupt checkpoint file, say) shown
+    as one line too; ``--log-level debug`` logs the traceback."""
+    try:
+        return build_llm(args, prog)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - one line for the operator, traceback at debug
+        logger.debug("start-up failed", exc_info=True)
+        fail(prog, f"cannot load the model {args.model or '(default)'}: "
+                   f"{type(e).__name__}: {e}".splitlines()[0])
 
 
 class DrainingServer(uvicorn.Server):
@@ -94,7 +150,14 @@ def check_chat_template(chat_prompt) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = build_llm(args, PROG)  # logs the one KV-cache summary line
+    try:
+        limits = ServerLimits(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                              request_timeout_s=args.request_timeout)
+    except ValueError as e:
+        fail(PROG, str(e))
+    llm = load_llm(args, PROG)  # logs the one KV-cache summary line
+    sock = bind_socket(args.host, args.port)  # before the warm-up's minutes of compiling
+    limits = dataclasses.replace(limits, pool_tokens=llm.cache_config.max_tokens)
     check_chat_template(llm.chat_prompt)
     stop_compiling, compiler = threading.Event(), None
     if args.warmup in ("on", "auto"):
@@ -108,11 +171,11 @@ def main(argv=None) -> None:
     app = build_app(async_engine, served_model_name=args.served_model_name or engine.model_name,
                     tokenizer=llm.tokenizer, chat_prompt=llm.chat_prompt,
                     max_model_len=engine.max_model_len,
-                    vocab_size=llm.config.vocab_size)
+                    vocab_size=llm.config.vocab_size, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=5)
     server = DrainingServer(config, async_engine, args.drain_timeout)
-    server.run()
+    server.run(sockets=[sock])
     stop_compiling.set()
     if compiler is not None and compiler.is_alive():
         compiler.join(timeout=2.0)

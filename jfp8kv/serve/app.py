@@ -4,7 +4,8 @@ Thin routes over ``OpenAIServing`` (validation, fan-out, formatting). Every erro
 can cause is a 4xx whose body is OpenAI's error object; FastAPI's 422 for validation errors is
 turned into a 400 of that shape. A request whose client goes away is aborted (its KV pages
 freed): streaming responses through the generator's ``finally``, non-streaming ones through a
-task that listens for ``http.disconnect``.
+task that listens for ``http.disconnect``. ``limits.Guard`` wraps the app: API key (401) and
+body size (413) are checked before any route runs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jfp8kv.serve import protocol as P
 from jfp8kv.serve.async_engine import AsyncEngine
+from jfp8kv.serve.limits import Guard, ServerLimits
 from jfp8kv.serve.openai_serving import ApiError, OpenAIServing
 
 RETRY_AFTER_S = "1"
@@ -76,12 +78,14 @@ def _health(async_engine: AsyncEngine):
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: Any,
               chat_prompt: Callable[[list[dict]], str], max_model_len: int,
-              vocab_size: int | None = None) -> FastAPI:
+              vocab_size: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """``chat_prompt`` renders messages with the chat template; ``vocab_size`` bounds the
-    token ids accepted in a prompt."""
+    token ids accepted in a prompt; ``limits``: API key, body size, deadline, pool bound
+    (``jfp8kv.serve.limits``; default: no key, 4 MiB bodies, no deadline)."""
+    limits = limits or ServerLimits()
     serving = OpenAIServing(async_engine, model=served_model_name,
                             tokenizer=tokenizer, chat_prompt=chat_prompt,
-                            max_model_len=max_model_len, vocab_size=vocab_size)
+                            max_model_len=max_model_len, vocab_size=vocab_size, limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,6 +94,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
         async_engine.shutdown()
 
     app = FastAPI(title="jfp8kv", lifespan=lifespan)
+    app.add_middleware(Guard, limits=limits)  # outermost: refusals cost no parsing
     _add_error_handlers(app)
 
     @app.post("/v1/completions")

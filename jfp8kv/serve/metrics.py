@@ -85,8 +85,16 @@ class ServerMetrics:
                              registry=r)
         self.e2e = Histogram("jfp8kv_e2e_request_latency_seconds",
                              "Arrival to last token", buckets=_E2E_BUCKETS, registry=r)
+        self.rejected = Counter(
+            "jfp8kv_requests_rejected", "Requests refused with 503 before reaching the engine "
+            "(server_overloaded: the waiting queue at --max-queued-requests)", ["reason"],
+            registry=r)
+        self.timeouts = Counter("jfp8kv_requests_timed_out",
+                                "Requests aborted at --request-timeout", registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(finish_reason=reason)  # export zeros from the start
+        for reason in ("server_overloaded", "shutting_down", "unhealthy"):
+            self.rejected.labels(reason=reason)
         self.engine_snapshot: dict = {}
         r.register(_EngineCollector(self))
 

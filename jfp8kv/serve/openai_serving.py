@@ -6,7 +6,8 @@ A request with ``n`` choices (or ``best_of`` candidates) becomes that many engin
 merged into one response, choices indexed 0..n-1, usage summed over them (the prompt counted
 once: its ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens`` are those of engine
 request 0, the first admitted; the others may find more of the prompt cached). Every engine request is aborted if the client goes away or the handler fails: each
-``RequestStream`` is closed in a ``finally``.
+``RequestStream`` is closed in a ``finally``; the same happens past ``--request-timeout``
+(``ServerLimits.request_timeout_s``): a 408, or an error event ending the stream.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.background import BackgroundTask
 from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.types import SamplingParams, TokenLogprob
 from jfp8kv.serve import protocol as P
+from jfp8kv.serve.limits import ServerLimits, work_problem
 from jfp8kv.serve.async_engine import (AsyncEngine, EngineUnavailable, RequestStream,
                                        ServerDraining, Update)
 from jfp8kv.serve.responses import ChatFormat, Choice, CompletionFormat, usage_chunk
@@ -85,6 +87,7 @@ class OpenAIServing:
     chat_prompt: Callable[[list[dict]], str]
     max_model_len: int
     vocab_size: int | None = None
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     _token_text: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
 
     def token_text(self, token_id: int) -> str:
@@ -130,7 +133,8 @@ class OpenAIServing:
         return requested
 
     def _job(self, req: P._SamplingFields, prefix: str, ids: list[int], max_tokens: int,
-             fmt_cls, **params) -> Job:
+             fmt_cls, explicit: bool, **params) -> Job:
+        """``explicit``: the client set max_tokens (only then is the pool bound checked)."""
         num_top = req.num_logprobs()
         best_of = req.best_of or req.n
         try:
@@ -139,6 +143,11 @@ class OpenAIServing:
                 sp = dataclasses.replace(sp, logprobs=0)
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value") from None
+        scored = len(ids) if sp.prompt_logprobs is not None else 0
+        bad = work_problem(best_of, len(ids), max_tokens, num_top, scored,
+                           self.limits.pool_tokens, explicit)
+        if bad is not None:
+            raise ApiError(400, bad[1], bad[0], "request_too_large")
         return Job(prefix, ids, sp, fmt_cls(self.model, self.token_text, num_top or 0),
                    n=req.n, best_of=best_of, stream=req.stream,
                    include_usage=req.include_usage, num_top=num_top)
@@ -160,7 +169,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids),
                                       "prompt", "max_tokens", allow_zero=req.echo)
         scored = req.echo and (req.logprobs is not None or max_tokens == 0)
-        job = self._job(req, "cmpl", ids, max_tokens, CompletionFormat,
+        job = self._job(req, "cmpl", ids, max_tokens, CompletionFormat, req.max_tokens is not None,
                         prompt_logprobs=(req.logprobs or 0) if scored else None)
         if req.echo:
             job.echo_text = text if text is not None else self.tokenizer.decode(ids)
@@ -183,17 +192,23 @@ class OpenAIServing:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(req.effective_max_tokens(), self.max_model_len, len(ids),
                                       "messages", param)
-        return self._job(req, "chatcmpl", ids, max_tokens, ChatFormat)
+        return self._job(req, "chatcmpl", ids, max_tokens, ChatFormat,
+                         req.effective_max_tokens() is not None)
 
     # -- running ------------------------------------------------------------------------
     async def run(self, job: Job, request: Request):
         rid = P.new_id(job.id_prefix)
+        timeout = self.limits.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         streams = await self._submit_all(rid, job)
         if job.stream:
-            return self._streaming(streams, rid, job)
-        finals = await _collect_all(streams, request)
+            return self._streaming(streams, rid, job, deadline)
+        finals = await _collect_all(streams, request, deadline)
         if finals is None:
             return Response(status_code=499)
+        if finals == "timeout":
+            self.engine.metrics.timeouts.inc()
+            raise self._timeout_error()
         for f in finals:
             if f.finish_reason == "error":
                 raise ApiError(500, f.error or "generation failed", None, "internal_error",
@@ -220,17 +235,22 @@ class OpenAIServing:
             raise
         return streams
 
+    def _timeout_error(self) -> ApiError:
+        return ApiError(408, f"the request ran past the server's --request-timeout of "
+                        f"{self.limits.request_timeout_s:g} s and was aborted", None,
+                        "request_timeout", "timeout_error")
+
     async def _submit(self, rid: str, prompt, params) -> RequestStream:
         try:
             return await self.engine.submit(rid, prompt, params)
         except ValueError as e:
             raise ApiError(400, str(e), "prompt", "invalid_value") from None
-        except ServerDraining as e:
-            raise ApiError(503, str(e), None, "shutting_down", "server_error") from None
-        except EngineOverloaded as e:  # the waiting queue is at its bound
-            raise ApiError(503, str(e), None, "server_overloaded", "server_error") from None
-        except EngineUnavailable as e:  # the engine thread is down or keeps failing
-            raise ApiError(503, str(e), None, "unhealthy", "server_error") from None
+        except (ServerDraining, EngineOverloaded, EngineUnavailable) as e:
+            # Draining, the waiting queue at --max-queued-requests, or the engine down
+            code = ("shutting_down" if isinstance(e, ServerDraining) else
+                    "server_overloaded" if isinstance(e, EngineOverloaded) else "unhealthy")
+            self.engine.metrics.rejected.labels(reason=code).inc()
+            raise ApiError(503, str(e), None, code, "server_error") from None
 
     @staticmethod
     def _choice(job: Job, index: int, final: Update) -> Choice:
@@ -240,16 +260,19 @@ class OpenAIServing:
             entries = prompt + list(final.logprobs or ())
         return Choice(index, (job.echo_text or "") + final.text, final.finish_reason, entries)
 
-    def _streaming(self, streams: list[RequestStream], rid: str, job: Job) -> StreamingResponse:
+    def _streaming(self, streams: list[RequestStream], rid: str, job: Job,
+                   deadline: float | None) -> StreamingResponse:
         def close_all():
             for s in streams:
                 s.close()
 
-        return StreamingResponse(self._events(streams, rid, job), media_type="text/event-stream",
+        return StreamingResponse(self._events(streams, rid, job, deadline),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"},
                                  background=BackgroundTask(close_all))
 
-    async def _events(self, streams: list[RequestStream], rid: str, job: Job):
+    async def _events(self, streams: list[RequestStream], rid: str, job: Job,
+                      deadline: float | None):
         created = int(time.time())
         states = [_ChoiceState() for _ in streams]
         last: list[Update | None] = [None] * len(streams)
@@ -259,7 +282,13 @@ class OpenAIServing:
                 for i in range(len(streams)):
                     yield _sse(job.fmt.chunk(rid, created, Choice(i, "", None),
                                              job.include_usage, first=True))
-            async for i, update in _merge(streams):
+            async for i, update in _merge(streams, deadline):
+                if update is None:  # past the deadline: the finally aborts every choice
+                    self.engine.metrics.timeouts.inc()
+                    e = self._timeout_error()
+                    yield _sse(P.error_body(e.message, e.type, None, e.code))
+                    failed = True
+                    break
                 last[i] = update
                 if update.finish_reason == "error":
                     yield _sse(P.error_body(update.error or "generation failed", "server_error",
@@ -317,12 +346,21 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
-async def _collect_all(streams: list[RequestStream], request: Request) -> list[Update] | None:
-    """Wait for every stream's final update; None (all aborted) if the client disconnects."""
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+async def _collect_all(streams: list[RequestStream], request: Request,
+                       deadline: float | None = None) -> list[Update] | str | None:
+    """Wait for every stream's final update; None if the client disconnects, "timeout" past
+    ``deadline`` (monotonic); either way every stream is aborted (its pages freed)."""
     finals = asyncio.ensure_future(asyncio.gather(*(s.final() for s in streams)))
     watch = asyncio.ensure_future(_until_disconnected(request))
+    disconnected = False
     try:
-        await asyncio.wait({finals, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({finals, watch}, timeout=_left(deadline),
+                           return_when=asyncio.FIRST_COMPLETED)
+        disconnected = watch.done()
     finally:
         watch.cancel()
         if not finals.done():
@@ -330,17 +368,21 @@ async def _collect_all(streams: list[RequestStream], request: Request) -> list[U
         for s in streams:
             s.close()
     if not finals.done() or finals.cancelled():
-        return None
+        return None if disconnected or deadline is None else "timeout"
     return finals.result()
 
 
-async def _merge(streams: list[RequestStream]):
+async def _merge(streams: list[RequestStream], deadline: float | None = None):
     """(index, update) pairs from several streams as they come; each stream's updates stay
-    coalesced (a slow consumer sees the newest)."""
+    coalesced (a slow consumer sees the newest). Past ``deadline``: one (None, None)."""
     pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
     try:
         while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(pending, timeout=_left(deadline),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                yield None, None
+                return
             for task in done:
                 i = pending.pop(task)
                 try:

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from jfp8kv.engine.types import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128  # choices per request (n, best_of)
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # characters per stop string: bounds the stream's hold-back scan
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +57,11 @@ class _SamplingFields(BaseModel):
             return "best_of", f"best_of ({self.best_of}) must be >= n ({self.n})"
         if self.best_of is not None and self.best_of > self.n and self.stream:
             return "best_of", "best_of > n cannot stream (the best choices are known at the end)"
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            return "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}"
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            return "stop", f"a stop string may have at most {MAX_STOP_CHARS} characters"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:

@@ -1,0 +1,399 @@
+"""Soak test of the server (issue 39): mixed traffic for a fixed duration, then end checks.
+
+    python -m bench.soak --model smollm2-135m-instruct --duration 300 --out bench/results/soak-cpu.json
+    python -m bench.soak --url http://127.0.0.1:8000 --server-pid PID --duration 60
+
+Without ``--url`` it starts ``python -m jfp8kv.serve`` on a free loopback port (extra server
+flags after ``--``) and stops it at the end. Traffic, from ``--clients`` closed-loop clients:
+chat and completions, half streamed, random prompt lengths (some sharing one of three long
+prefixes, for the prefix cache), ``n`` of 1-2, log-probs, stop strings, sampled and greedy;
+10% of streams are dropped by the client after their first chunk, 5% of requests are
+malformed (bad JSON, wrong types, unknown model, too many stop strings, a prompt past the
+context, a wrong API key when one is set). Every ``--burst-every`` seconds a burst of
+``--burst-size`` fixed-shape requests arrives at once (above the queue bound: most of it is
+refused with 503).
+
+Reported (JSON under bench/results/ and a summary on stdout): requests by outcome, HTTP
+statuses, p50/p99 latency of served requests, and the overload figure: p99 latency of the
+fixed-shape requests admitted during bursts over the p99 of the same shape sent one at a
+time to the idle server after the warm-up (``unloaded``); issue 39's target is <= 1.5. End checks, each true or
+false: no 5xx for a client mistake, no 5xx but 503 at all, every KV page back in the pool
+(and so every prefix-cache reference released: cached pages all evictable), greedy answers
+of a fixed probe set unchanged from the start, host RSS of the server flat after warm-up
+(growth from the end of ``--warmup`` below max(5%, 64 MiB)). Only loopback addresses are contacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from bench.common import RESULTS, ROOT, command_line, nvidia_smi_gpu, write_result
+
+WORDS = ("river stone light north garden quiet paper window cloud seven orange market winter "
+         "bridge music forest silver engine letter morning harbor yellow candle mountain").split()
+PREFIXES = [" ".join(random.Random(k).choices(WORDS, k=20)) for k in range(3)]
+PROBES = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def add(a, b):"]
+BURST_BODY = {"prompt": "Burst: tell me about the sea", "max_tokens": 16, "temperature": 0,
+              "ignore_eos": True}
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
+class Soak:
+    def __init__(self, args, url: str, pid: int | None):
+        self.args, self.url, self.pid = args, url, pid
+        self.rng = random.Random(args.seed)
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.records: list[dict] = []  # kind, status, latency_s, t
+        self.rss: list[tuple[float, int]] = []
+        self.burst_windows: list[tuple[float, float]] = []
+        self.t0 = 0.0
+
+    # -- requests -----------------------------------------------------------------------
+    def _prompt(self) -> str:
+        k = self.rng.randint(1, self.args.max_prompt_words)
+        words = " ".join(self.rng.choices(WORDS, k=k))
+        return f"{self.rng.choice(PREFIXES)} {words}" if self.rng.random() < 0.3 else words
+
+    def _body(self) -> tuple[str, dict]:
+        r = self.rng
+        chat = r.random() < 0.5
+        body: dict = {"max_tokens": r.randint(1, self.args.max_tokens),
+                      "temperature": r.choice([0, 0, 0.8]), "stream": r.random() < 0.5,
+                      "n": r.choice([1, 1, 1, 2])}
+        if r.random() < 0.2:
+            body["stop"] = r.sample(WORDS, r.randint(1, 3))
+        if r.random() < 0.3:
+            if chat:
+                body.update(logprobs=True, top_logprobs=r.randint(0, 5))
+            else:
+                body["logprobs"] = r.randint(0, 5)
+        if chat:
+            body["messages"] = [{"role": "user", "content": self._prompt()}]
+            return "/v1/chat/completions", body
+        body["prompt"] = self._prompt()
+        return "/v1/completions", body
+
+    def _malformed(self) -> tuple[str, bytes | dict, dict]:
+        """(path, body, extra headers) of a request the client gets wrong."""
+        r, h = self.rng, dict(self.headers)
+        choice = r.randrange(7 if self.args.api_key else 6)
+        if choice == 0:
+            return "/v1/completions", b'{"prompt": "x", "max_tokens": ', h
+        if choice == 1:
+            return "/v1/completions", {"prompt": "x", "max_tokens": "5"}, h
+        if choice == 2:
+            return "/v1/chat/completions", {"model": "no-such-model",
+                                            "messages": [{"role": "user", "content": "x"}]}, h
+        if choice == 3:
+            return "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(40)]}, h
+        if choice == 4:
+            return "/v1/completions", {"prompt": "word " * 50_000, "max_tokens": 4}, h
+        if choice == 5:
+            return "/v1/chat/completions", {"messages": []}, h
+        return "/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer wrong-key"}
+
+    def _record(self, kind: str, status: int | str, t_start: float, shape: str = "mixed"):
+        self.records.append({"kind": kind, "status": status, "shape": shape, "t": t_start,
+                             "latency_s": time.monotonic() - t_start})
+
+    async def _send(self, client: httpx.AsyncClient, path: str, body, kind: str,
+                    headers: dict | None = None, drop: bool = False, shape: str = "mixed"):
+        t = time.monotonic()
+        headers = self.headers if headers is None else headers
+        try:
+            if isinstance(body, bytes):
+                resp = await client.post(path, content=body, headers={
+                    **headers, "Content-Type": "application/json"})
+                return self._record(kind, resp.status_code, t, shape)
+            if not body.get("stream"):
+                resp = await client.post(path, json=body, headers=headers)
+                ok = resp.status_code != 200 or "choices" in resp.json()
+                return self._record(kind if ok else "bad_body", resp.status_code, t, shape)
+            async with client.stream("POST", path, json=body, headers=headers) as resp:
+                async for line in resp.aiter_lines():
+                    if drop and line.startswith("data: {"):
+                        return self._record("disconnect", resp.status_code, t, shape)
+                    if line.startswith("data: {") and '"error"' in line[:20]:
+                        return self._record("stream_error", resp.status_code, t, shape)
+                return self._record(kind, resp.status_code, t, shape)
+        except httpx.HTTPError as e:
+            return self._record(kind, type(e).__name__, t, shape)
+
+    async def _client_loop(self, client, end: float):
+        while time.monotonic() < end:
+            if self.rng.random() < 0.05:
+                path, body, headers = self._malformed()
+                await self._send(client, path, body, "malformed", headers)
+                continue
+            path, body = self._body()
+            drop = body["stream"] and self.rng.random() < 0.1
+            await self._send(client, path, body, "request", drop=drop)
+
+    async def _bursts(self, client, end: float):
+        while True:
+            await asyncio.sleep(self.args.burst_every)
+            if time.monotonic() + self.args.burst_every / 2 > end:
+                return
+            t = time.monotonic()
+            await asyncio.gather(*(self._send(client, "/v1/completions", BURST_BODY, "burst",
+                                              shape="fixed") for _ in range(self.args.burst_size)))
+            self.burst_windows.append((t, time.monotonic()))
+
+    async def _sample_rss(self, end: float):
+        while time.monotonic() < end:
+            rss = rss_bytes(self.pid)
+            if rss is not None:
+                self.rss.append((time.monotonic() - self.t0, rss))
+            await asyncio.sleep(1.0)
+
+    # -- phases -------------------------------------------------------------------------
+    async def probes(self, client) -> list[str]:
+        out = []
+        for p in PROBES:
+            r = await client.post("/v1/completions", headers=self.headers, json={
+                "prompt": p, "max_tokens": 12, "temperature": 0})
+            ok = r.status_code == 200
+            out.append(r.json()["choices"][0]["text"] if ok else f"<{r.status_code}>")
+        return out
+
+    async def unloaded(self, client) -> list[float]:
+        lat = []
+        for _ in range(self.args.unloaded_requests):
+            t = time.monotonic()
+            r = await client.post("/v1/completions", json=BURST_BODY, headers=self.headers)
+            if r.status_code == 200:
+                lat.append(time.monotonic() - t)
+        return lat
+
+    async def idle_state(self, client, limit_s: float = 120.0) -> dict:
+        end, m = time.monotonic() + limit_s, ""
+        while time.monotonic() < end:
+            m = (await client.get("/metrics")).text
+            busy = [_metric(m, k) for k in ("jfp8kv_kv_cache_pages_used",
+                                            "jfp8kv_num_requests_running", "jfp8kv_queue_length")]
+            if busy == [0, 0, 0]:
+                break
+            await asyncio.sleep(0.5)
+        keys = ("kv_cache_pages_used", "kv_cache_pages_total", "num_requests_running",
+                "queue_length", "prefix_cache_pages", "preemptions_total",
+                "prefix_cache_hit_rate", "requests_timed_out_total")
+        state = {k: _metric(m, "jfp8kv_" + k) for k in keys}
+        state["rejected_overloaded"] = _metric(
+            m.replace('{reason="server_overloaded"}', ""), "jfp8kv_requests_rejected_total")
+        return state
+
+    async def run(self) -> dict:
+        a = self.args
+        limits = httpx.Limits(max_connections=a.clients + a.burst_size + 8)
+        async with httpx.AsyncClient(base_url=self.url, timeout=a.request_timeout,
+                                     limits=limits, trust_env=False) as client:
+            probes_before = await self.probes(client)
+            if a.warmup > 0:  # the same traffic, unrecorded: compiles the shapes it uses
+                end = time.monotonic() + a.warmup
+                await asyncio.gather(self._bursts(client, end),
+                                     *(self._client_loop(client, end) for _ in range(a.clients)))
+                self.records, self.burst_windows = [], []
+            await self.idle_state(client)
+            unloaded = await self.unloaded(client)  # alone, on an idle server, shape compiled
+            self.t0 = time.monotonic()
+            end = self.t0 + a.duration
+            await asyncio.gather(self._sample_rss(end), self._bursts(client, end),
+                                 *(self._client_loop(client, end) for _ in range(a.clients)))
+            soak_s = time.monotonic() - self.t0
+            idle = await self.idle_state(client)
+            probes_after = await self.probes(client)
+        return self.report(probes_before, probes_after, unloaded, idle, soak_s)
+
+    # -- report -------------------------------------------------------------------------
+    def report(self, before, after, unloaded, idle, soak_s) -> dict:
+        recs = self.records
+        by_status: dict[str, int] = {}
+        for r in recs:
+            by_status[str(r["status"])] = by_status.get(str(r["status"]), 0) + 1
+        served = [r for r in recs if r["kind"] in ("request", "burst") and r["status"] == 200]
+        burst_ok = [r["latency_s"] for r in recs if r["shape"] == "fixed" and r["status"] == 200]
+        mistakes = [r for r in recs if r["kind"] == "malformed"]
+        five = [r for r in recs if isinstance(r["status"], int) and r["status"] >= 500]
+        lat = [r["latency_s"] for r in served]
+        u99, b99 = percentile(unloaded, 99), percentile(burst_ok, 99)
+        checks = {
+            "no_5xx_for_client_mistakes": all(isinstance(r["status"], int) and 400 <= r["status"]
+                                              < 500 for r in mistakes),
+            "no_5xx_but_503": all(r["status"] == 503 for r in five),
+            "no_transport_errors": all(isinstance(r["status"], int) for r in recs),
+            "pages_back_in_pool": idle["kv_cache_pages_used"] == 0
+            and idle["num_requests_running"] == 0 and idle["queue_length"] == 0,
+            "prefix_cache_refs_released": idle["kv_cache_pages_used"] == 0
+            and idle["prefix_cache_pages"] <= idle["kv_cache_pages_total"],
+            "greedy_probes_unchanged": before == after,
+            "rss_flat_after_warmup": self._rss_flat(),
+        }
+        kinds: dict[str, int] = {}
+        for r in recs:
+            kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+        rss = [s for _, s in self.rss]
+        return {
+            "duration_s": round(soak_s, 1), "requests_total": len(recs),
+            "requests_served": len(served), "by_kind": kinds, "by_status": by_status,
+            "latency_s": {"p50": percentile(lat, 50), "p99": percentile(lat, 99)},
+            "overload": {"burst_size": self.args.burst_size, "bursts": len(self.burst_windows),
+                         "burst_admitted": len(burst_ok),
+                         "burst_rejected_503": sum(1 for r in recs if r["shape"] == "fixed"
+                                                   and r["status"] == 503),
+                         "unloaded_p50_s": percentile(unloaded, 50), "unloaded_p99_s": u99,
+                         "burst_admitted_p50_s": percentile(burst_ok, 50),
+                         "burst_admitted_p99_s": b99,
+                         "p99_ratio": (b99 / u99) if u99 and b99 else None, "target": 1.5},
+            "idle_metrics": idle, "probes_before": before, "probes_after": after,
+            "rss_mib": {"first": rss[0] / 2**20 if rss else None,
+                        "mid": rss[len(rss) // 2] / 2**20 if rss else None,
+                        "last": rss[-1] / 2**20 if rss else None, "samples": len(rss)},
+            "checks": checks, "passed": all(checks.values()),
+        }
+
+    def _rss_flat(self) -> bool | None:
+        """Growth over the measured run (after ``--warmup``) below max(5%, 64 MiB); None
+        without samples (no pid)."""
+        if len(self.rss) < 2:
+            return None
+        first, last = self.rss[0][1], self.rss[-1][1]
+        return last - first <= max(0.05 * first, 64 * 2**20)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, server_args: list[str]) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    log_path = os.path.join(args.log_dir, f"soak-server-{port}.log")
+    cmd = [sys.executable, "-m", "jfp8kv.serve", "--model", args.model, "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning", *server_args]
+    env = dict(os.environ)
+    if args.api_key:
+        env["JFP8KV_API_KEY"] = args.api_key
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + args.startup_timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} (log: {log_path})")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return proc, url, " ".join(cmd[1:])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"server not healthy after {args.startup_timeout} s (log: {log_path})")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server (default: start one)")
+    p.add_argument("--server-pid", type=int, help="its pid, for the RSS check (with --url)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of mixed traffic")
+    p.add_argument("--warmup", type=float, default=30.0,
+                   help="seconds of the same traffic before, not recorded (RSS baseline after)")
+    p.add_argument("--clients", type=int, default=6, help="closed-loop clients")
+    p.add_argument("--burst-every", type=float, default=20.0)
+    p.add_argument("--burst-size", type=int, default=64,
+                   help="requests per burst; make it ~4x what the server admits "
+                        "(max_num_seqs + max-queued-requests)")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-prompt-words", type=int, default=30)
+    p.add_argument("--unloaded-requests", type=int, default=8)
+    p.add_argument("--request-timeout", type=float, default=300.0, help="client side")
+    p.add_argument("--api-key", default=None, help="started server: sets its key; --url: sent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--out", default=None, help="JSON path (default: bench/results/soak.json)")
+    p.add_argument("server_args", nargs=argparse.REMAINDER,
+                   help="after --: flags for the started server")
+    args = p.parse_args(argv)
+    if args.server_args and args.server_args[0] == "--":
+        args.server_args = args.server_args[1:]
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    proc, url, server_cmd, pid = None, args.url, None, args.server_pid
+    if url is None:
+        proc, url, server_cmd = start_server(args, args.server_args)
+        pid = proc.pid
+    try:
+        result = asyncio.run(Soak(args, url, pid).run())
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    command = command_line("bench.soak", argv)
+    if args.api_key:  # the key stays out of the record
+        command = command.replace(args.api_key, "<key>")
+    doc = {"command": command, "server_command": server_cmd,
+           "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": nvidia_smi_gpu(),
+                       "python": platform.python_version()},
+           "args": {k: v for k, v in vars(args).items() if k != "api_key"}, **result}
+    out = args.out or os.path.join(RESULTS, "soak.json")
+    write_result(out, doc)
+    o = result["overload"]
+    print(f"soak {result['duration_s']} s: {result['requests_total']} requests, "
+          f"{result['requests_served']} served, statuses {result['by_status']}")
+    print(f"latency p50 {result['latency_s']['p50']} s p99 {result['latency_s']['p99']} s; "
+          f"overload p99 ratio {o['p99_ratio']} (admitted {o['burst_admitted']}, "
+          f"refused {o['burst_rejected_503']})")
+    print("checks:", json.dumps(result["checks"]), "->", "PASS" if result["passed"] else "FAIL")
+    print("wrote", out)
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["passed"] else 1)
