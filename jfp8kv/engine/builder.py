@@ -31,7 +31,7 @@ from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheO
 from jfp8kv import kernels
 from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine.compile_cache import setup_compile_cache
-from jfp8kv.engine.runner import ModelRunner, page_widths_from
+from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache import calibrate, fp8, k_transform
 from jfp8kv.kvcache.allocator import PageAllocator
@@ -53,12 +53,16 @@ GPU_DECODE_STEPS = 8
 # steps that decode rows interleaved with them stay few (each step reads every weight).
 # On an H200, 8B shape, 64 x 4096 in / 256 out: see README's offline table.
 GPU_BATCHED_TOKENS = 8192
-CPU_BATCHED_TOKENS = 2048
+# CPU: every shape compiles before /health (~15 s per decode shape, ~30 s per prefill shape
+# at SmolLM2-135M on one core of the 2-core CI machine: docs/cpu-serving.md), so the CPU set
+# is small: prefill chunks 16/64/256 (longer prompts are chunked prefill, at a few percent
+# of throughput), decode batches 1/8/64 at two page-table widths.
+CPU_BATCHED_TOKENS = 256
 GPU_CACHE_FRACTION = 0.85
 CPU_MIN_CHUNK = 16
 # CPU shape policy (reference attention reads every page in its table): decode page tables
-# as wide as the batch needs (256 tokens, then x4), few batch buckets, one-row prefill.
-CPU_DECODE_BUCKETS = (1, 4, 16, 64)
+# of 256 tokens or max_model_len, three batch buckets, one-row prefill.
+CPU_DECODE_BUCKETS = (1, 8, 64)
 CPU_PAGE_WIDTH_FLOOR_TOKENS = 256
 
 
@@ -283,8 +287,7 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     max_pages = math.ceil(plan.max_model_len / ccfg.page_size)
     widths = None  # the Pallas decode kernel splits each row's own length: one width
     if backend == "reference":
-        widths = page_widths_from(max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // ccfg.page_size),
-                                  max_pages)
+        widths = (max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // ccfg.page_size), max_pages)
     runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
