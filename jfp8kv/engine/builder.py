@@ -41,7 +41,7 @@ from jfp8kv.models import sharding
 
 log = logging.getLogger(__name__)
 
-# Chosen from bench/results/quality-cpu.json (see README, "Choosing the default scale mode").
+# Chosen from bench/results/quality-cpu.json (docs/results-history.md, "Why token...").
 DEFAULT_FP8_SCALE_MODE = "token"
 CPU_DEFAULT_CACHE_MEMORY = 1 << 30
 # GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
@@ -51,17 +51,15 @@ GPU_MIN_CHUNK = 128
 GPU_DECODE_STEPS = 8
 # Tokens per step: a prefill chunk long enough for full-rate matmuls, and so few prefill
 # steps that decode rows interleaved with them stay few (each step reads every weight).
-# On an H200, 8B shape, 64 x 4096 in / 256 out: see README's offline table.
+# On an H200, 8B shape, 64 x 4096 in / 256 out: docs/results-history.md's offline table.
 GPU_BATCHED_TOKENS = 8192
-# CPU: every shape compiles before /health (~15 s per decode shape, ~30 s per prefill shape
-# at SmolLM2-135M on one core of the 2-core CI machine: docs/cpu-serving.md), so the CPU set
-# is small: prefill chunks 16/64/256 (longer prompts are chunked prefill, at a few percent
-# of throughput), decode batches 1/8/64 at two page-table widths.
-CPU_BATCHED_TOKENS = 256
 GPU_CACHE_FRACTION = 0.85
+# CPU shape policy: every shape compiles before /health (~15 s a decode shape, ~30 s a
+# prefill one at SmolLM2-135M on one core: docs/cpu-serving.md), so the set is small: one-row
+# prefill chunks of 16/64/256 (longer prompts: chunked prefill), decode batches 1/8/64 at
+# page-table widths of 256 tokens and max_model_len (reference attention reads every page).
+CPU_BATCHED_TOKENS = 256
 CPU_MIN_CHUNK = 16
-# CPU shape policy (reference attention reads every page in its table): decode page tables
-# of 256 tokens or max_model_len, three batch buckets, one-row prefill.
 CPU_DECODE_BUCKETS = (1, 8, 64)
 CPU_PAGE_WIDTH_FLOOR_TOKENS = 256
 

@@ -211,8 +211,8 @@ class ModelRunner:
         running engine): what it gains is the persistent compilation cache's entry, which
         the first real dispatch of the shape loads instead of compiling (``precompile``
         passes the live cache instead: then the jitted calls find the executables in
-        memory). ``abstract``: ``cache_spec()``; ``stop``: a threading.Event that ends the loop early. Returns the
-        number of shapes compiled."""
+        memory). ``abstract``: ``cache_spec()`` or the cache; ``stop``: a threading.Event
+        that ends the loop early. Returns the number of shapes compiled."""
         done = 0
         for shape in shapes:
             for greedy in self.modes(shape[0]):
