@@ -47,7 +47,7 @@ def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None 
         group = p.add_argument_group(_GROUP_TITLES.get(cls, cls.__name__))
         for f in dataclasses.fields(cls):
             default = defaults.get(f.name, f.default)
-            help_text = f.metadata.get("help", "")
+            help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats it
             if f.name in defaults:  # this command's own default replaces the field's
                 help_text = help_text.split(" (default")[0]
             if default is not None and "(default" not in help_text:

@@ -333,7 +333,7 @@ class EngineConfig:
     page_size: int = _knob(16, "tokens per KV-cache page (a power of two in [8, 128])")
     max_num_seqs: int = _knob(64, "sequences running at once (decode batch limit)")
     max_num_batched_tokens: int | None = _knob(
-        None, "prefill tokens per engine step (decode rows on top; nll chunk; 8192 GPU, 2048 CPU)")
+        None, "prefill tokens per engine step (decode rows on top; nll chunk; 8192 GPU, 256 CPU)")
     max_queue_len: int = _knob(
         1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
     attention_backend: str = _knob(
@@ -347,7 +347,7 @@ class EngineConfig:
         None, "decode steps per device dispatch (default: 8 on GPU, 1 on CPU)")
     decode_buckets: tuple[int, ...] | None = _knob(
         None, "allowed decode batch sizes, e.g. 8,32,64 (default: 8,32,64,128,256 on GPU, "
-              "1,4,16,64 on CPU)", parse=parse_int_tuple, metavar="N,N,...")
+              "1,8,64 on CPU)", parse=parse_int_tuple, metavar="N,N,...")
     min_prefill_chunk: int | None = _knob(
         None, "smallest prefill chunk bucket in tokens (default: 128 on GPU, 16 on CPU)")
     compile_cache: bool = _knob(

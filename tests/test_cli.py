@@ -100,3 +100,14 @@ def test_option_that_does_not_fit_is_one_line_and_exit_2(capsys):
         main(["hi", "--page-size", "12"])
     assert exc.value.code == 2
     assert "error: page_size must be a power of two in [8, 128], got 12" in capsys.readouterr().err
+
+
+def test_serve_help_lists_every_flag(capsys):
+    """``python -m jfp8kv.serve --help`` formats (a literal % in a field's help broke it)."""
+    from jfp8kv.serve.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--decode-gemm-autotune" in out and "~4% faster" in out and "--warmup" in out

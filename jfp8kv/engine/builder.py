@@ -31,7 +31,7 @@ from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheO
 from jfp8kv import kernels
 from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine.compile_cache import setup_compile_cache
-from jfp8kv.engine.runner import ModelRunner, page_widths_from
+from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache import calibrate, fp8, k_transform
 from jfp8kv.kvcache.allocator import PageAllocator
@@ -41,7 +41,7 @@ from jfp8kv.models import sharding
 
 log = logging.getLogger(__name__)
 
-# Chosen from bench/results/quality-cpu.json (see README, "Choosing the default scale mode").
+# Chosen from bench/results/quality-cpu.json (docs/results-history.md, "Why token...").
 DEFAULT_FP8_SCALE_MODE = "token"
 CPU_DEFAULT_CACHE_MEMORY = 1 << 30
 # GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
@@ -51,14 +51,16 @@ GPU_MIN_CHUNK = 128
 GPU_DECODE_STEPS = 8
 # Tokens per step: a prefill chunk long enough for full-rate matmuls, and so few prefill
 # steps that decode rows interleaved with them stay few (each step reads every weight).
-# On an H200, 8B shape, 64 x 4096 in / 256 out: see README's offline table.
+# On an H200, 8B shape, 64 x 4096 in / 256 out: docs/results-history.md's offline table.
 GPU_BATCHED_TOKENS = 8192
-CPU_BATCHED_TOKENS = 2048
 GPU_CACHE_FRACTION = 0.85
+# CPU shape policy: every shape compiles before /health (~15 s a decode shape, ~30 s a
+# prefill one at SmolLM2-135M on one core: docs/cpu-serving.md), so the set is small: one-row
+# prefill chunks of 16/64/256 (longer prompts: chunked prefill), decode batches 1/8/64 at
+# page-table widths of 256 tokens and max_model_len (reference attention reads every page).
+CPU_BATCHED_TOKENS = 256
 CPU_MIN_CHUNK = 16
-# CPU shape policy (reference attention reads every page in its table): decode page tables
-# as wide as the batch needs (256 tokens, then x4), few batch buckets, one-row prefill.
-CPU_DECODE_BUCKETS = (1, 4, 16, 64)
+CPU_DECODE_BUCKETS = (1, 8, 64)
 CPU_PAGE_WIDTH_FLOOR_TOKENS = 256
 
 
@@ -284,8 +286,7 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     max_pages = math.ceil(plan.max_model_len / ccfg.page_size)
     widths = None  # the Pallas decode kernel splits each row's own length: one width
     if backend == "reference":
-        widths = page_widths_from(max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // ccfg.page_size),
-                                  max_pages)
+        widths = (max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // ccfg.page_size), max_pages)
     runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 from typing import Iterator, Sequence
 
@@ -72,27 +71,26 @@ class LLM:
         return self.engine.runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens,
                                                 sched.step_counts)
 
-    def warmup(self, progress: bool = True, first_only: bool = False) -> None:
-        """Compile the decode and prefill buckets now, and the overlap scheduler's helpers
-        (the server does this at start-up). ``first_only``: only the shapes a first short
-        request uses (``ModelRunner.first_shapes``); ``compile_rest`` does the others."""
-        import jax
-
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every decode and prefill bucket the engine can dispatch (on parallel
+        threads, then each run once on zeros) and the overlap scheduler's helpers: the
+        server does this before /health, so no request waits for a compile. Requests with
+        log-probs or penalties, and prompt scoring (``echo``), still compile their variants
+        on first use."""
         sched, runner = self.engine.scheduler, self.engine.runner
         shapes = self._shapes()
-        todo = runner.first_shapes(shapes) if first_only else shapes
-        if jax.default_backend() != "cpu":  # CPU CI: too few cores for threads to pay
-            self._precompile(todo)
-        runner.warmup(todo, progress)
+        if len(shapes) > 1:
+            self._precompile(shapes)
+        runner.warmup(shapes, progress)
         if self.engine.overlap_scheduling:
             batches = sorted({runner.decode_bucket(n) for n in range(1, sched.max_num_seqs + 1)})
             warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches, sched.step_counts,
                          sched.max_num_seqs)
 
     def _precompile(self, shapes) -> None:
-        """Compile ``shapes`` on parallel threads, so ``warmup`` only runs them (a GPU start
-        compiles ~30 shapes; one at a time that is minutes at 8B). A failure here only costs
-        time: warmup then compiles what is missing itself."""
+        """Compile ``shapes`` on parallel threads (XLA compiles outside the GIL; on the
+        2-core CPU machine two threads halve the start), so ``warmup`` only runs them. A
+        failure here only costs time: warmup then compiles what is missing itself."""
         t0 = time.perf_counter()
         try:
             n = self.engine.runner.precompile(shapes, min(8, os.cpu_count() or 1))
@@ -101,30 +99,6 @@ class LLM:
                         type(e).__name__, e)
             return
         log.info("compiled %d shapes on parallel threads in %.0f s", n, time.perf_counter() - t0)
-
-    def compile_rest(self, stop: threading.Event | None = None) -> threading.Thread:
-        """Start a daemon thread that compiles the shapes ``warmup(first_only=True)`` left
-        out into the persistent compilation cache (nothing runs; the engine may serve
-        meanwhile), so their first use loads instead of compiling. Logs when done."""
-        runner = self.engine.runner
-        shapes = self._shapes()
-        first = runner.first_shapes(shapes)
-        rest = [x for x in shapes if x not in first]
-        spec = runner.cache_spec()
-
-        def work():
-            try:  # Linux: this thread alone yields the CPU to the engine's threads
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError):
-                pass
-            t0 = time.perf_counter()
-            n = runner.compile_only(rest, spec, stop)
-            log.info("compiled %d of %d more shapes in the background in %.0f s", n,
-                     len(rest), time.perf_counter() - t0)
-
-        thread = threading.Thread(target=work, name="jfp8kv-compile", daemon=True)
-        thread.start()
-        return thread
 
     # -- generation -------------------------------------------------------------------
     def _submit(self, prompts, sampling_params) -> list[str]:

@@ -59,15 +59,6 @@ def cpu_float32_weights(params):
     return out
 
 
-def page_widths_from(floor: int, max_pages: int, factor: int = 4) -> tuple[int, ...]:
-    """Page-table widths floor, floor * factor, ... capped at max_pages (which is last)."""
-    widths, w = [], max(1, floor)
-    while w < max_pages:
-        widths.append(w)
-        w *= factor
-    return tuple(widths) + (max_pages,)
-
-
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
     return b if maximum is None else min(b, max(maximum, n))
@@ -179,15 +170,6 @@ class ModelRunner:
         """The ``all_greedy`` values ``kind`` ("decode" or "prefill") compiles for."""
         return self.greedy_modes if kind == "decode" else (None,)
 
-    def first_shapes(self, shapes, max_prefill_tokens: int = 64):
-        """The part of ``shapes`` a first short request uses: decode at the smallest batch
-        bucket and page width (every scan length), prefill chunks of at most
-        ``max_prefill_tokens``."""
-        dec = [x for x in shapes if x[0] == "decode"]
-        b0, w0 = min(x[1] for x in dec), min(x[3] for x in dec)
-        return [x for x in shapes if (x[0] == "decode" and x[1] == b0 and x[3] == w0)
-                or (x[0] == "prefill" and x[2] <= max(max_prefill_tokens, self.min_chunk))]
-
     def _warm_call(self, kind, b, t, w, greedy, cache):
         """(jitted function, args, static kwargs) of one warm-up dispatch on zeros (a decode
         shape's length ``t`` is its scan length)."""
@@ -227,9 +209,10 @@ class ModelRunner:
     def compile_only(self, shapes, abstract, stop=None) -> int:
         """Compile each shape without running it or touching the cache (safe beside a
         running engine): what it gains is the persistent compilation cache's entry, which
-        the first real dispatch of the shape loads instead of compiling. ``abstract``:
-        ``cache_spec()``; ``stop``: a threading.Event that ends the loop early. Returns the
-        number of shapes compiled."""
+        the first real dispatch of the shape loads instead of compiling (``precompile``
+        passes the live cache instead: then the jitted calls find the executables in
+        memory). ``abstract``: ``cache_spec()`` or the cache; ``stop``: a threading.Event
+        that ends the loop early. Returns the number of shapes compiled."""
         done = 0
         for shape in shapes:
             for greedy in self.modes(shape[0]):

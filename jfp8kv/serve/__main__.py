@@ -20,11 +20,8 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
-import threading
 import time
 
-import jax
 import uvicorn
 
 from jfp8kv.cli import add_engine_args, build_llm, fail, setup_logging
@@ -48,11 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to wait for in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="info")
     p.add_argument("--warmup", default="auto", choices=("auto", "on", "off"),
-                   help="on: compile every batch/chunk/page-width bucket before /health says "
-                        "ready, behind a progress bar; auto: the same on a GPU, while on CPU "
-                        "only the shapes a first short request uses compile before /health "
-                        "and the others in the background (the persistent compilation cache "
-                        "makes later starts fast)")
+                   help="on (auto is the same): compile every batch/chunk/page-width bucket "
+                        "before /health says ready, behind a progress bar, so no request "
+                        "waits for a compile (the persistent compilation cache makes later "
+                        "starts fast); off: compile each shape on first use")
     net = p.add_argument_group("network limits")
     net.add_argument("--api-key", default=os.environ.get("JFP8KV_API_KEY"),
                      help="clients must send 'Authorization: Bearer <key>' on every route "
@@ -159,12 +155,8 @@ def main(argv=None) -> None:
     sock = bind_socket(args.host, args.port)  # before the warm-up's minutes of compiling
     limits = dataclasses.replace(limits, pool_tokens=llm.cache_config.max_tokens)
     check_chat_template(llm.chat_prompt)
-    stop_compiling, compiler = threading.Event(), None
     if args.warmup in ("on", "auto"):
-        first_only = args.warmup == "auto" and jax.default_backend() == "cpu"
-        llm.warmup(first_only=first_only)
-        if first_only:
-            compiler = llm.compile_rest(stop_compiling)
+        llm.warmup()
     engine = llm.engine
     logger.info("model %s", engine.model_name)
     async_engine = AsyncEngine(engine)
@@ -176,17 +168,6 @@ def main(argv=None) -> None:
                             timeout_keep_alive=5)
     server = DrainingServer(config, async_engine, args.drain_timeout)
     server.run(sockets=[sock])
-    stop_compiling.set()
-    if compiler is not None and compiler.is_alive():
-        compiler.join(timeout=2.0)
-    if compiler is not None and compiler.is_alive():
-        # Mid-compile in XLA: the interpreter's shutdown would abort under it. Its work only
-        # fills the compilation cache, so leave it unfinished.
-        logger.info("stopping: the background compile is left unfinished")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and
+/tokenize, /detokenize, /tokenizer_info (``tokenize.py``).
 
 Thin routes over ``OpenAIServing`` (validation, fan-out, formatting). Every error a client
 can cause is a 4xx whose body is OpenAI's error object; FastAPI's 422 for validation errors is
@@ -24,6 +25,7 @@ from jfp8kv.serve import protocol as P
 from jfp8kv.serve.async_engine import AsyncEngine
 from jfp8kv.serve.limits import Guard, ServerLimits
 from jfp8kv.serve.openai_serving import ApiError, OpenAIServing
+from jfp8kv.serve.tokenize import add_tokenize_routes
 
 RETRY_AFTER_S = "1"
 
@@ -96,6 +98,8 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, tokenizer: A
     app = FastAPI(title="jfp8kv", lifespan=lifespan)
     app.add_middleware(Guard, limits=limits)  # outermost: refusals cost no parsing
     _add_error_handlers(app)
+    add_tokenize_routes(app, model=served_model_name, tokenizer=tokenizer, chat_prompt=chat_prompt,
+                        max_model_len=max_model_len, vocab_size=vocab_size)
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request):

@@ -21,6 +21,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jfp8kv.engine.stats import compile_count
+
 # Latency buckets in seconds: fine at the low end for ITL, up to minutes for TTFT under load.
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -62,6 +64,10 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "jfp8kv_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens) since start",
             value=snapshot.get("prefix_cache_hits_total", 0) / queries if queries else 0.0)
+        yield CounterMetricFamily(  # flat after start-up: every shape compiles before /health
+            "jfp8kv_xla_compiles", "XLA compilations since the metrics were set up, after "
+            "the start-up compiles (persistent-cache loads included)",
+            value=float(compile_count()[0]))
 
 
 class ServerMetrics:
@@ -96,6 +102,7 @@ class ServerMetrics:
         for reason in ("server_overloaded", "shutting_down", "unhealthy"):
             self.rejected.labels(reason=reason)
         self.engine_snapshot: dict = {}
+        compile_count()  # installs the counting listener (counts from here on)
         r.register(_EngineCollector(self))
 
     def render(self) -> bytes:

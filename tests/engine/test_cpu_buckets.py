@@ -147,7 +147,7 @@ def test_precompile_leaves_nothing_for_warmup_to_compile(llama_bf16):
 
 
 def test_compile_only_entries_are_what_first_use_loads(llama_bf16, tmp_path):
-    """``compile_only`` (``LLM.compile_rest``'s background compiles, from ``cache_spec``)
+    """``compile_only`` (persistent-cache entries compiled from ``cache_spec``, nothing run)
     stores executables under the persistent-cache keys the real calls look up: a warm-up in
     a fresh in-memory state then loads each one instead of compiling it."""
     llm = make(llama_bf16, max_model_len=256)
