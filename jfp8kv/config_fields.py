@@ -114,6 +114,9 @@ class HybridFields:
     linear_conv_kernel_dim: int
     partial_rotary_factor: float
     shared_expert_intermediate_size: int
+    # dtype of the DeltaNet state slots (config.json's mamba_ssm_dtype): float32 or bfloat16,
+    # never fp8 (kvcache/state_pool.py); float64 for the float64 check mode only
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
@@ -189,7 +192,8 @@ def hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                  cfg.get("partial_rotary_factor", 0.25))),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size",
-                                                        512))))
+                                                        512)),
+            state_dtype=str(cfg.get("mamba_ssm_dtype") or "float32")))
 
 
 def unwrap_text_config(cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
-STATE_DTYPES = ("float32", "bfloat16")
+STATE_DTYPES = ("float32", "bfloat16", "float64")  # float64: the float64 check mode only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +57,13 @@ class StateConfig:
         return self.num_slots - 1
 
 
-def state_config(hybrid, num_slots: int, dtype: str = "float32") -> StateConfig:
-    """The pool for a ``config_fields.HybridFields`` model with ``num_slots`` slots."""
+def state_config(hybrid, num_slots: int, dtype: str | None = None) -> StateConfig:
+    """The pool for a ``config_fields.HybridFields`` model with ``num_slots`` slots, in
+    ``dtype`` (default: the model's ``state_dtype``)."""
     return StateConfig(len(hybrid.linear_layers), num_slots, hybrid.conv_dim,
                        hybrid.linear_conv_kernel_dim, hybrid.linear_num_value_heads,
-                       hybrid.linear_key_head_dim, hybrid.linear_value_head_dim, dtype)
+                       hybrid.linear_key_head_dim, hybrid.linear_value_head_dim,
+                       dtype or hybrid.state_dtype)
 
 
 def bytes_per_slot(cfg: StateConfig) -> int:
@@ -97,3 +99,26 @@ class DeltaState:
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in (*self.conv, *self.recurrent))
+
+
+@typing.no_type_check
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HybridCache:
+    """What the engine carries for a hybrid model: the attention layers' paged K/V and the
+    DeltaNet layers' state slots. ``config`` and ``stats`` are the paged cache's, so code
+    that reads a ``KVCache``'s page size or fp8 stats reads this alike."""
+
+    kv: typing.Any  # cache.KVCache (not imported: cache.py stays independent of this file)
+    state: DeltaState
+
+    @property
+    def config(self):
+        return self.kv.config
+
+    @property
+    def stats(self):
+        return self.kv.stats
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.state.nbytes()
