@@ -1,7 +1,7 @@
 """Qwen3.5/3.6 hybrid MoE through the engine: paged K/V for the attention layers beside
 per-sequence DeltaNet state slots. Greedy generation equals transformers (float32 cache)
-and the engine's own teacher-forced path (fp8 e4m3 cache, float64 check mode); a pool small
-enough to force preemption gives the same tokens; the planner's capacity is the byte model
+and the engine's own teacher-forced path (fp8 e4m3 and bf16 caches, float64 check mode); a pool
+small enough to force preemption gives the same tokens; the planner's capacity is the byte model
 exactly; prefix caching and unsupported settings are refused at construction."""
 
 import dataclasses
@@ -27,15 +27,17 @@ def test_float32_cache_matches_transformers(hybrid_checkpoint):  # noqa: F811
     assert_llm_matches_transformers(llm, hybrid_checkpoint)
 
 
-def test_fp8_cache_decode_equals_teacher_forcing_in_float64(hybrid_checkpoint):  # noqa: F811
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bfloat16"])
+def test_decode_equals_teacher_forcing_in_float64(hybrid_checkpoint, kv):  # noqa: F811
+    """fp8 (token scales) and bf16 caches in the float64 check mode: greedy decode equals
+    the argmax of the engine's teacher-forced logits, chunked prefill equals one-shot."""
     with x64():
         loaded = load_model(str(hybrid_checkpoint), "float64")
         cfg = loaded.config  # a float64 state too: no float32 rounding between chunks
         cfg = dataclasses.replace(cfg, hybrid=dataclasses.replace(cfg.hybrid,
                                                                   state_dtype="float64"))
-        llm = _llm(dataclasses.replace(loaded, config=cfg), dtype="float64",
-                   kv_cache_dtype="fp8_e4m3")
-        assert llm.cache_info()["kv_scale_mode"] == "token"
+        llm = _llm(dataclasses.replace(loaded, config=cfg), dtype="float64", kv_cache_dtype=kv)
+        assert llm.cache_info()["kv_scale_mode"] == ("token" if kv == "fp8_e4m3" else None)
         rng = np.random.default_rng()
         prompts = [rng.integers(3, 320, n).tolist() for n in (5, 23)]
         for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
