@@ -1,8 +1,9 @@
 """Qwen3.5/3.6 hybrid MoE through the engine: paged K/V for the attention layers beside
-per-sequence DeltaNet state slots. Greedy generation equals transformers (float32 cache)
-and the engine's own teacher-forced path (fp8 e4m3 and bf16 caches, float64 check mode); a pool
-small enough to force preemption gives the same tokens; the planner's capacity is the byte model
-exactly; prefix caching and unsupported settings are refused at construction."""
+per-sequence DeltaNet state slots. Greedy generation equals transformers (float32 cache) and
+the engine's own teacher-forced path (fp8 e4m3 and bf16 caches, float64 check mode); a pool
+small enough to force preemption gives the same tokens; the planner's capacity is the byte
+model exactly; the scheduler's state slots follow the pages; prefix caching and unsupported
+settings are refused at construction."""
 
 import dataclasses
 
@@ -90,3 +91,32 @@ def test_refused_settings(hybrid_checkpoint):  # noqa: F811
         _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_rotation="smooth")
     with pytest.raises(ValueError, match="DeltaNet state"):
         _llm(loaded, kv_cache_memory=10_000)
+
+
+def test_scheduler_state_slots_follow_the_pages():
+    """Random traffic on a tight pool: every running sequence holds one state slot of
+    1..max_num_seqs, no two the same, and slots come back with the pages (finish,
+    preemption), so the free list and the running slots always partition them."""
+    import random
+
+    from tests.engine.test_scheduler import check_pages, run_step, seq
+    from jfp8kv.engine.scheduler import Scheduler
+    from jfp8kv.kvcache.allocator import PageAllocator
+
+    rnd = random.Random()
+    s = Scheduler(PageAllocator(9), 4, 32, 3, 16, 1, enable_prefix_caching=False,
+                  state_slots=3)
+    assert s.scratch_state_slot == 4
+    for i in range(10):
+        s.add(seq(f"r{i}", rnd.randint(12, 16), max_tokens=8))  # two outgrow the pool
+    preempted = 0
+    while s.has_work():
+        preempted += len(run_step(s).preempted)
+        held = [q.state_slot for q in s.running]
+        assert all(1 <= x <= 3 for x in held) and len(set(held)) == len(held)
+        assert sorted(held + s._free_states) == [1, 2, 3]
+        assert all(q.state_slot == 0 for q in s.waiting)
+        check_pages(s)
+    assert preempted > 0
+    with pytest.raises(ValueError, match="state_slots"):
+        Scheduler(PageAllocator(12), 4, 32, 3, 16, 1, state_slots=2)
