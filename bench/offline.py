@@ -139,7 +139,28 @@ def attention_params(cfg) -> int:
         kv_b = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         return q + d * cfg.latent_dim + kv_b + h * cfg.v_head_dim * d
     hd = cfg.head_dim
-    return 2 * d * h * hd + 2 * d * cfg.num_kv_heads * hd
+    gate = d * h * hd if cfg.hybrid is not None else 0  # Qwen3.5's output gate in q_proj
+    return 2 * d * h * hd + 2 * d * cfg.num_kv_heads * hd + gate
+
+
+def mixer_params(cfg, layer: int) -> int:
+    """Matmul parameters of ``layer``'s token mixer: its attention, or for a Qwen3.5/3.6
+    Gated DeltaNet layer in_proj_qkv, in_proj_z, in_proj_a/b and out_proj."""
+    hy = cfg.hybrid
+    if hy is None or hy.layer_types[layer] == "full_attention":
+        return attention_params(cfg)
+    d = cfg.hidden_size
+    return d * (hy.conv_dim + hy.value_dim + 2 * hy.linear_num_value_heads) + hy.value_dim * d
+
+
+def state_rw_bytes(cfg) -> int:
+    """Bytes a Qwen3.5/3.6 decode token moves through its DeltaNet state slot (every linear
+    layer's conv and recurrent state read and written once; 0 for other models)."""
+    if cfg.hybrid is None:
+        return 0
+    from jfp8kv.kvcache.state_pool import bytes_per_slot, state_config
+
+    return 2 * bytes_per_slot(state_config(cfg.hybrid, 2))
 
 
 def mlp_params(cfg, layer: int) -> tuple[int, int]:
@@ -150,7 +171,10 @@ def mlp_params(cfg, layer: int) -> tuple[int, int]:
     if not cfg.is_moe_layer(layer):
         return 3 * d * cfg.intermediate_size, 0
     i_e = cfg.moe_intermediate_size
-    return d * cfg.num_experts + 3 * d * cfg.n_shared_experts * i_e, 3 * d * i_e
+    shared = 3 * d * cfg.n_shared_experts * i_e
+    if cfg.hybrid is not None:  # one shared expert of its own width, and its sigmoid gate
+        shared = 3 * d * cfg.hybrid.shared_expert_intermediate_size + d
+    return d * cfg.num_experts + shared, 3 * d * i_e
 
 
 def attn_flops_per_pair(cfg) -> int:
@@ -159,7 +183,8 @@ def attn_flops_per_pair(cfg) -> int:
     h = cfg.num_heads
     if cfg.is_mla:
         return cfg.num_layers * (2 * h * cfg.latent_dim + 2 * h * cfg.kv_lora_rank)
-    return cfg.num_layers * 4 * h * cfg.head_dim
+    layers = cfg.num_layers if cfg.hybrid is None else len(cfg.hybrid.attention_layers)
+    return layers * 4 * h * cfg.head_dim
 
 
 def distinct_experts(num_experts: int, top_k: int, rows: float) -> float:
@@ -177,17 +202,17 @@ def model_terms(cfg, dtype: str) -> dict:
     expert), ``expert_params`` (one routed expert), ``logits_params`` D * V."""
     import jax.numpy as jnp
 
-    attn = attention_params(cfg)
     mlps = [mlp_params(cfg, i) for i in range(cfg.num_layers)]
     moe_layers = sum(1 for _, e in mlps if e)
     expert = max((e for _, e in mlps), default=0)
-    static = cfg.num_layers * attn + sum(s for s, _ in mlps)
+    static = sum(mixer_params(cfg, i) for i in range(cfg.num_layers)) + sum(s for s, _ in mlps)
     k = cfg.num_experts_per_tok if moe_layers else 0
     return dict(matmul_params=static + moe_layers * k * expert, static_params=static,
                 total_params=static + moe_layers * cfg.num_experts * expert,
                 expert_params=expert, moe_layers=moe_layers, num_experts=cfg.num_experts,
                 experts_per_tok=k, logits_params=cfg.hidden_size * cfg.vocab_size,
-                itemsize=jnp.dtype(dtype).itemsize, attn_flops_per_pair=attn_flops_per_pair(cfg))
+                itemsize=jnp.dtype(dtype).itemsize, attn_flops_per_pair=attn_flops_per_pair(cfg),
+                state_rw_bytes=state_rw_bytes(cfg))
 
 
 def weight_bytes(terms: dict, rows: float) -> float:
@@ -214,7 +239,8 @@ def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: 
         f = prefill_flops(terms, r.prefill_tokens, r.prefill_chunks, r.prefill_pairs)
         rows = r.decode_tokens / r.decode_iterations if r.decode_iterations else 0
         b = (r.decode_iterations * weight_bytes(terms, rows)
-             + r.decode_kv_tokens * bytes_per_token)
+             + r.decode_kv_tokens * bytes_per_token
+             + r.decode_tokens * terms.get("state_rw_bytes", 0))
         g = (2 * (terms["matmul_params"] + terms["logits_params"]) * r.decode_tokens
              + terms["attn_flops_per_pair"] * r.decode_kv_tokens)
         pf, db, df = pf + f, db + b, df + g
@@ -241,7 +267,8 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
         rows = list(zip(in_lens[w:w + batch], out_lens[w:w + batch]))
         for j in range(1, max(o for _, o in rows)):
             live = [p + j for p, o in rows if j < o]
-            db += weight_bytes(terms, len(live)) + sum(live) * bytes_per_token
+            db += (weight_bytes(terms, len(live)) + sum(live) * bytes_per_token
+                   + len(live) * terms.get("state_rw_bytes", 0))
     return dict(batch=batch, prefill_s=pf / rate, decode_s=db / bw, ideal_s=pf / rate + db / bw)
 
 

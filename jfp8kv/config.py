@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jfp8kv.config_fields import (MLA_FAMILIES, RopeScaling, YarnScaling, llama3_scaling,
-                                  mla_fields, moe_fields, yarn_scaling)
+from jfp8kv.config_fields import (MLA_FAMILIES, HybridFields, RopeScaling, YarnScaling,
+                                  hybrid_fields, llama3_scaling, mla_fields, moe_fields,
+                                  unwrap_text_config, yarn_scaling)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -72,6 +73,8 @@ class ModelConfig:
     topk_method: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
+    # Qwen3.5/3.6 hybrid (qwen3_5_moe): Gated DeltaNet layers beside gated attention.
+    hybrid: HybridFields | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -97,6 +100,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict; raise for unsupported architectures."""
+        text = unwrap_text_config(cfg)
+        if text is not None:  # Qwen3.5/3.6 hybrid MoE: config_fields.hybrid_fields
+            return cls(**hybrid_fields(text), name=name)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

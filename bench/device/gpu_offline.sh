@@ -64,5 +64,20 @@ done
 stage moe-30b ${MOE_30B_LIMIT:-420} python3 -m bench.offline --model random:qwen3-30b-a3b \
   --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_30B_KV:-8e9} \
   --kv-cache-dtype bfloat16,fp8 --out "$moe_json" --append
-for j in "$json" "$moe_json"; do [ -f "$j" ] && python3 -m bench.offline --plot-only "$j" >/dev/null 2>&1; done
+# STAGES=hybrid (or hybrid-bfloat16 / hybrid-fp8 / hybrid-131k): random-weight Qwen3.6-35B-A3B
+# (Gated DeltaNet + gated attention + MoE, 69 GB of bf16 weights; docs/qwen3-hybrid.md).
+# Fixed 3.0e9 B budget = 34 float32 DeltaNet state slots (2.24e9) + pages: 10 attention
+# layers x 2 KV heads x 256 = 20,480 B/token bf16 vs 10,400 fp8 (token scales), so bf16 holds
+# ~17 of the 32 sequences of 2,176 tokens and fp8 all 32. hybrid-131k: one 131,072-token
+# prompt with an fp8 cache (pool sized from free memory), 16 tokens out.
+hyb_json="$OUT/offline-hybrid-h200.json"
+for kv in bfloat16 fp8; do
+  stage hybrid-$kv ${HYBRID_LIMIT:-240} python3 -m bench.offline --model random:qwen3.6-35b-a3b \
+    --num-prompts 32 --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 32 \
+    --kv-cache-memory ${HYBRID_KV:-3.0e9} --kv-cache-dtype $kv --out "$hyb_json" --append
+done
+stage hybrid-131k ${HYBRID_131K_LIMIT:-240} python3 -m bench.offline --model random:qwen3.6-35b-a3b \
+  --num-prompts 1 --input-len 131072 --output-len 16 --max-model-len 131088 --max-num-seqs 1 \
+  --kv-cache-dtype fp8 --warmup off --out "$hyb_json" --append
+for j in "$json" "$moe_json" "$hyb_json"; do [ -f "$j" ] && python3 -m bench.offline --plot-only "$j" >/dev/null 2>&1; done
 ls -la "$OUT"

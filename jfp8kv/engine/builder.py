@@ -30,6 +30,7 @@ from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheO
                            EngineConfig, LoadConfig, check_compute_dtype)
 from jfp8kv import kernels
 from jfp8kv.engine.llm_engine import LLMEngine
+from jfp8kv.engine import hybrid_cache
 from jfp8kv.engine.compile_cache import setup_compile_cache
 from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.scheduler import Scheduler
@@ -179,6 +180,9 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
     Under tensor parallelism the budget and ``bytes_per_token`` are per device (one
     device's KV heads); the ``CacheConfig`` describes the global pool (all heads).
     ``bitcast_pool``: integer page arrays (``CacheConfig.bitcast_pool``; same bytes)."""
+    if model_cfg.hybrid is not None:  # DeltaNet state slots beside the pages
+        return hybrid_cache.plan_capacity(model_cfg, engine, storage, mode, device, tp,
+                                          bitcast_pool, kv_rotation)
     layout = "latent" if model_cfg.is_mla else "kv"
     if model_cfg.is_mla:
         latent.check_latent_mode(model_cfg, storage, mode)
@@ -283,6 +287,7 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     else:
         cache = tp.init_cache(ccfg, *(None if s is None else tp.expand_kv_heads(s)
                                       for s in (k_scale, v_scale)))
+    cache = hybrid_cache.with_state(loaded.config, cache, engine_cfg)
     max_pages = math.ceil(plan.max_model_len / ccfg.page_size)
     widths = None  # the Pallas decode kernel splits each row's own length: one width
     if backend == "reference":
@@ -299,7 +304,8 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
                  None if v_scale is None else hash(np.asarray(v_scale).tobytes()),
                  ccfg.kv_rotation,
                  None if k_shift is None else hash(np.asarray(k_shift).tobytes()))
-    scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg, namespace)
+    scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg, namespace,
+                                      hybrid_cache.sequence_slots(loaded.config, engine_cfg))
     eos = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
         eos.add(loaded.tokenizer.eos_token_id)
@@ -325,6 +331,7 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
 
         loaded = load_model(load.model, load.dtype, engine.tensor_parallel_size)
     loaded, tp = place_model(loaded, engine.tensor_parallel_size)
+    engine = hybrid_cache.check_engine(loaded.config, engine, cache, mode)
     if loaded.config.is_mla and fp8.is_fp8(storage) and cache.kv_scale_mode is None:
         mode = latent.DEFAULT_LATENT_SCALE_MODE  # the issue's default for latents
     # XLA on CPU rewrites a whole bf16/fp8 pool per scatter, an integer one in place.
@@ -373,7 +380,7 @@ def cache_info(built: BuiltEngine) -> dict:
                 enable_prefix_caching=built.engine_config.enable_prefix_caching,
                 prefix_cache=dataclasses.asdict(
                     built.engine.scheduler.prefix_cache_stats()),
-                **tensor_parallel_info(built))
+                **tensor_parallel_info(built), **hybrid_cache.state_info(built))
 
 
 def tensor_parallel_info(built: BuiltEngine) -> dict:

@@ -156,7 +156,7 @@ class LLMEngine:
         f = InFlight(plan)
         if plan.decode:
             seqs = [r.seq for r in plan.decode]
-            rows = [(s.last_token, s.num_cached, s.pages, s.num_cached + r.steps)
+            rows = [(s.last_token, s.num_cached, s.pages, s.num_cached + r.steps, s.state_slot)
                     for s, r in zip(seqs, plan.decode)]
             fed = None
             if any(s.num_pending for s in seqs):  # inputs still on the device
@@ -177,8 +177,8 @@ class LLMEngine:
                 s.mail_slot = i
         if plan.prefill:
             seqs = [c.seq for c in plan.prefill]
-            chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages)
-                      for c in plan.prefill]
+            chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages,
+                       c.seq.state_slot) for c in plan.prefill]
             f.completes = [c.completes for c in plan.prefill]
             f.prefill_out = self.runner.prefill(chunks, self._sampling(seqs))
             for i, c in enumerate(plan.prefill):
@@ -337,7 +337,8 @@ class LLMEngine:
             for s in range(0, len(ids) - 1, chunk_size):
                 part = ids[s:min(s + chunk_size, len(ids) - 1)]
                 tgt = ids[s + 1:s + 1 + len(part)]
-                out.append((*self.runner.nll(part, tgt, s, pages), len(part)))
+                out.append((*self.runner.nll(part, tgt, s, pages, sched.scratch_state_slot),
+                            len(part)))
         finally:
             sched.allocator.free(pages)
         return out

@@ -100,6 +100,7 @@ class ModelRunner:
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
         self.greedy_modes = (None,) if on_cpu else (True, False)  # decode's all_greedy values
+        self.hybrid = model_cfg.hybrid is not None  # rows carry DeltaNet state slots
         self.tp = tp
         self._decode = steps.DECODE_JITS[decode_gemm_autotune]
 
@@ -179,9 +180,20 @@ class ModelRunner:
         sampling = SamplingArrays.empty(b).args()
         if kind == "decode":
             return self._decode, (self.params, cache, z, z, pt, z, *sampling), dict(
-                cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp)
+                cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp,
+                state_slots=self._state_slots([], b))
         return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling), dict(
-            cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp)
+            cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp,
+            state_slots=self._state_slots([], b))
+
+    def _state_slots(self, slots: list[int], b: int):
+        """int32[b] DeltaNet state slots of a hybrid model's rows (0: the padding slot), or
+        None for other models."""
+        if not self.hybrid:
+            return None
+        out = np.zeros(b, np.int32)
+        out[:len(slots)] = slots
+        return out
 
     def warmup(self, shapes, progress: bool = True) -> None:
         """Compile (and run once, writing only to the sink page) each shape, in every
@@ -243,14 +255,15 @@ class ModelRunner:
         return pt
 
     def _chunk_arrays(self, chunks, b: int, t: int):
-        """chunks: list of (token_ids, start_pos, pages). Returns padded host arrays."""
+        """chunks: list of (token_ids, start_pos, pages[, state slot]). Returns padded host
+        arrays."""
         ps = self.page_size
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
         slots = np.zeros((b, t), np.int32)
         seq_lens = np.zeros(b, np.int32)
         last_idx = np.zeros(b, np.int32)
-        for i, (ids, start, pages) in enumerate(chunks):
+        for i, (ids, start, pages, *_) in enumerate(chunks):
             n = len(ids)
             pos = np.arange(start, start + n)
             tokens[i, :n] = ids
@@ -275,20 +288,23 @@ class ModelRunner:
             sub = sampling.rows(start, end).padded(b)
             out, self.cache = steps.prefill(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, last_idx, *sub.args(), cfg=self.cfg,
-                                       backend=self.backend, all_greedy=None, tp=self.tp)
+                                       backend=self.backend, all_greedy=None, tp=self.tp,
+                                       state_slots=self._state_slots(
+                                           [c[3] if len(c) > 3 else 0 for c in part], b))
             parts.append((len(part), out))
         return parts
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
                input_tokens=None):
-        """rows: list of (last_token, position, pages, limit). Returns int32[B_bucket, steps].
+        """rows: list of (last_token, position, pages, limit[, state slot]). Returns
+        int32[B_bucket, steps].
         ``input_tokens``: a device int32[B_bucket] used instead of the rows' last tokens
         (overlap scheduling feeds tokens the host has not read yet)."""
         b = self.decode_bucket(len(rows))
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
         limits = np.zeros(b, np.int32)
-        for i, (tok, pos, _, lim) in enumerate(rows):
+        for i, (tok, pos, _, lim, *_) in enumerate(rows):
             tokens[i], positions[i], limits[i] = tok, pos, lim
         pages = [r[2] for r in rows]
         pt = self._page_table(pages, b, self.page_width(max(len(p) for p in pages)))
@@ -298,11 +314,12 @@ class ModelRunner:
         toks, self.cache = self._decode(self.params, self.cache, tokens, positions, pt, limits,
                                    *sampling.padded(b).args(), cfg=self.cfg,
                                    backend=self.backend, all_greedy=self._mode(all_greedy),
-                                   tp=self.tp,
-                                   num_steps=num_steps)
+                                   tp=self.tp, num_steps=num_steps,
+                                   state_slots=self._state_slots(
+                                       [r[4] if len(r) > 4 else 0 for r in rows], b))
         return toks
 
-    def nll(self, ids, targets, start: int, pages):
+    def nll(self, ids, targets, start: int, pages, state_slot: int = 0):
         """One teacher-forced chunk -> device arrays (nll [t], logits [t, V]), t >= len(ids)
         (a bucket); only the first len(ids) rows are real. Nothing is copied to the host."""
         t = bucket(len(ids), 16)
@@ -311,5 +328,6 @@ class ModelRunner:
         tgt[0, :len(targets)] = targets
         nll, logits, self.cache = steps.nll(self.params, self.cache, tokens, positions, slots, pt,
                                        seq_lens, tgt, cfg=self.cfg, backend=self.backend,
-                                       tp=self.tp)
+                                       tp=self.tp,
+                                       state_slots=self._state_slots([state_slot], 1))
         return nll[0], logits[0]

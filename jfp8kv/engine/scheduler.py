@@ -74,6 +74,8 @@ class Sequence:
     # last of them (overlap scheduling, see jfp8kv/engine/overlap.py).
     num_pending: int = 0
     mail_slot: int = -1
+    # Hybrid models: the DeltaNet state slot held while running (0: none; Scheduler docs).
+    state_slot: int = 0
     # The engine's post-processing state: incremental detokenizer, the ids that stop the
     # sequence (stop_token_ids, EOS unless ignore_eos), text searched for stop strings.
     detok: Any = dataclasses.field(default=None, repr=False)
@@ -137,10 +139,15 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1, *,
-                 enable_prefix_caching: bool = True, prefix_cache_namespace=""):
+                 enable_prefix_caching: bool = True, prefix_cache_namespace="",
+                 state_slots: int = 0):
         """``prefix_cache_namespace``: anything that changes the numbers stored in a page
         (model, cache dtype, scale mode, static-scale version, rotation); pages are reused
-        only within one namespace (see ``PrefixCache``)."""
+        only within one namespace (see ``PrefixCache``). ``state_slots`` (hybrid models,
+        ``kvcache.state_pool``): slots 1..state_slots (>= max_num_seqs) are handed to
+        sequences at admission and taken back with their pages (finish, abort, preemption:
+        the state is then recomputed by prefill, as the pages are); slot state_slots + 1 is
+        ``scratch_state_slot`` (``LLM.nll``)."""
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -153,10 +160,14 @@ class Scheduler:
         self._order = itertools.count()
         self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace)
                              if enable_prefix_caching else None)
+        if state_slots and state_slots < max_num_seqs:
+            raise ValueError(f"state_slots={state_slots} < max_num_seqs={max_num_seqs}")
+        self._free_states = list(range(state_slots, 0, -1))
+        self.scratch_state_slot = state_slots + 1 if state_slots else 0
 
     @classmethod
     def from_config(cls, allocator: PageAllocator, cfg: EngineConfig,
-                    prefix_cache_namespace="") -> "Scheduler":
+                    prefix_cache_namespace="", state_slots: int = 0) -> "Scheduler":
         """A scheduler with ``cfg``'s limits; ``cfg`` must be resolved (max_model_len and
         decode_steps set, as ``jfp8kv.engine.builder`` returns it)."""
         if cfg.max_model_len is None or cfg.decode_steps is None:
@@ -165,7 +176,7 @@ class Scheduler:
         return cls(allocator, cfg.page_size, cfg.max_model_len, cfg.max_num_seqs,
                    cfg.max_num_batched_tokens, cfg.decode_steps,
                    enable_prefix_caching=cfg.enable_prefix_caching,
-                   prefix_cache_namespace=prefix_cache_namespace)
+                   prefix_cache_namespace=prefix_cache_namespace, state_slots=state_slots)
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -217,6 +228,9 @@ class Scheduler:
         self.allocator.free(reversed(seq.pages))
         seq.pages = []
         seq.num_registered = 0
+        if seq.state_slot:
+            self._free_states.append(seq.state_slot)
+            seq.state_slot = 0
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -308,6 +322,8 @@ class Scheduler:
             return False
         self.allocator.share(hit)
         seq.pages = list(hit)
+        if self.scratch_state_slot:  # a hybrid model: the sequence's DeltaNet state slot
+            seq.state_slot = self._free_states.pop()
         seq.num_cached = start
         seq.num_registered = len(hit)
         if self.prefix_cache:

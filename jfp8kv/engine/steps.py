@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jfp8kv.engine.sampler import init_state, sample_step
-from jfp8kv.models import transformer
+from jfp8kv.kvcache.state_pool import HybridCache
+from jfp8kv.models import qwen3_hybrid, transformer
 
 
 def _attend(tp):
@@ -33,15 +34,29 @@ def _placed(cache, tp):
     return cache if tp is None else tp.constrain_cache(cache)
 
 
+def _forward(params, cache, tokens, positions, slots, page_tables, seq_lens, state_slots, *,
+             cfg, backend, tp):
+    """The model's forward: ``transformer.forward``, or for a hybrid model (``cache`` a
+    ``HybridCache``) ``qwen3_hybrid.forward`` with each row's DeltaNet ``state_slots``."""
+    if cfg.hybrid is None:
+        return transformer.forward(params, cache, tokens, positions, slots, page_tables,
+                                   seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
+    hidden, kv, state = qwen3_hybrid.forward(params, cache.kv, cache.state, tokens, positions,
+                                             slots, page_tables, seq_lens, state_slots,
+                                             cfg=cfg, backend=backend)
+    return hidden, HybridCache(kv, state)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "tp"),
                    donate_argnames=("cache",))
 def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
             temperature, top_k, top_p, seeds, counters, extras=None, *, cfg, backend,
-            all_greedy, tp=None):
+            all_greedy, tp=None, state_slots=None):
     """Static: cfg, backend, all_greedy, tp (and extras' structure). Donated: cache. Returns
-    (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs."""
-    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
+    (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs.
+    ``state_slots`` int32[B]: hybrid models' DeltaNet slots (None otherwise)."""
+    hidden, cache = _forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
+                             state_slots, cfg=cfg, backend=backend, tp=tp)
     last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     logits = transformer.logits(params, last)
     state = init_state(extras, logits.shape[-1])
@@ -52,7 +67,7 @@ def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last
 
 def _decode_steps(params, cache, tokens, positions, page_tables, limits, temperature, top_k,
                   top_p, seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps,
-                  tp=None):
+                  tp=None, state_slots=None):
     """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
     inactive rows write to the sink page and attend nothing. Static: cfg, backend,
     all_greedy, num_steps, tp (and extras' structure: the penalty token counts ride in the scan
@@ -68,9 +83,9 @@ def _decode_steps(params, cache, tokens, positions, page_tables, limits, tempera
                                    axis=1)[:, 0]
         slot = jnp.where(active, page * ps + pos % ps, 0)
         seq_len = jnp.where(active, pos + 1, 0)
-        hidden, cache = transformer.forward(params, cache, tok[:, None], pos[:, None],
-                                            slot[:, None], page_tables, seq_len, cfg=cfg,
-                                            backend=backend, attend=_attend(tp))
+        hidden, cache = _forward(params, cache, tok[:, None], pos[:, None], slot[:, None],
+                                 page_tables, seq_len, state_slots, cfg=cfg, backend=backend,
+                                 tp=tp)
         logits = transformer.logits(params, hidden[:, 0])
         nxt, state, lp = sample_step(logits, state, temperature, top_k, top_p, seeds,
                                      counters + i, extras, all_greedy=all_greedy)
@@ -90,10 +105,10 @@ DECODE_JITS = {"default": jax.jit(_decode_steps, **_DECODE_JIT),
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("cache",))
 def nll(params, cache, tokens, positions, slots, page_tables, seq_lens, targets, *, cfg,
-        backend, tp=None):
+        backend, tp=None, state_slots=None):
     """Per-position NLL of ``targets`` [B, T]. Static: cfg, backend, tp. Donated: cache."""
-    hidden, cache = transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                        seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
+    hidden, cache = _forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
+                             state_slots, cfg=cfg, backend=backend, tp=tp)
     logits = transformer.logits(params, hidden)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

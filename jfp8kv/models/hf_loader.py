@@ -54,6 +54,11 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         if cfg.is_mla:
             specs += _mla_specs(cfg, n)
             continue
+        if cfg.hybrid is not None:  # Qwen3.5/3.6: models/qwen3_hybrid.py
+            from jfp8kv.models import qwen3_hybrid
+
+            specs += qwen3_hybrid.hf_layer_specs(cfg, n, TensorSpec) + _moe_specs(cfg, n)
+            continue
         specs += [
             TensorSpec(p + "input_layernorm.weight", (d,), n, "attn_norm", False),
             TensorSpec(p + "self_attn.q_proj.weight", (q_dim, d), n, "wq", True),
@@ -260,13 +265,18 @@ def load_hf_dir(path: Path, dtype: str, tensor_parallel_size: int = 1) -> Loaded
         raise ValueError(f"{path}: use_sliding_window=true is not supported; use a checkpoint "
                          "with full attention in every layer")
     files = _tensor_files(path)
+    original = {}  # our name -> the checkpoint's, where they differ
+    if cfg.hybrid is not None:  # the multimodal checkpoint: text tower only, MTP head unused
+        original = {n.replace("model.language_model.", "model.", 1): n for n in files
+                    if not n.startswith(("model.visual.", "mtp."))}
+        files = {new: files[old] for new, old in original.items()}
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), framework="numpy"))
                    for f in set(files.values())}
 
         def fetch(tensor: str) -> np.ndarray | None:
             f = files.get(tensor)
-            return None if f is None else handles[f].get_tensor(tensor)
+            return None if f is None else handles[f].get_tensor(original.get(tensor, tensor))
 
         params = build_params(cfg, fetch, dtype, source=str(path),
                               tensor_parallel_size=tensor_parallel_size)

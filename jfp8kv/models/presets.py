@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from jfp8kv.config import ModelConfig, YarnScaling
+from jfp8kv.config_fields import hybrid_fields
 
 _DEEPSEEK_V2_LITE = dict(
     family="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
@@ -29,6 +30,16 @@ _QWEN3_30B_A3B = dict(
     rope_theta=1e6, max_position_embeddings=40960, qk_norm=True, eos_token_ids=(151645,),
     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
     decoder_sparse_step=1, mlp_only_layers=())
+
+# Qwen3.5-35B-A3B's text config (Qwen3.6-35B-A3B has the same shapes): 40 layers, every
+# fourth full attention (16 query / 2 KV heads of 256, a quarter of each head rotated), the
+# others Gated DeltaNet (16 q/k heads, 32 v heads of 128, conv 4); 256 experts top-8 and a
+# shared expert; ~35B parameters (~70 GB in bf16), ~3B active.
+_QWEN36_35B_A3B = hybrid_fields(dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, full_attention_interval=4, max_position_embeddings=262144,
+    eos_token_id=248044, rope_parameters=dict(rope_type="default", rope_theta=1e7,
+                                              partial_rotary_factor=0.25)))
 
 PRESETS = {
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096,
@@ -70,6 +81,15 @@ PRESETS = {
         num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, mlp_only_layers=(0,), tie_word_embeddings=True,
         eos_token_ids=(4095,)),
+    "qwen3.6-35b-a3b": _QWEN36_35B_A3B,
+    # Not a real model: the same layout at toy size for CPU smoke tests.
+    "qwen3.6-tiny": hybrid_fields(dict(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, full_attention_interval=2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, max_position_embeddings=40960, eos_token_id=4095,
+        rope_parameters=dict(rope_theta=1e7, partial_rotary_factor=0.25))),
 }
 
 

@@ -160,6 +160,10 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.bfloat16, scale: float =
         from jfp8kv.models import mla
 
         per_layer = [mla.random_layer_shapes(cfg, i) for i in range(cfg.num_layers)]
+    elif cfg.hybrid is not None:  # Qwen3.5/3.6: DeltaNet or gated attention, MoE everywhere
+        from jfp8kv.models import qwen3_hybrid
+
+        per_layer = [qwen3_hybrid.layer_shapes(cfg, i) for i in range(cfg.num_layers)]
     else:  # routed layers (qwen3_moe) swap the dense MLP for router + expert stacks
         routed = {**{k: v for k, v in shapes.items() if k not in ("w_gate", "w_up", "w_down")},
                   **moe.moe_layer_shapes(cfg)}

@@ -1,0 +1,124 @@
+"""Per-sequence state slots of the Gated DeltaNet layers (Qwen3.5/3.6 hybrid models).
+
+Attention layers keep their K/V in the paged pool (``cache.KVCache``, every dtype and scale
+mode); the linear-attention layers keep a fixed-size state per sequence instead, one slot
+of this pool per running sequence::
+
+    conv[l]       [num_slots, kernel - 1, conv_dim]      the last inputs of the causal conv
+    recurrent[l]  [num_slots, v_heads, k_dim, v_dim]     the delta rule's state S
+
+for each linear layer ``l`` (in layer order). Slot 0 is reserved as the padding sink, as
+page 0 is: padding rows of a batch read and write it, no sequence owns it. The state dtype is
+float32 or bfloat16, never fp8: the recurrent state is a running sum that every later token
+reads, so its rounding compounds over the sequence (the issue's point 2).
+
+A sequence's slot needs no clearing when it is (re)allocated: the model starts from zeros
+for a chunk that begins at position 0 (``models.qwen3_hybrid``), so a preempted sequence's
+state is simply recomputed by its prefill, as its pages are.
+
+``bytes_per_slot`` is the capacity model of this pool, as ``cache.bytes_per_token`` is the
+pages'; ``DeltaState.nbytes`` equals ``num_slots * bytes_per_slot`` exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import jax
+import jax.numpy as jnp
+
+STATE_DTYPES = ("float32", "bfloat16", "float64")  # float64: the float64 check mode only
+
+
+@dataclasses.dataclass(frozen=True)
+class StateConfig:
+    """Static shape of the state pool (hashable: a jit static argument)."""
+
+    num_layers: int  # linear-attention layers
+    num_slots: int  # including the reserved slot 0
+    conv_dim: int
+    conv_kernel: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in STATE_DTYPES:
+            raise ValueError(f"DeltaNet state dtype {self.dtype!r} is not supported; choose one "
+                             f"of {list(STATE_DTYPES)} (fp8 would compound rounding in the "
+                             "recurrence)")
+        if self.num_slots < 2:
+            raise ValueError(f"num_slots={self.num_slots}: slot 0 is reserved, so at least 2")
+
+    @property
+    def max_seqs(self) -> int:
+        return self.num_slots - 1
+
+
+def state_config(hybrid, num_slots: int, dtype: str | None = None) -> StateConfig:
+    """The pool for a ``config_fields.HybridFields`` model with ``num_slots`` slots, in
+    ``dtype`` (default: the model's ``state_dtype``)."""
+    return StateConfig(len(hybrid.linear_layers), num_slots, hybrid.conv_dim,
+                       hybrid.linear_conv_kernel_dim, hybrid.linear_num_value_heads,
+                       hybrid.linear_key_head_dim, hybrid.linear_value_head_dim,
+                       dtype or hybrid.state_dtype)
+
+
+def bytes_per_slot(cfg: StateConfig) -> int:
+    """Bytes one sequence's state takes over all linear layers (conv + recurrent)."""
+    item = jnp.dtype(cfg.dtype).itemsize
+    per_layer = (cfg.conv_kernel - 1) * cfg.conv_dim + cfg.v_heads * cfg.k_dim * cfg.v_dim
+    return cfg.num_layers * per_layer * item
+
+
+def plan_num_slots(memory: int, cfg: StateConfig) -> int:
+    """Usable slots (excluding the reserved slot 0) that fit in ``memory`` bytes."""
+    return max(0, memory // bytes_per_slot(cfg) - 1)
+
+
+@typing.no_type_check
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeltaState:
+    """Functional state pool; ``config`` is static."""
+
+    conv: list[jax.Array]
+    recurrent: list[jax.Array]
+    config: StateConfig = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def init(cls, cfg: StateConfig) -> "DeltaState":
+        dt = jnp.dtype(cfg.dtype)
+        conv = [jnp.zeros((cfg.num_slots, cfg.conv_kernel - 1, cfg.conv_dim), dt)
+                for _ in range(cfg.num_layers)]
+        rec = [jnp.zeros((cfg.num_slots, cfg.v_heads, cfg.k_dim, cfg.v_dim), dt)
+               for _ in range(cfg.num_layers)]
+        return cls(conv, rec, cfg)
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (*self.conv, *self.recurrent))
+
+
+@typing.no_type_check
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HybridCache:
+    """What the engine carries for a hybrid model: the attention layers' paged K/V and the
+    DeltaNet layers' state slots. ``config`` and ``stats`` are the paged cache's, so code
+    that reads a ``KVCache``'s page size or fp8 stats reads this alike."""
+
+    kv: typing.Any  # cache.KVCache (not imported: cache.py stays independent of this file)
+    state: DeltaState
+
+    @property
+    def config(self):
+        return self.kv.config
+
+    @property
+    def stats(self):
+        return self.kv.stats
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.state.nbytes()

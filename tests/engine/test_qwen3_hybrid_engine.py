@@ -1,0 +1,122 @@
+"""Qwen3.5/3.6 hybrid MoE through the engine: paged K/V for the attention layers beside
+per-sequence DeltaNet state slots. Greedy generation equals transformers (float32 cache) and
+the engine's own teacher-forced path (fp8 e4m3 and bf16 caches, float64 check mode); a pool
+small enough to force preemption gives the same tokens; the planner's capacity is the byte
+model exactly; the scheduler's state slots follow the pages; prefix caching and unsupported
+settings are refused at construction."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jfp8kv.kvcache.cache import bytes_per_token
+from jfp8kv.kvcache.state_pool import bytes_per_slot, state_config
+from jfp8kv.models.loader import load_model
+from tests.models.test_parity import GREEDY, assert_llm_matches_transformers, small_llm
+from tests.models.test_qwen3_hybrid import hybrid_checkpoint  # noqa: F401 (fixture)
+from tests.x64 import x64
+
+
+def _llm(loaded, **kw):
+    return small_llm(loaded, **{"max_num_seqs": 4, **kw})
+
+
+def test_float32_cache_matches_transformers(hybrid_checkpoint):  # noqa: F811
+    llm = _llm(load_model(str(hybrid_checkpoint), "float32"))
+    assert llm.cache_info()["enable_prefix_caching"] is False
+    assert_llm_matches_transformers(llm, hybrid_checkpoint)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bfloat16"])
+def test_decode_equals_teacher_forcing_in_float64(hybrid_checkpoint, kv):  # noqa: F811
+    """fp8 (token scales) and bf16 caches in the float64 check mode: greedy decode equals
+    the argmax of the engine's teacher-forced logits, chunked prefill equals one-shot."""
+    with x64():
+        loaded = load_model(str(hybrid_checkpoint), "float64")
+        cfg = loaded.config  # a float64 state too: no float32 rounding between chunks
+        cfg = dataclasses.replace(cfg, hybrid=dataclasses.replace(cfg.hybrid,
+                                                                  state_dtype="float64"))
+        llm = _llm(dataclasses.replace(loaded, config=cfg), dtype="float64", kv_cache_dtype=kv)
+        assert llm.cache_info()["kv_scale_mode"] == ("token" if kv == "fp8_e4m3" else None)
+        rng = np.random.default_rng()
+        prompts = [rng.integers(3, 320, n).tolist() for n in (5, 23)]
+        for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
+            full = p + o.token_ids
+            one_shot, lg = llm.nll(full, chunk_size=128, return_logits=True)
+            np.testing.assert_allclose(llm.nll(full, chunk_size=6), one_shot, rtol=1e-9,
+                                       atol=1e-9)
+            assert lg[len(p) - 1:].argmax(-1).tolist() == o.token_ids
+
+
+def test_preemption_recomputes_the_state(hybrid_checkpoint):  # noqa: F811
+    loaded = load_model(str(hybrid_checkpoint), "float32")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 320, n).tolist() for n in (30, 41, 26, 35)]
+    want = [o.token_ids for o in _llm(loaded).generate(prompts, GREEDY)]
+    # 2 attention layers x 2 KV heads x 32 dims x 4 bytes x (K, V) = 1024 bytes per token;
+    # 4 sequences of ~50 tokens need ~13 pages of 16; give the pages 8 (and the state).
+    state = 6 * bytes_per_slot(state_config(loaded.config.hybrid, 6))  # max_num_seqs + 2
+    small = _llm(loaded, kv_cache_memory=state + 8 * 16 * 1024, max_model_len=64)
+    assert small.cache_info()["num_pages"] == 8
+    outs = small.generate(prompts, GREEDY)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("dtype,mode", [("fp8_e4m3", "token"), ("fp8_e4m3", "block"),
+                                        ("auto", None)])
+def test_capacity_is_the_byte_model(hybrid_checkpoint, dtype, mode):  # noqa: F811
+    loaded = load_model(str(hybrid_checkpoint), "float32")
+    memory = 300_000
+    info = _llm(loaded, kv_cache_dtype=dtype, kv_scale_mode=mode,
+                kv_cache_memory=memory).cache_info()
+    cfg = loaded.config
+    bpt = bytes_per_token(2, cfg.num_kv_heads, cfg.head_dim, info["storage_dtype"], mode)
+    slots = 4 + 2  # max_num_seqs sequences, the padding slot and the nll scratch slot
+    per_slot = 2 * (3 * (2 * 2 * 16 + 4 * 16) + 4 * 16 * 16) * 4  # conv + recurrent, fp32
+    assert info["bytes_per_token"] == bpt and info["state_bytes_per_slot"] == per_slot
+    assert info["state_pool_bytes"] == slots * per_slot
+    assert info["num_pages"] == (memory - slots * per_slot) // (16 * bpt)
+    assert info["kv_pool_bytes"] == (info["num_pages"] + 1) * 16 * bpt
+    assert info["pool_bytes"] == info["kv_pool_bytes"] + info["state_pool_bytes"]
+    assert (info["full_attention_layers"], info["linear_attention_layers"]) == (2, 2)
+
+
+def test_refused_settings(hybrid_checkpoint):  # noqa: F811
+    loaded = load_model(str(hybrid_checkpoint), "float32")
+    with pytest.raises(ValueError, match="kv_scale_mode='token'"):
+        _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_scale_mode="tensor")
+    with pytest.raises(ValueError, match="'none' or 'hadamard'"):
+        _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_rotation="smooth")
+    with pytest.raises(ValueError, match="DeltaNet state"):
+        _llm(loaded, kv_cache_memory=10_000)
+
+
+def test_scheduler_state_slots_follow_the_pages():
+    """Random traffic on a tight pool: every running sequence holds one state slot of
+    1..max_num_seqs, no two the same, and slots come back with the pages (finish,
+    preemption), so the free list and the running slots always partition them."""
+    import random
+
+    from tests.engine.test_scheduler import check_pages, run_step, seq
+    from jfp8kv.engine.scheduler import Scheduler
+    from jfp8kv.kvcache.allocator import PageAllocator
+
+    rnd = random.Random()
+    s = Scheduler(PageAllocator(9), 4, 32, 3, 16, 1, enable_prefix_caching=False,
+                  state_slots=3)
+    assert s.scratch_state_slot == 4
+    for i in range(10):
+        s.add(seq(f"r{i}", rnd.randint(12, 16), max_tokens=8))  # two outgrow the pool
+    preempted = 0
+    while s.has_work():
+        preempted += len(run_step(s).preempted)
+        held = [q.state_slot for q in s.running]
+        assert all(1 <= x <= 3 for x in held) and len(set(held)) == len(held)
+        assert sorted(held + s._free_states) == [1, 2, 3]
+        assert all(q.state_slot == 0 for q in s.waiting)
+        check_pages(s)
+    assert preempted > 0
+    with pytest.raises(ValueError, match="state_slots"):
+        Scheduler(PageAllocator(12), 4, 32, 3, 16, 1, state_slots=2)
