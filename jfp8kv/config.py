@@ -11,6 +11,7 @@ from typing import Any
 
 from jfp8kv.config_fields import (MLA_FAMILIES, RopeScaling, YarnScaling, llama3_scaling,
                                   mla_fields, moe_fields, yarn_scaling)
+from jfp8kv.config_v4 import V4_FAMILY, V4Fields, v4_fields
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV4ForCausalLM": V4_FAMILY,
 }
 
 
@@ -72,6 +74,8 @@ class ModelConfig:
     topk_method: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
+    # DeepSeek-V4 (family deepseek_v4): window / CSA / HCA schedule and V4-only shapes.
+    v4: V4Fields | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -125,6 +129,8 @@ class ModelConfig:
         rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         rope_scaling = None
         rope_theta = float(cfg.get("rope_theta", 10000.0))
+        if family == V4_FAMILY:  # main RoPE plain; the compressed layers' lives in v4
+            rs = None
         if isinstance(rs, dict):
             rope_theta = float(rs.get("rope_theta", rope_theta))
             rtype = rs.get("rope_type", rs.get("type"))
@@ -143,13 +149,14 @@ class ModelConfig:
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size", cfg.get("moe_intermediate_size")),
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             # MLA caches no KV heads: config.json's count means nothing there.
-            num_kv_heads=num_heads if family in MLA_FAMILIES else (
-                cfg.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim,
+            **({} if family == V4_FAMILY else dict(
+                num_kv_heads=num_heads if family in MLA_FAMILIES else (
+                    cfg.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -162,6 +169,7 @@ class ModelConfig:
             name=name,
             **(moe_fields(cfg) if family == "qwen3_moe" else {}),
             **(mla_fields(cfg, family) if family in MLA_FAMILIES else {}),
+            **(v4_fields(cfg) if family == V4_FAMILY else {}),
         )
 
 

@@ -1,0 +1,111 @@
+"""DeepSeek-V4 reference forward against transformers' DeepseekV4ForCausalLM (float32, CPU).
+
+A tiny random V4 (window-only, CSA and HCA layers; hash-routed and score-routed MoE; mHC with
+2 streams; grouped output projection; YaRN on the compressed layers; every parameter drawn
+at a visible scale, sinks and position biases included) is run by transformers without a
+cache; ``jfp8kv.models.deepseek_v4.forward`` on the same weights must give the same logits
+for a one-shot prefill, and token-by-token decode / uneven chunks must give the same logits
+as the one-shot prefill (the compressor state carried between calls is exact).
+The indexer has 16 heads: an entry whose every head score is clipped by the ReLU scores
+exactly 0, and torch and XLA break such top-k ties differently (both valid).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfp8kv.config import ModelConfig
+from jfp8kv.models import deepseek_v4 as dv4
+
+torch = pytest.importorskip("torch")
+
+TINY = dict(vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, head_dim=32, q_lora_rank=32, qk_rope_head_dim=16,
+            num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=16,
+            index_n_heads=16, index_head_dim=32, index_topk=3, sliding_window=6,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            layer_types=["sliding_attention", "compressed_sparse_attention",
+                         "heavily_compressed_attention", "compressed_sparse_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=2,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 64})
+
+
+def tiny_hf_model(seed: int, **overrides):
+    """transformers' V4 at TINY shapes, every tensor redrawn (tid2eid: random experts)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = DeepseekV4Config(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("scale", "sinks", "position_bias", "base")):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[
+                    :cfg.num_experts_per_tok] for _ in range(cfg.vocab_size)]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def ours(model):
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        model.config.save_pretrained(d)
+        cfg = ModelConfig.from_hf_dict(json.load(open(f"{d}/config.json")))
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return cfg, dv4.params_from_hf(sd.__getitem__, cfg)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids), use_cache=False).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_hf_model(0)
+    cfg, params = ours(model)
+    return model, cfg, params
+
+
+def test_config_parses_schedule(tiny):
+    _, cfg, _ = tiny
+    assert cfg.family == "deepseek_v4" and cfg.num_kv_heads == 1 and cfg.head_dim == 32
+    assert cfg.v4.compress_ratios == (0, 4, 8, 4)
+    assert cfg.v4.hash_layers == (True, False, False, False)
+    assert cfg.v4.compress_rope.factor == 4.0 and cfg.v4.compress_rope.attention_factor == 1.0
+
+
+def test_prefill_matches_transformers(tiny):
+    model, cfg, params = tiny
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg.vocab_size, (2, 37))
+    want = hf_logits(model, ids)
+    got, _ = dv4.forward(params, dv4.init_state(cfg, 2), jnp.asarray(ids), cfg)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+
+
+def test_decode_matches_prefill(tiny):
+    model, cfg, params = tiny
+    rng = np.random.default_rng(2)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 30)))
+    full, _ = dv4.forward(params, dv4.init_state(cfg, 1), ids, cfg)
+    for chunks in ([5, 1, 1, 9, 3, 1, 1, 1, 8], [1] * 30):
+        state, outs, at = dv4.init_state(cfg, 1), [], 0
+        for c in chunks:
+            out, state = dv4.forward(params, state, ids[:, at:at + c], cfg)
+            outs.append(out)
+            at += c
+        np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
