@@ -22,6 +22,7 @@ compressor / indexer ``CompressorState``: exactly what the paged pools hold per 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -33,22 +34,25 @@ from jfp8kv.models import v4_attention as va
 from jfp8kv.models import v4_blocks as vb
 
 
-def init_state(cfg: ModelConfig, batch: int, dtype=jnp.float32) -> dict[str, Any]:
-    """The state of ``batch`` empty sequences: ``pos`` 0 and per layer an empty window and
-    (CSA / HCA) empty compressor and indexer states. Compressor state stays float32 (or
-    float64): it is an accumulator, not storage."""
+def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """The state of ``batch`` empty sequences that may grow to ``max_len`` tokens: ``pos`` 0
+    and per layer the last W-1 window rows [B, W-1, hd] (row j holds position pos-W+1+j)
+    and (CSA / HCA) the compressor and indexer ``CompressorState``s. Compressor state is
+    float32 (or float64): it is an accumulator, not storage."""
     v4, hd = cfg.v4, cfg.head_dim
     sdt = jnp.promote_types(dtype, jnp.float32)
     layers = []
     for i in range(cfg.num_layers):
         kind, m = v4.layer_kind(i), v4.compress_ratios[i]
-        ls = {"window": jnp.zeros((batch, 0, hd), dtype)}
+        ls = {"window": jnp.zeros((batch, v4.sliding_window - 1, hd), dtype)}
         if kind != "window":
-            ls["compressor"] = va.empty_compressor(batch, hd, m, kind == "csa", sdt)
+            ls["compressor"] = va.empty_compressor(batch, hd, m, kind == "csa", max_len // m,
+                                                   sdt)
         if kind == "csa":
-            ls["indexer"] = va.empty_compressor(batch, v4.index_head_dim, m, True, sdt)
+            ls["indexer"] = va.empty_compressor(batch, v4.index_head_dim, m, True,
+                                                max_len // m, sdt)
         layers.append(ls)
-    return {"pos": 0, "layers": layers}
+    return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
 
 
 def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
@@ -62,20 +66,20 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
     q = vb.rope(q, positions, freqs)
     kv = vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
                  positions, freqs)
+    pos = positions[0, 0]
     keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
-    key_pos = positions[:, :1] - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
-    mask = va.window_mask(positions, key_pos, v4.sliding_window)
-    new_ls = {"window": keys[:, -(v4.sliding_window - 1):] if v4.sliding_window > 1
-              else keys[:, :0]}
+    key_pos = pos - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
+    mask = va.window_mask(positions, key_pos, v4.sliding_window) & (key_pos >= 0)[:, None]
+    new_ls = {"window": keys[:, keys.shape[1] - ls["window"].shape[1]:]}
     if kind != "window":
         cp = lp["compressor"]
-        cs = va.compress(ls["compressor"], vb.linear(h, cp["wkv"]), vb.linear(h, cp["wgate"]),
+        cs = va.compress(ls["compressor"], pos, vb.linear(h, cp["wkv"]), vb.linear(h, cp["wgate"]),
                          cp, cfg.rms_norm_eps, freqs)
         new_ls["compressor"] = cs
         m = cp["bias"].shape[0]
         if kind == "csa":
             ip = lp["indexer"]
-            ist = va.compress(ls["indexer"], vb.linear(h, ip["wkv"]),
+            ist = va.compress(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
                               vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs)
             new_ls["indexer"] = ist
             chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs)
@@ -88,9 +92,10 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
     return vb.grouped_output(out, lp, cfg), new_ls
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
 def forward(params, state, tokens, cfg: ModelConfig):
     """tokens int [B, T] continuing ``state`` -> (logits [B, T, V] float32-or-wider, state).
-    Not jitted as a whole (state shapes grow); each piece is plain jnp."""
+    Jitted with ``cfg`` static; state shapes are fixed, so one compile per chunk length."""
     b, t = tokens.shape
     v4 = cfg.v4
     positions = jnp.broadcast_to(state["pos"] + jnp.arange(t), (b, t))

@@ -22,6 +22,7 @@ window. Prefill, extend and decode are the same call with chunks of any length.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -33,11 +34,13 @@ from jfp8kv.models.v4_blocks import linear, rope, unweighted_rms_norm
 
 
 class CompressorState(NamedTuple):
-    """Per-sequence compressor state (batch B). ``buf_kv``/``buf_gate`` [B, r, c]: the r < m
-    projected source tokens of the open window (c = 2*d with overlap, else d; gate without
-    bias); ``prev_kv``/``prev_gate`` [B, m, d]: the last closed window's first half
-    (gate with bias; zeros / -inf before any window closed, or None without overlap);
-    ``entries`` [B, N, d]: every compressed entry emitted so far."""
+    """Per-sequence compressor state of B sequences that have seen ``pos`` tokens (the
+    caller's counter): ``buf_kv``/``buf_gate`` [B, m, c]: the pos % m projected source
+    tokens of the open window in the leading rows (c = 2*d with overlap, else d; gate
+    without bias); ``prev_kv``/``prev_gate`` [B, m, d]: the last closed window's first half
+    (gate with bias; zeros / -inf before any window closed; None without overlap);
+    ``entries`` [B, capacity, d]: the pos // m compressed entries emitted so far in the
+    leading rows. Fixed shapes, so one compiled step serves every decode position."""
 
     buf_kv: jax.Array
     buf_gate: jax.Array
@@ -46,49 +49,74 @@ class CompressorState(NamedTuple):
     entries: jax.Array
 
 
-def empty_compressor(batch: int, d: int, m: int, overlap: bool, dtype) -> CompressorState:
-    """The state of a sequence with no tokens yet."""
+def empty_compressor(batch: int, d: int, m: int, overlap: bool, capacity: int,
+                     dtype) -> CompressorState:
+    """The state of a sequence with no tokens yet, room for ``capacity`` entries."""
     c = 2 * d if overlap else d
     prev_kv = jnp.zeros((batch, m, d), dtype) if overlap else None
     prev_gate = jnp.full((batch, m, d), -jnp.inf, dtype) if overlap else None
-    return CompressorState(jnp.zeros((batch, 0, c), dtype), jnp.zeros((batch, 0, c), dtype),
-                           prev_kv, prev_gate, jnp.zeros((batch, 0, d), dtype))
+    return CompressorState(jnp.zeros((batch, m, c), dtype), jnp.zeros((batch, m, c), dtype),
+                           prev_kv, prev_gate, jnp.zeros((batch, capacity, d), dtype))
 
 
-def compress(state: CompressorState, kv, gate, cp, eps: float, inv_freq):
-    """Feed kv/gate [B, T, c] (projections of T new tokens) to the compressor: close every
-    full window, emit its entry; returns the new state (``entries`` includes the new ones).
-    ``cp``: bias [m, c] (per slot in window), norm [d]."""
+def _pool(wkv, wgate, prev_kv, prev_gate, d: int, overlap: bool):
+    """Entries [B, K, d] (before norm / RoPE) of K consecutive windows [B, K, m, c] whose
+    gates already carry the bias; with overlap each entry also pools the previous window's
+    first half (``prev_*`` for window 0). Returns (pooled, first halves [B, K, m, d] x2)."""
+    if not overlap:
+        return jnp.sum(wkv * jax.nn.softmax(wgate, 2), 2), None, None
+    pk = jnp.concatenate([prev_kv[:, None], wkv[:, :-1, :, :d]], 1)
+    pg = jnp.concatenate([prev_gate[:, None], wgate[:, :-1, :, :d]], 1)
+    slot_kv = jnp.concatenate([pk, wkv[..., d:]], 2)
+    slot_gate = jnp.concatenate([pg, wgate[..., d:]], 2)
+    return (jnp.sum(slot_kv * jax.nn.softmax(slot_gate, 2), 2), wkv[..., :d], wgate[..., :d])
+
+
+def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq):
+    """Feed kv/gate [B, T, c] (projections of the T tokens after the first ``pos``, a traced
+    scalar) to the compressor: every window that closes emits its entry; returns the new
+    state. ``cp``: bias [m, c] (per slot in window), norm [d]. Static shapes: the
+    ceil-bounded K = T // m + 1 candidate windows are all pooled, the closed ones kept."""
     m, c = cp["bias"].shape
     d = cp["norm"].shape[0]
     overlap = c == 2 * d
-    kv = jnp.concatenate([state.buf_kv, kv], 1)
-    gate = jnp.concatenate([state.buf_gate, gate], 1)
-    b, total = kv.shape[:2]
-    n_new = total // m
-    used = n_new * m
-    if n_new == 0:
-        return state._replace(buf_kv=kv, buf_gate=gate)
+    b, t = kv.shape[:2]
     acc = acc_dtype(kv.dtype)
-    wkv = kv[:, :used].reshape(b, n_new, m, c).astype(acc)
-    wgate = gate[:, :used].reshape(b, n_new, m, c).astype(acc) + cp["bias"].astype(acc)
+    k_max = t // m + 1
+    r = pos % m
+    room = jnp.zeros((b, (k_max + 1) * m, c), acc)
+
+    def line_up(buf, new):  # open window's rows, then the new tokens, from row 0
+        out = jax.lax.dynamic_update_slice(room, buf.astype(acc), (0, 0, 0))
+        return jax.lax.dynamic_update_slice(out, new.astype(acc), (0, r, 0))
+
+    skv, sgate = line_up(state.buf_kv, kv), line_up(state.buf_gate, gate)
+    closed = (r + t) // m
+    wkv = skv[:, :k_max * m].reshape(b, k_max, m, c)
+    wgate = sgate[:, :k_max * m].reshape(b, k_max, m, c) + cp["bias"].astype(acc)
     prev_kv, prev_gate = state.prev_kv, state.prev_gate
-    if overlap:  # slots: previous window's first half, this window's second half
-        pk = jnp.concatenate([prev_kv.astype(acc)[:, None], wkv[:, :-1, :, :d]], 1)
-        pg = jnp.concatenate([prev_gate.astype(acc)[:, None], wgate[:, :-1, :, :d]], 1)
-        slot_kv = jnp.concatenate([pk, wkv[..., d:]], 2)
-        slot_gate = jnp.concatenate([pg, wgate[..., d:]], 2)
-        prev_kv = wkv[:, -1, :, :d].astype(state.prev_kv.dtype)
-        prev_gate = wgate[:, -1, :, :d].astype(state.prev_gate.dtype)
-    else:
-        slot_kv, slot_gate = wkv, wgate
-    pooled = jnp.sum(slot_kv * jax.nn.softmax(slot_gate, 2), 2).astype(kv.dtype)
-    pooled = rms_norm(pooled, cp["norm"], eps)
-    first = state.entries.shape[1]
-    pos = jnp.broadcast_to((first + jnp.arange(n_new)) * m, (b, n_new))
-    new = rope(pooled, pos, inv_freq)
-    return CompressorState(kv[:, used:], gate[:, used:], prev_kv, prev_gate,
-                           jnp.concatenate([state.entries, new.astype(state.entries.dtype)], 1))
+    pooled, first_kv, first_gate = _pool(
+        wkv, wgate, None if prev_kv is None else prev_kv.astype(acc),
+        None if prev_gate is None else prev_gate.astype(acc), d, overlap)
+    if overlap:
+        last = jnp.maximum(closed - 1, 0)
+        take = functools.partial(jax.lax.dynamic_index_in_dim, index=last, axis=1,
+                                 keepdims=False)
+        prev_kv = jnp.where(closed > 0, take(first_kv), prev_kv.astype(acc)).astype(
+            state.prev_kv.dtype)
+        prev_gate = jnp.where(closed > 0, take(first_gate), prev_gate.astype(acc)).astype(
+            state.prev_gate.dtype)
+    first = pos // m
+    pooled = rms_norm(pooled.astype(kv.dtype), cp["norm"], eps)
+    idx = first + jnp.arange(k_max)
+    new = rope(pooled, jnp.broadcast_to(idx * m, (b, k_max)), inv_freq)
+    cap = state.entries.shape[1]
+    rows = jnp.where(jnp.arange(k_max) < closed, idx, cap)  # out of range: dropped
+    entries = state.entries.at[:, rows].set(new.astype(state.entries.dtype), mode="drop")
+    tail = jax.lax.dynamic_slice_in_dim
+    return CompressorState(tail(skv, closed * m, m, 1).astype(state.buf_kv.dtype),
+                           tail(sgate, closed * m, m, 1).astype(state.buf_gate.dtype),
+                           prev_kv, prev_gate, entries)
 
 
 def visible_entries(positions, n_entries: int, m: int):

@@ -10,6 +10,7 @@ documented in ``jfp8kv.models.deepseek_v4``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +68,15 @@ def _sinkhorn(logits, iters: int, eps: float):
     alternate column and row normalization (columns first and last)."""
     comb = jax.nn.softmax(logits, -1) + eps
     comb = comb / (jnp.sum(comb, -2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, -1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, -2, keepdims=True) + eps)
-    return comb
+
+    def step(_, c):
+        c = c / (jnp.sum(c, -1, keepdims=True) + eps)
+        return c / (jnp.sum(c, -2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
 def hc_pre(streams, hp, cfg: ModelConfig):
     """mHC entry on streams [B, T, n, D]: returns (collapsed [B, T, D], post [B, T, n],
     comb [B, T, n, n]). ``hp``: fn [n*D, (2+n)*n], base [(2+n)*n], scale [3]."""
@@ -90,6 +94,7 @@ def hc_pre(streams, hp, cfg: ModelConfig):
     return collapsed, post, comb
 
 
+@jax.jit
 def hc_post(streams, block_out, post, comb):
     """mHC exit: new stream k = post_k * block_out + sum_j comb[j, k] * streams_j."""
     acc = post.dtype
@@ -97,6 +102,7 @@ def hc_post(streams, block_out, post, comb):
     return (post[..., None] * block_out.astype(acc)[:, :, None] + mixed).astype(streams.dtype)
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
 def hc_head(streams, hp, cfg: ModelConfig):
     """Final collapse of streams [B, T, n, D] to [B, T, D] (sigmoid mixing weights + eps).
     ``hp``: fn [n*D, n], base [n], scale [1]."""
@@ -132,6 +138,7 @@ def _clamped_swiglu(gate, up, limit: float):
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "is_hash"))
 def moe(h, token_ids, lp, cfg: ModelConfig, is_hash: bool):
     """V4 MoE block on h [B, T, D] (normalized): routed experts chosen by score top-k over
     scores + router_bias, or (``is_hash``) by the frozen table tid2eid [V, k] at the token

@@ -93,7 +93,7 @@ def test_prefill_matches_transformers(tiny):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg.vocab_size, (2, 37))
     want = hf_logits(model, ids)
-    got, _ = dv4.forward(params, dv4.init_state(cfg, 2), jnp.asarray(ids), cfg)
+    got, _ = dv4.forward(params, dv4.init_state(cfg, 2, 64), jnp.asarray(ids), cfg)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
 
 
@@ -101,9 +101,9 @@ def test_decode_matches_prefill(tiny):
     model, cfg, params = tiny
     rng = np.random.default_rng(2)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 30)))
-    full, _ = dv4.forward(params, dv4.init_state(cfg, 1), ids, cfg)
-    for chunks in ([5, 1, 1, 9, 3, 1, 1, 1, 8], [1] * 30):
-        state, outs, at = dv4.init_state(cfg, 1), [], 0
+    full, _ = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids, cfg)
+    for chunks in ([7] + [1] * 6 + [7] + [1] * 10,):
+        state, outs, at = dv4.init_state(cfg, 1, 64), [], 0
         for c in chunks:
             out, state = dv4.forward(params, state, ids[:, at:at + c], cfg)
             outs.append(out)
