@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
+from jfp8kv.kvcache import v4_pools
 from jfp8kv.models import v4_attention as va
 from jfp8kv.models import v4_blocks as vb
 
@@ -55,8 +56,18 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
 
 
-def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
-    """One layer's attention on h [B, T, D] (normalized); returns (out [B, T, D], state)."""
+def _pooled(storage: str | None):
+    """Rows as the window / compressed (``storage``) or indexer pools give them back."""
+    if storage is None:
+        return lambda x: x, lambda x: x
+    return ((lambda x: v4_pools.read_rows(*v4_pools.store_rows(x, storage), x.dtype)),
+            (lambda x: x.astype(v4_pools.INDEXER_DTYPE).astype(x.dtype)))
+
+
+def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage):
+    """One layer's attention on h [B, T, D] (normalized); returns (out [B, T, D], state).
+    Rows are stored first (rounded as their pools hold them), then attended."""
+    store, store_index = _pooled(storage)
     b, t = h.shape[:2]
     hd, v4 = cfg.head_dim, cfg.v4
     freqs = inv["main" if kind == "window" else "compress"]
@@ -64,8 +75,8 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
     q = vb.unweighted_rms_norm(vb.linear(q_res, lp["wq_b"]).reshape(b, t, -1, hd),
                                cfg.rms_norm_eps)
     q = vb.rope(q, positions, freqs)
-    kv = vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
-                 positions, freqs)
+    kv = store(vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
+                       positions, freqs))
     pos = positions[0, 0]
     keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
     key_pos = pos - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
@@ -74,13 +85,14 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
     if kind != "window":
         cp = lp["compressor"]
         cs = va.compress(ls["compressor"], pos, vb.linear(h, cp["wkv"]), vb.linear(h, cp["wgate"]),
-                         cp, cfg.rms_norm_eps, freqs)
+                         cp, cfg.rms_norm_eps, freqs, store)
         new_ls["compressor"] = cs
         m = cp["bias"].shape[0]
         if kind == "csa":
             ip = lp["indexer"]
             ist = va.compress(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
-                              vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs)
+                              vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
+                              store_index)
             new_ls["indexer"] = ist
             chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs)
         else:
@@ -92,10 +104,13 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv):
     return vb.grouped_output(out, lp, cfg), new_ls
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def forward(params, state, tokens, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "storage"))
+def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None):
     """tokens int [B, T] continuing ``state`` -> (logits [B, T, V] float32-or-wider, state).
-    Jitted with ``cfg`` static; state shapes are fixed, so one compile per chunk length."""
+    ``storage``: None (rows kept in the compute dtype: the exact twin of transformers), or
+    the window / compressed pools' dtype ("bfloat16", "float8_e4m3fn": e4m3 with per-32
+    float16 scales), the indexer then bf16 (``jfp8kv.kvcache.v4_pools``). Jitted with
+    ``cfg`` / ``storage`` static; state shapes are fixed: one compile per chunk length."""
     b, t = tokens.shape
     v4 = cfg.v4
     positions = jnp.broadcast_to(state["pos"] + jnp.arange(t), (b, t))
@@ -107,7 +122,7 @@ def forward(params, state, tokens, cfg: ModelConfig):
         kind = v4.layer_kind(i)
         col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
         a, ls = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
-                           state["layers"][i], positions, cfg, kind, inv)
+                           state["layers"][i], positions, cfg, kind, inv, storage)
         new_layers.append(ls)
         streams = vb.hc_post(streams, a, post, comb)
         col, post, comb = vb.hc_pre(streams, lp["hc_ffn"], cfg)

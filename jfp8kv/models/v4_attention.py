@@ -72,10 +72,11 @@ def _pool(wkv, wgate, prev_kv, prev_gate, d: int, overlap: bool):
     return (jnp.sum(slot_kv * jax.nn.softmax(slot_gate, 2), 2), wkv[..., :d], wgate[..., :d])
 
 
-def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq):
+def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
+             store=lambda x: x):
     """Feed kv/gate [B, T, c] (projections of the T tokens after the first ``pos``, a traced
-    scalar) to the compressor: every window that closes emits its entry; returns the new
-    state. ``cp``: bias [m, c] (per slot in window), norm [d]. Static shapes: the
+    scalar) to the compressor: every window that closes emits its entry, rounded by
+    ``store`` as its pool holds it; returns the new state. ``cp``: bias [m, c] (per slot in window), norm [d]. Static shapes: the
     ceil-bounded K = T // m + 1 candidate windows are all pooled, the closed ones kept."""
     m, c = cp["bias"].shape
     d = cp["norm"].shape[0]
@@ -112,7 +113,7 @@ def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq):
     new = rope(pooled, jnp.broadcast_to(idx * m, (b, k_max)), inv_freq)
     cap = state.entries.shape[1]
     rows = jnp.where(jnp.arange(k_max) < closed, idx, cap)  # out of range: dropped
-    entries = state.entries.at[:, rows].set(new.astype(state.entries.dtype), mode="drop")
+    entries = state.entries.at[:, rows].set(store(new).astype(state.entries.dtype), mode="drop")
     tail = jax.lax.dynamic_slice_in_dim
     return CompressorState(tail(skv, closed * m, m, 1).astype(state.buf_kv.dtype),
                            tail(sgate, closed * m, m, 1).astype(state.buf_gate.dtype),

@@ -88,6 +88,27 @@ def test_config_parses_schedule(tiny):
     assert cfg.v4.compress_rope.factor == 4.0 and cfg.v4.compress_rope.attention_factor == 1.0
 
 
+def test_both_config_spellings_agree(tiny, tmp_path):
+    """DeepSeek's own config.json spelling (compress_ratios, num_hash_layers, flat YaRN
+    rope_scaling; the ``deepseek-v4-tiny`` preset) parses to what transformers' saved config
+    gives; the engine refuses V4 with a message naming the reference path."""
+    from jfp8kv.models.loader import load_model
+    from jfp8kv.models.v4_presets import v4_config
+
+    model, cfg, _ = tiny
+    own = v4_config("deepseek-v4-tiny")
+    assert own.v4 == cfg.v4
+    for field in ("head_dim", "qk_rope_head_dim", "q_lora_rank", "num_experts",
+                  "moe_intermediate_size", "routed_scaling_factor", "rope_theta"):
+        assert getattr(own, field) == getattr(cfg, field), field
+    model.save_pretrained(tmp_path)
+    for name in ("random:deepseek-v4-tiny", str(tmp_path)):
+        with pytest.raises(ValueError, match="does not serve it yet"):
+            load_model(name, "float32")
+    with pytest.raises(ValueError, match="deepseek-v4-flash-<N>l"):
+        load_model("random:deepseek-v4-huge", "float32")
+
+
 def test_prefill_matches_transformers(tiny):
     model, cfg, params = tiny
     rng = np.random.default_rng(1)
@@ -109,3 +130,38 @@ def test_decode_matches_prefill(tiny):
             outs.append(out)
             at += c
         np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_pools_round_like_fakequant(tiny):
+    """fp8 storage: layer 0's window rows are the exact rows fake-quantized by the
+    independent ``bench.fakequant`` (e4m3, per-32 float16 scales); every closed compressed
+    entry likewise; and decode over fp8 pools equals one-shot prefill over fp8 pools."""
+    from bench import fakequant
+    from jfp8kv.models import v4_attention as va
+    from jfp8kv.models.deepseek_v4 import _pooled
+
+    _, cfg, params = tiny
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 30)))  # shapes of the test above
+    exact_state = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids, cfg)[1]
+    f8 = "float8_e4m3fn"
+    full, f8_state = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids, cfg, storage=f8)
+    want = fakequant.fake_quant_rows(np.asarray(exact_state["layers"][0]["window"])[:, None],
+                                     "fp8_e4m3", "block")[:, 0]
+    np.testing.assert_array_equal(np.asarray(f8_state["layers"][0]["window"]), want)
+
+    cp = params["layers"][2]["compressor"]  # HCA, m = 8: 3 windows close
+    kv, gate = (jnp.asarray(rng.standard_normal((1, 27, 32)), jnp.float32) for _ in range(2))
+    inv = np.asarray([0.5 ** i for i in range(8)])
+    empty = va.empty_compressor(1, 32, 8, False, 8, jnp.float32)
+    exact = va.compress(empty, jnp.int32(0), kv, gate, cp, 1e-6, inv).entries
+    stored = va.compress(empty, jnp.int32(0), kv, gate, cp, 1e-6, inv, _pooled(f8)[0]).entries
+    np.testing.assert_array_equal(
+        np.asarray(stored[:, :3]),
+        fakequant.fake_quant_rows(np.asarray(exact[:, None, :3]), "fp8_e4m3", "block")[:, 0])
+
+    state, outs = dv4.init_state(cfg, 1, 64), []
+    for at, c in [(0, 7)] + [(7 + i, 1) for i in range(23)]:
+        out, state = dv4.forward(params, state, ids[:, at:at + c], cfg, storage=f8)
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
