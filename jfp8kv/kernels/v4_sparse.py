@@ -1,0 +1,168 @@
+"""DeepSeek-V4 decode kernels on the Pallas Triton backend, each with its jnp twin: sparse
+attention over a sequence's window rows plus its top-k compressed entries (with the per-head
+sink), and the lightning indexer's scores.
+
+Contract
+--------
+``sparse_decode(q, win, win_scale, win_len, comp, comp_scale, idx, sinks, sm_scale,
+interpret=False) -> out`` equals ``sparse_decode_reference`` (same arguments):
+
+* q [B, H, D] float32 decode queries (one per sequence, RoPE applied).
+* win [B, W, D]: the sequence's window rows (the pool's ring, oldest first); the last
+  win_len[b] rows are visible, the rest are never read (NaN there must not matter).
+* comp [N, D]: the compressed pool's rows, flat; idx int32 [B, K]: the entries the query
+  attends (-1: none; a CSA layer's indexer top-k, an HCA layer's closed entries).
+* win_scale / comp_scale [.., D/32] float16: fp8 rows' per-32 block scales
+  (``scale_modes.BLOCK``), dequantized in the kernel as value * scale per 32-column block;
+  None for bf16 / f32 rows.
+* sinks [H] float32: each head's sink logit joins the softmax and carries no value.
+* out [B, H, D] float32 = sum_j p_j row_j, p = softmax([q.row_j * sm_scale | sink]).
+* Static: sm_scale, interpret. Nothing is donated. D must be a multiple of 32.
+
+``indexer_scores(q, w, keys, interpret=False) -> [B, N]`` equals
+``indexer_scores_reference``: sum_h w[b, h] * relu(q[b, h] . keys[b, n]) for q [B, Hi, Di],
+w [B, Hi] (the head weights, scales folded in) and the indexer keys [B, N, Di] (bf16 pool);
+the caller masks unclosed entries and takes the top-k (``jax.lax.top_k``).
+
+Kernel
+------
+One program per sequence. Heads are padded to 16 rows and window / entry rows to 16 (Triton
+dot tiles); the logits and the value sum run per 32-column block so fp8 scales apply to
+their block exactly; masked rows are loaded as zeros (``other=0``) and their logits set to
+-inf, so poisoned rows never reach the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jfp8kv.kernels.tiles import cols, next_pow2
+
+BLOCK = 32
+
+
+def _dequant(rows, scale):
+    x = rows.astype(jnp.float32)
+    if scale is None:
+        return x
+    s = scale.astype(jnp.float32)
+    return (x.reshape(x.shape[:-1] + (s.shape[-1], BLOCK)) * s[..., None]).reshape(x.shape)
+
+
+def sparse_decode_reference(q, win, win_scale, win_len, comp, comp_scale, idx, sinks,
+                            sm_scale: float):
+    """The jnp twin (see module contract)."""
+    wv = _dequant(win, win_scale)
+    w_ok = jnp.arange(win.shape[1])[None] >= win.shape[1] - win_len[:, None]  # [B, W]
+    safe = jnp.maximum(idx, 0)
+    cv = _dequant(comp[safe], None if comp_scale is None else comp_scale[safe])  # [B, K, D]
+    rows = jnp.concatenate([wv, cv], 1)
+    ok = jnp.concatenate([w_ok, idx >= 0], 1)
+    rows = jnp.where(ok[..., None], rows, 0.0)
+    logits = jnp.where(ok[:, None], jnp.einsum("bhd,bsd->bhs", q, rows) * sm_scale, -jnp.inf)
+    sink = jnp.broadcast_to(sinks[None, :, None], logits.shape[:2] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
+    return jnp.einsum("bhs,bsd->bhd", p, rows)
+
+
+def _decode_kernel(len_ref, idx_ref, sink_ref, q_ref, w_ref, ws_ref, c_ref, cs_ref, o_ref, *,
+                   sm_scale, n_heads, n_win, n_idx, d, scaled):
+    b = pl.program_id(0)
+    hp, wp, kp = q_ref.shape[1], next_pow2(max(n_win, 16)), next_pow2(max(n_idx, 16))
+    h_ok = jnp.arange(hp) < n_heads
+    w_rows = jnp.arange(wp)
+    w_ok = (w_rows < n_win) & (w_rows >= n_win - plgpu.load(len_ref.at[b]))
+    k_pos = jnp.arange(kp)
+    ids = plgpu.load(idx_ref.at[b, k_pos], mask=k_pos < n_idx, other=-1)
+    c_ok = ids >= 0
+    c_rows = jnp.maximum(ids, 0)
+
+    def block(g):
+        c0 = g * BLOCK + cols(BLOCK)
+        wv = plgpu.load(w_ref.at[b, w_rows[:, None], c0], mask=w_ok[:, None],
+                        other=0).astype(jnp.float32)
+        cv = plgpu.load(c_ref.at[c_rows[:, None], c0], mask=c_ok[:, None],
+                        other=0).astype(jnp.float32)
+        if scaled:
+            wv = wv * plgpu.load(ws_ref.at[b, w_rows, g], mask=w_ok,
+                                 other=0).astype(jnp.float32)[:, None]
+            cv = cv * plgpu.load(cs_ref.at[c_rows, g], mask=c_ok,
+                                 other=0).astype(jnp.float32)[:, None]
+        return plgpu.load(q_ref.at[b, jnp.arange(hp)[:, None], c0]), wv, cv
+
+    n_blocks = d // BLOCK
+    lw = jnp.zeros((hp, wp), jnp.float32)
+    lc = jnp.zeros((hp, kp), jnp.float32)
+    for g in range(n_blocks):
+        qg, wv, cv = block(g)
+        lw += plgpu.dot(qg, wv, trans_b=True)
+        lc += plgpu.dot(qg, cv, trans_b=True)
+    lw = jnp.where(w_ok[None], lw * sm_scale, -jnp.inf)
+    lc = jnp.where(c_ok[None], lc * sm_scale, -jnp.inf)
+    sink = plgpu.load(sink_ref.at[jnp.arange(hp)], mask=h_ok, other=0.0)
+    m = jnp.maximum(jnp.maximum(jnp.max(lw, 1), jnp.max(lc, 1)), sink)
+    pw, pc = jnp.exp(lw - m[:, None]), jnp.exp(lc - m[:, None])
+    denom = jnp.sum(pw, 1) + jnp.sum(pc, 1) + jnp.exp(sink - m)
+    for g in range(n_blocks):
+        _, wv, cv = block(g)
+        acc = plgpu.dot(pw, wv) + plgpu.dot(pc, cv)
+        plgpu.store(o_ref.at[b, jnp.arange(hp)[:, None], g * BLOCK + cols(BLOCK)],
+                    acc / denom[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def sparse_decode(q, win, win_scale, win_len, comp, comp_scale, idx, sinks, sm_scale: float,
+                  interpret: bool = False):
+    """The Pallas kernel (see module contract)."""
+    b, h, d = q.shape
+    if d % BLOCK:
+        raise ValueError(f"sparse_decode needs head_dim divisible by {BLOCK}, got {d}; use "
+                         "sparse_decode_reference")
+    hp = next_pow2(max(h, 16))
+    qp = jnp.zeros((b, hp, d), jnp.float32).at[:, :h].set(q.astype(jnp.float32))
+    sp = jnp.zeros((hp,), jnp.float32).at[:h].set(sinks.astype(jnp.float32))
+    scaled = win_scale is not None
+    ws = win_scale if scaled else jnp.zeros((1, 1, 1), jnp.float16)
+    cs = comp_scale if scaled else jnp.zeros((1, 1), jnp.float16)
+    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, n_heads=h,
+                               n_win=win.shape[1], n_idx=idx.shape[1], d=d, scaled=scaled)
+    out = pl.pallas_call(kernel, grid=(b,),
+                         out_shape=jax.ShapeDtypeStruct((b, hp, d), jnp.float32),
+                         interpret=interpret)(win_len.astype(jnp.int32), idx.astype(jnp.int32),
+                                              sp, qp, win, ws, comp, cs)
+    return out[:, :h]
+
+
+def indexer_scores_reference(q, w, keys):
+    """The jnp twin (see module contract)."""
+    s = jax.nn.relu(jnp.einsum("bhd,bnd->bhn", q.astype(jnp.float32),
+                               keys.astype(jnp.float32)))
+    return jnp.einsum("bhn,bh->bn", s, w.astype(jnp.float32))
+
+
+def _scores_kernel(q_ref, w_ref, k_ref, o_ref, *, n_heads, n_keys):
+    b = pl.program_id(0)
+    hp, np_ = q_ref.shape[1], next_pow2(max(n_keys, 16))
+    rows = jnp.arange(np_)
+    keys = plgpu.load(k_ref.at[b, rows[:, None], cols(k_ref.shape[2])],
+                      mask=(rows < n_keys)[:, None], other=0).astype(jnp.float32)
+    s = jnp.maximum(plgpu.dot(q_ref[b], keys, trans_b=True), 0.0)  # [Hp, Np]
+    w = plgpu.load(w_ref.at[b, jnp.arange(hp)], mask=jnp.arange(hp) < n_heads, other=0.0)
+    plgpu.store(o_ref.at[b, rows], jnp.sum(s * w[:, None], 0), mask=rows < n_keys)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def indexer_scores(q, w, keys, interpret: bool = False):
+    """The Pallas kernel (see module contract)."""
+    b, h, d = q.shape
+    hp = next_pow2(max(h, 16))
+    qp = jnp.zeros((b, hp, d), jnp.float32).at[:, :h].set(q.astype(jnp.float32))
+    kernel = functools.partial(_scores_kernel, n_heads=h, n_keys=keys.shape[1])
+    return pl.pallas_call(kernel, grid=(b,),
+                          out_shape=jax.ShapeDtypeStruct((b, keys.shape[1]), jnp.float32),
+                          interpret=interpret)(qp, w.astype(jnp.float32), keys)
