@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
+from jfp8kv.kernels import v4_sparse
 from jfp8kv.kvcache import v4_pools
 from jfp8kv.models import v4_attention as va
 from jfp8kv.models import v4_blocks as vb
@@ -64,9 +65,32 @@ def _pooled(storage: str | None):
             (lambda x: x.astype(v4_pools.INDEXER_DTYPE).astype(x.dtype)))
 
 
-def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage):
+def _decode_kernel(q, keys, n_window: int, entries, chosen, pos, sinks, cfg, kind, interpret):
+    """Decode (T = 1) attention through ``kernels.v4_sparse.sparse_decode``: the window rows
+    keys[:, :n_window] (the last min(pos+1, W) visible) and the entries ``chosen`` marks,
+    passed as indices into the flattened entries."""
+    b, cap = entries.shape[:2]
+    k = cap if kind == "hca" else min(cfg.v4.index_topk, cap)
+    if kind == "window":
+        entries, idx = jnp.zeros((1, cfg.head_dim), keys.dtype), jnp.full((b, 1), -1)
+    else:
+        vals, ids = jax.lax.top_k(chosen[:, 0].astype(jnp.int32), k)
+        idx = jnp.where(vals > 0, ids + cap * jnp.arange(b)[:, None], -1)
+        entries = entries.reshape(b * cap, -1)
+    win_len = jnp.full((b,), jnp.minimum(pos + 1, n_window), jnp.int32)
+    out = v4_sparse.sparse_decode(q[:, 0], keys[:, :n_window], None, win_len, entries, None,
+                                  idx, sinks, cfg.head_dim ** -0.5, interpret=interpret)
+    return out[:, None].astype(q.dtype)
+
+
+def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, backend):
     """One layer's attention on h [B, T, D] (normalized); returns (out [B, T, D], state).
-    Rows are stored first (rounded as their pools hold them), then attended."""
+    Rows are stored first (rounded as their pools hold them), then attended; decode steps
+    take the Pallas kernels unless ``backend`` is "reference"."""
+    kernel = backend != "reference" and h.shape[1] == 1
+    interpret = backend == "pallas_interpret"
+    scorer = (functools.partial(v4_sparse.indexer_scores, interpret=interpret)
+              if kernel else None)
     store, store_index = _pooled(storage)
     b, t = h.shape[:2]
     hd, v4 = cfg.head_dim, cfg.v4
@@ -94,22 +118,33 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage):
                               vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
                               store_index)
             new_ls["indexer"] = ist
-            chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs)
+            chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs,
+                                       scorer)
         else:
             chosen = va.visible_entries(positions, cs.entries.shape[1], m)
-        keys = jnp.concatenate([keys, cs.entries.astype(keys.dtype)], 1)
-        mask = jnp.concatenate([mask, chosen], -1)
-    out = va.attend(q, keys, mask, lp["sinks"])
+    if kernel:
+        entries = keys[:, :0] if kind == "window" else cs.entries.astype(keys.dtype)
+        out = _decode_kernel(q, keys, keys.shape[1], entries,
+                             None if kind == "window" else chosen, pos, lp["sinks"], cfg, kind,
+                             interpret)
+    else:
+        if kind != "window":
+            keys = jnp.concatenate([keys, cs.entries.astype(keys.dtype)], 1)
+            mask = jnp.concatenate([mask, chosen], -1)
+        out = va.attend(q, keys, mask, lp["sinks"])
     out = vb.rope(out, positions, freqs, inverse=True)
     return vb.grouped_output(out, lp, cfg), new_ls
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "storage"))
-def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None):
+@functools.partial(jax.jit, static_argnames=("cfg", "storage", "backend"))
+def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None,
+            backend: str = "reference"):
     """tokens int [B, T] continuing ``state`` -> (logits [B, T, V] float32-or-wider, state).
     ``storage``: None (rows kept in the compute dtype: the exact twin of transformers), or
     the window / compressed pools' dtype ("bfloat16", "float8_e4m3fn": e4m3 with per-32
-    float16 scales), the indexer then bf16 (``jfp8kv.kvcache.v4_pools``). Jitted with
+    float16 scales), the indexer then bf16 (``jfp8kv.kvcache.v4_pools``). ``backend``:
+    "reference" (jnp), "pallas" or "pallas_interpret" (decode steps through
+    ``kernels.v4_sparse``; chunks of T > 1 stay jnp). Jitted with
     ``cfg`` / ``storage`` static; state shapes are fixed: one compile per chunk length."""
     b, t = tokens.shape
     v4 = cfg.v4
@@ -122,7 +157,7 @@ def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None)
         kind = v4.layer_kind(i)
         col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
         a, ls = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
-                           state["layers"][i], positions, cfg, kind, inv, storage)
+                           state["layers"][i], positions, cfg, kind, inv, storage, backend)
         new_layers.append(ls)
         streams = vb.hc_post(streams, a, post, comb)
         col, post, comb = vb.hc_pre(streams, lp["hc_ffn"], cfg)

@@ -125,20 +125,25 @@ def visible_entries(positions, n_entries: int, m: int):
     return jnp.arange(n_entries)[None, None] < ((positions + 1) // m)[..., None]
 
 
-def indexer_select(h, q_res, positions, entries, ip, cfg: ModelConfig, inv_freq):
+def indexer_select(h, q_res, positions, entries, ip, cfg: ModelConfig, inv_freq,
+                   scores=None):
     """bool [B, T, N]: the index_topk visible entries of highest lightning-indexer score
     (fewer when fewer are visible). ``entries`` [B, N, dI]: the indexer's own compressed
-    keys; ``ip``: wq_b [q_lora, nI*dI], w_weights [D, nI]."""
+    keys; ``ip``: wq_b [q_lora, nI*dI], w_weights [D, nI]. ``scores``: a decode (T = 1)
+    scorer with ``kernels.v4_sparse.indexer_scores``'s contract, or None (jnp here)."""
     v4 = cfg.v4
     acc = acc_dtype(h.dtype)
     b, t = h.shape[:2]
     n = entries.shape[1]
     q = rope(linear(q_res, ip["wq_b"]).reshape(b, t, v4.index_n_heads, v4.index_head_dim),
              positions, inv_freq)
-    s = jax.nn.relu(jnp.einsum("bthd,bnd->bthn", q.astype(acc), entries.astype(acc)))
-    s = s * v4.index_head_dim ** -0.5
     w = jnp.einsum("btd,dh->bth", h.astype(acc), ip["w_weights"].astype(acc))
-    score = jnp.einsum("bthn,bth->btn", s, w * v4.index_n_heads ** -0.5)
+    w = w * (v4.index_n_heads * v4.index_head_dim) ** -0.5  # relu(c x) = c relu(x), c > 0
+    if scores is not None and t == 1:
+        score = scores(q[:, 0], w[:, 0], entries)[:, None]
+    else:
+        s = jax.nn.relu(jnp.einsum("bthd,bnd->bthn", q.astype(acc), entries.astype(acc)))
+        score = jnp.einsum("bthn,bth->btn", s, w)
     vis = visible_entries(positions, n, v4.csa_ratio)
     if n == 0:
         return vis

@@ -165,3 +165,21 @@ def test_fp8_pools_round_like_fakequant(tiny):
         out, state = dv4.forward(params, state, ids[:, at:at + c], cfg, storage=f8)
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_through_kernels(tiny):
+    """Decode steps through the Pallas kernels (interpret mode: sparse attention over window
+    + chosen entries, indexer scores) equal the jnp path, past the point where the indexer's
+    top-3 drops entries (position 15: 4 closed CSA entries)."""
+    _, cfg, params = tiny
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 18)))
+    _, state = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids[:, :7], cfg)
+    for at in range(7, 14):
+        _, state = dv4.forward(params, state, ids[:, at:at + 1], cfg)
+    ref_state = state
+    for at in range(14, 18):
+        want, ref_state = dv4.forward(params, ref_state, ids[:, at:at + 1], cfg)
+        got, state = dv4.forward(params, state, ids[:, at:at + 1], cfg,
+                                 backend="pallas_interpret")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
