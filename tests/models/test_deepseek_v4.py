@@ -119,17 +119,18 @@ def test_prefill_matches_transformers(tiny):
 
 
 def test_decode_matches_prefill(tiny):
+    """Chunks of 7, 1 x 6, 7, 1 x 17 (the shapes every test here shares: one compile
+    each) give the one-shot prefill's logits."""
     model, cfg, params = tiny
     rng = np.random.default_rng(2)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 30)))
-    full, _ = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids, cfg)
-    for chunks in ([7] + [1] * 6 + [7] + [1] * 10,):
-        state, outs, at = dv4.init_state(cfg, 1, 64), [], 0
-        for c in chunks:
-            out, state = dv4.forward(params, state, ids[:, at:at + c], cfg)
-            outs.append(out)
-            at += c
-        np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 37)))
+    full, _ = dv4.forward(params, dv4.init_state(cfg, 2, 64), ids, cfg)
+    state, outs, at = dv4.init_state(cfg, 2, 64), [], 0
+    for c in [7] + [1] * 6 + [7] + [1] * 17:
+        out, state = dv4.forward(params, state, ids[:, at:at + c], cfg)
+        outs.append(out)
+        at += c
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
 
 
 def test_fp8_pools_round_like_fakequant(tiny):
@@ -142,10 +143,10 @@ def test_fp8_pools_round_like_fakequant(tiny):
 
     _, cfg, params = tiny
     rng = np.random.default_rng(3)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 30)))  # shapes of the test above
-    exact_state = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids, cfg)[1]
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)))  # shapes of the test above
+    exact_state = dv4.forward(params, dv4.init_state(cfg, 2, 64), ids, cfg)[1]
     f8 = "float8_e4m3fn"
-    full, f8_state = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids, cfg, storage=f8)
+    full, f8_state = dv4.forward(params, dv4.init_state(cfg, 2, 64), ids, cfg, storage=f8)
     want = fakequant.fake_quant_rows(np.asarray(exact_state["layers"][0]["window"])[:, None],
                                      "fp8_e4m3", "block")[:, 0]
     np.testing.assert_array_equal(np.asarray(f8_state["layers"][0]["window"]), want)
@@ -160,9 +161,9 @@ def test_fp8_pools_round_like_fakequant(tiny):
         np.asarray(stored[:, :3]),
         fakequant.fake_quant_rows(np.asarray(exact[:, None, :3]), "fp8_e4m3", "block")[:, 0])
 
-    state, outs = dv4.init_state(cfg, 1, 64), []
-    for at, c in [(0, 7)] + [(7 + i, 1) for i in range(23)]:
-        out, state = dv4.forward(params, state, ids[:, at:at + c], cfg, storage=f8)
+    state, outs = dv4.init_state(cfg, 2, 64), []
+    for at in range(7):
+        out, state = dv4.forward(params, state, ids[:, at:at + 1], cfg, storage=f8)
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-4, atol=1e-4)
 
@@ -173,8 +174,8 @@ def test_decode_through_kernels(tiny):
     top-3 drops entries (position 15: 4 closed CSA entries)."""
     _, cfg, params = tiny
     rng = np.random.default_rng(4)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 18)))
-    _, state = dv4.forward(params, dv4.init_state(cfg, 1, 64), ids[:, :7], cfg)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 18)))
+    _, state = dv4.forward(params, dv4.init_state(cfg, 2, 64), ids[:, :7], cfg)
     for at in range(7, 14):
         _, state = dv4.forward(params, state, ids[:, at:at + 1], cfg)
     ref_state = state
