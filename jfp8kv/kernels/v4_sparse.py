@@ -17,7 +17,7 @@ interpret=False) -> out`` equals ``sparse_decode_reference`` (same arguments):
   None for bf16 / f32 rows.
 * sinks [H] float32: each head's sink logit joins the softmax and carries no value.
 * out [B, H, D] float32 = sum_j p_j row_j, p = softmax([q.row_j * sm_scale | sink]).
-* Static: sm_scale, interpret. Nothing is donated. D must be a multiple of 32.
+* Static: sm_scale, interpret, tile. Nothing is donated. D must be a power of two >= 32.
 
 ``indexer_scores(q, w, keys, interpret=False) -> [B, N]`` equals
 ``indexer_scores_reference``: sum_h w[b, h] * relu(q[b, h] . keys[b, n]) for q [B, Hi, Di],
@@ -26,10 +26,13 @@ the caller masks unclosed entries and takes the top-k (``jax.lax.top_k``).
 
 Kernel
 ------
-One program per sequence. Heads are padded to 16 rows and window / entry rows to 16 (Triton
-dot tiles); the logits and the value sum run per 32-column block so fp8 scales apply to
-their block exactly; masked rows are loaded as zeros (``other=0``) and their logits set to
--inf, so poisoned rows never reach the output.
+One program per (sequence, block of 16 heads). The source rows (window rows, then the
+indexed entries) are walked in tiles of ``tile`` rows with an online softmax whose running
+max starts at the sink logit (so the sink's weight is exp(sink - m) in the denominator and
+nothing in the sum). A tile row is loaded at full width from its one source, the other
+source masked to zeros; fp8 rows are multiplied by their block scale gathered per column
+(column c takes scale c // 32), exact as the twin. Masked rows load as zeros and their
+logits are -inf, so poisoned rows never reach the output.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from jfp8kv.kernels.tiles import cols, next_pow2
 
 BLOCK = 32
+HEAD_BLOCK = 16  # heads per program (Triton dot rows)
 
 
 def _dequant(rows, scale):
@@ -71,67 +75,62 @@ def sparse_decode_reference(q, win, win_scale, win_len, comp, comp_scale, idx, s
 
 
 def _decode_kernel(len_ref, idx_ref, sink_ref, q_ref, w_ref, ws_ref, c_ref, cs_ref, o_ref, *,
-                   sm_scale, n_heads, n_win, n_idx, d, scaled):
-    b = pl.program_id(0)
-    hp, wp, kp = q_ref.shape[1], next_pow2(max(n_win, 16)), next_pow2(max(n_idx, 16))
-    h_ok = jnp.arange(hp) < n_heads
-    w_rows = jnp.arange(wp)
-    w_ok = (w_rows < n_win) & (w_rows >= n_win - plgpu.load(len_ref.at[b]))
-    k_pos = jnp.arange(kp)
-    ids = plgpu.load(idx_ref.at[b, k_pos], mask=k_pos < n_idx, other=-1)
-    c_ok = ids >= 0
-    c_rows = jnp.maximum(ids, 0)
+                   sm_scale, n_win, n_idx, d, scaled, tile):
+    b, hb = pl.program_id(0), pl.program_id(1)
+    heads = hb * HEAD_BLOCK + jnp.arange(HEAD_BLOCK)
+    q = plgpu.load(q_ref.at[b, heads[:, None], cols(d)])  # [HB, D]
+    sink = plgpu.load(sink_ref.at[heads])
+    lo = n_win - plgpu.load(len_ref.at[b])
+    col_scale = cols(d) // BLOCK
 
-    def block(g):
-        c0 = g * BLOCK + cols(BLOCK)
-        wv = plgpu.load(w_ref.at[b, w_rows[:, None], c0], mask=w_ok[:, None],
-                        other=0).astype(jnp.float32)
-        cv = plgpu.load(c_ref.at[c_rows[:, None], c0], mask=c_ok[:, None],
-                        other=0).astype(jnp.float32)
+    def body(i, carry):
+        m_i, l_i, acc = carry
+        r = i * tile + jnp.arange(tile)  # source rows: window rows, then indexed entries
+        w_ok = (r >= lo) & (r < n_win)
+        e = jnp.clip(r - n_win, 0, n_idx - 1)
+        ids = plgpu.load(idx_ref.at[b, e], mask=(r >= n_win) & (r < n_win + n_idx), other=-1)
+        c_ok = ids >= 0
+        wr, cr = jnp.clip(r, 0, n_win - 1), jnp.maximum(ids, 0)
+        wv = plgpu.load(w_ref.at[b, wr[:, None], cols(d)], mask=w_ok[:, None], other=0)
+        cv = plgpu.load(c_ref.at[cr[:, None], cols(d)], mask=c_ok[:, None], other=0)
+        wv, cv = wv.astype(jnp.float32), cv.astype(jnp.float32)
         if scaled:
-            wv = wv * plgpu.load(ws_ref.at[b, w_rows, g], mask=w_ok,
-                                 other=0).astype(jnp.float32)[:, None]
-            cv = cv * plgpu.load(cs_ref.at[c_rows, g], mask=c_ok,
-                                 other=0).astype(jnp.float32)[:, None]
-        return plgpu.load(q_ref.at[b, jnp.arange(hp)[:, None], c0]), wv, cv
+            wv = wv * plgpu.load(ws_ref.at[b, wr[:, None], col_scale], mask=w_ok[:, None],
+                                 other=0).astype(jnp.float32)
+            cv = cv * plgpu.load(cs_ref.at[cr[:, None], col_scale], mask=c_ok[:, None],
+                                 other=0).astype(jnp.float32)
+        rows = wv + cv  # each row comes from one source, the other loaded as zeros
+        ok = w_ok | c_ok
+        logits = jnp.where(ok[None], plgpu.dot(q, rows, trans_b=True) * sm_scale, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(logits, 1))
+        alpha = jnp.exp(m_i - m_new)
+        p = jnp.exp(logits - m_new[:, None])
+        return m_new, l_i * alpha + jnp.sum(p, 1), acc * alpha[:, None] + plgpu.dot(p, rows)
 
-    n_blocks = d // BLOCK
-    lw = jnp.zeros((hp, wp), jnp.float32)
-    lc = jnp.zeros((hp, kp), jnp.float32)
-    for g in range(n_blocks):
-        qg, wv, cv = block(g)
-        lw += plgpu.dot(qg, wv, trans_b=True)
-        lc += plgpu.dot(qg, cv, trans_b=True)
-    lw = jnp.where(w_ok[None], lw * sm_scale, -jnp.inf)
-    lc = jnp.where(c_ok[None], lc * sm_scale, -jnp.inf)
-    sink = plgpu.load(sink_ref.at[jnp.arange(hp)], mask=h_ok, other=0.0)
-    m = jnp.maximum(jnp.maximum(jnp.max(lw, 1), jnp.max(lc, 1)), sink)
-    pw, pc = jnp.exp(lw - m[:, None]), jnp.exp(lc - m[:, None])
-    denom = jnp.sum(pw, 1) + jnp.sum(pc, 1) + jnp.exp(sink - m)
-    for g in range(n_blocks):
-        _, wv, cv = block(g)
-        acc = plgpu.dot(pw, wv) + plgpu.dot(pc, cv)
-        plgpu.store(o_ref.at[b, jnp.arange(hp)[:, None], g * BLOCK + cols(BLOCK)],
-                    acc / denom[:, None])
+    n_tiles = pl.cdiv(n_win + n_idx, tile)
+    init = (sink, jnp.ones((HEAD_BLOCK,), jnp.float32),  # the sink: exp(sink - m) = 1
+            jnp.zeros((HEAD_BLOCK, d), jnp.float32))
+    _, l_i, acc = jax.lax.fori_loop(0, n_tiles, body, init)
+    plgpu.store(o_ref.at[b, heads[:, None], cols(d)], acc / l_i[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "tile"))
 def sparse_decode(q, win, win_scale, win_len, comp, comp_scale, idx, sinks, sm_scale: float,
-                  interpret: bool = False):
-    """The Pallas kernel (see module contract)."""
+                  interpret: bool = False, tile: int = 16):
+    """The Pallas kernel (see module contract); ``tile``: source rows per step (static)."""
     b, h, d = q.shape
-    if d % BLOCK:
-        raise ValueError(f"sparse_decode needs head_dim divisible by {BLOCK}, got {d}; use "
-                         "sparse_decode_reference")
-    hp = next_pow2(max(h, 16))
+    if d % BLOCK or d & (d - 1):
+        raise ValueError(f"sparse_decode needs a power-of-two head_dim >= {BLOCK}, got {d}; "
+                         "use sparse_decode_reference")
+    hp = pl.cdiv(h, HEAD_BLOCK) * HEAD_BLOCK
     qp = jnp.zeros((b, hp, d), jnp.float32).at[:, :h].set(q.astype(jnp.float32))
     sp = jnp.zeros((hp,), jnp.float32).at[:h].set(sinks.astype(jnp.float32))
     scaled = win_scale is not None
     ws = win_scale if scaled else jnp.zeros((1, 1, 1), jnp.float16)
     cs = comp_scale if scaled else jnp.zeros((1, 1), jnp.float16)
-    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, n_heads=h,
-                               n_win=win.shape[1], n_idx=idx.shape[1], d=d, scaled=scaled)
-    out = pl.pallas_call(kernel, grid=(b,),
+    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, n_win=win.shape[1],
+                               n_idx=idx.shape[1], d=d, scaled=scaled, tile=tile)
+    out = pl.pallas_call(kernel, grid=(b, hp // HEAD_BLOCK),
                          out_shape=jax.ShapeDtypeStruct((b, hp, d), jnp.float32),
                          interpret=interpret)(win_len.astype(jnp.int32), idx.astype(jnp.int32),
                                               sp, qp, win, ws, comp, cs)
