@@ -22,7 +22,8 @@ interpret=False) -> out`` equals ``sparse_decode_reference`` (same arguments):
 ``indexer_scores(q, w, keys, interpret=False) -> [B, N]`` equals
 ``indexer_scores_reference``: sum_h w[b, h] * relu(q[b, h] . keys[b, n]) for q [B, Hi, Di],
 w [B, Hi] (the head weights, scales folded in) and the indexer keys [B, N, Di] (bf16 pool);
-the caller masks unclosed entries and takes the top-k (``jax.lax.top_k``).
+the caller masks unclosed entries and takes the top-k (``jax.lax.top_k``). Static:
+interpret, key_tile.
 
 Kernel
 ------
@@ -144,24 +145,26 @@ def indexer_scores_reference(q, w, keys):
     return jnp.einsum("bhn,bh->bn", s, w.astype(jnp.float32))
 
 
-def _scores_kernel(q_ref, w_ref, k_ref, o_ref, *, n_heads, n_keys):
-    b = pl.program_id(0)
-    hp, np_ = q_ref.shape[1], next_pow2(max(n_keys, 16))
-    rows = jnp.arange(np_)
+def _scores_kernel(q_ref, w_ref, k_ref, o_ref, *, n_heads, n_keys, key_tile):
+    b, j = pl.program_id(0), pl.program_id(1)
+    hp = q_ref.shape[1]
+    rows = j * key_tile + jnp.arange(key_tile)
     keys = plgpu.load(k_ref.at[b, rows[:, None], cols(k_ref.shape[2])],
                       mask=(rows < n_keys)[:, None], other=0).astype(jnp.float32)
-    s = jnp.maximum(plgpu.dot(q_ref[b], keys, trans_b=True), 0.0)  # [Hp, Np]
+    s = jnp.maximum(plgpu.dot(q_ref[b], keys, trans_b=True), 0.0)  # [Hp, key_tile]
     w = plgpu.load(w_ref.at[b, jnp.arange(hp)], mask=jnp.arange(hp) < n_heads, other=0.0)
     plgpu.store(o_ref.at[b, rows], jnp.sum(s * w[:, None], 0), mask=rows < n_keys)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def indexer_scores(q, w, keys, interpret: bool = False):
-    """The Pallas kernel (see module contract)."""
+@functools.partial(jax.jit, static_argnames=("interpret", "key_tile"))
+def indexer_scores(q, w, keys, interpret: bool = False, key_tile: int = 64):
+    """The Pallas kernel (see module contract); one program per (sequence, ``key_tile``
+    keys)."""
     b, h, d = q.shape
     hp = next_pow2(max(h, 16))
     qp = jnp.zeros((b, hp, d), jnp.float32).at[:, :h].set(q.astype(jnp.float32))
-    kernel = functools.partial(_scores_kernel, n_heads=h, n_keys=keys.shape[1])
-    return pl.pallas_call(kernel, grid=(b,),
-                          out_shape=jax.ShapeDtypeStruct((b, keys.shape[1]), jnp.float32),
+    n = keys.shape[1]
+    kernel = functools.partial(_scores_kernel, n_heads=h, n_keys=n, key_tile=key_tile)
+    return pl.pallas_call(kernel, grid=(b, pl.cdiv(n, key_tile)),
+                          out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
                           interpret=interpret)(qp, w.astype(jnp.float32), keys)

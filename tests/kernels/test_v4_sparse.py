@@ -73,10 +73,11 @@ def test_indexer_scores():
     rng = np.random.default_rng(1)
     q = rng.standard_normal((2, 20, 32)).astype(np.float32)
     w = rng.standard_normal((2, 20)).astype(np.float32)
-    keys = jnp.asarray(rng.standard_normal((2, 11, 32)), jnp.bfloat16)  # 11: rows masked
+    keys = jnp.asarray(rng.standard_normal((2, 21, 32)), jnp.bfloat16)  # 21: rows masked
     ref = v4_sparse.indexer_scores_reference(q, w, keys)
     k64 = np.asarray(keys.astype(jnp.float32), np.float64)
     want = np.einsum("bhn,bh->bn", np.maximum(np.einsum("bhd,bnd->bhn", q, k64), 0), w)
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(v4_sparse.indexer_scores(q, w, keys, interpret=True), ref,
-                               rtol=1e-5, atol=1e-5)
+    for tile in (16, 64):  # tile 64: one partial tile; 16: two programs
+        got = v4_sparse.indexer_scores(q, w, keys, interpret=True, key_tile=tile)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
