@@ -15,7 +15,7 @@ Params (weights [in, out]; G = o_groups, n = hc_mult, c = 2*hd for CSA else hd):
       shared_down [I, D]
 
 ``forward(params, state, tokens, cfg)`` runs a chunk of T tokens of B sequences that share
-their start position (prefill: a fresh ``init_state``; decode: T = 1) and returns
+their own positions (prefill: a fresh ``init_state``; decode: T = 1) and returns
 (logits [B, T, V], new state). The state per layer is the last W-1 window rows and the
 compressor / indexer ``CompressorState``: exactly what the paged pools hold per sequence.
 """
@@ -37,8 +37,8 @@ from jfp8kv.models import v4_blocks as vb
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """The state of ``batch`` empty sequences that may grow to ``max_len`` tokens: ``pos`` 0
-    and per layer the last W-1 window rows [B, W-1, hd] (row j holds position pos-W+1+j)
+    """The state of ``batch`` empty sequences that may grow to ``max_len`` tokens: ``pos``
+    int32 [B] zeros (tokens seen per sequence) and per layer the last W-1 window rows [B, W-1, hd] (row j holds position pos-W+1+j)
     and (CSA / HCA) the compressor and indexer ``CompressorState``s. Compressor state is
     float32 (or float64): it is an accumulator, not storage."""
     v4, hd = cfg.v4, cfg.head_dim
@@ -54,7 +54,7 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
             ls["indexer"] = va.empty_compressor(batch, v4.index_head_dim, m, True,
                                                 max_len // m, sdt)
         layers.append(ls)
-    return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
 def _pooled(storage: str | None):
@@ -77,7 +77,7 @@ def _decode_kernel(q, keys, n_window: int, entries, chosen, pos, sinks, cfg, kin
         vals, ids = jax.lax.top_k(chosen[:, 0].astype(jnp.int32), k)
         idx = jnp.where(vals > 0, ids + cap * jnp.arange(b)[:, None], -1)
         entries = entries.reshape(b * cap, -1)
-    win_len = jnp.full((b,), jnp.minimum(pos + 1, n_window), jnp.int32)
+    win_len = jnp.minimum(pos + 1, n_window).astype(jnp.int32)
     out = v4_sparse.sparse_decode(q[:, 0], keys[:, :n_window], None, win_len, entries, None,
                                   idx, sinks, cfg.head_dim ** -0.5, interpret=interpret)
     return out[:, None].astype(q.dtype)
@@ -101,20 +101,20 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, 
     q = vb.rope(q, positions, freqs)
     kv = store(vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
                        positions, freqs))
-    pos = positions[0, 0]
+    pos = positions[:, 0]  # [B]
     keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
-    key_pos = pos - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
+    key_pos = pos[:, None] - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
     mask = va.window_mask(positions, key_pos, v4.sliding_window) & (key_pos >= 0)[:, None]
     new_ls = {"window": keys[:, keys.shape[1] - ls["window"].shape[1]:]}
     if kind != "window":
         cp = lp["compressor"]
-        cs = va.compress(ls["compressor"], pos, vb.linear(h, cp["wkv"]), vb.linear(h, cp["wgate"]),
+        cs = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]), vb.linear(h, cp["wgate"]),
                          cp, cfg.rms_norm_eps, freqs, store)
         new_ls["compressor"] = cs
         m = cp["bias"].shape[0]
         if kind == "csa":
             ip = lp["indexer"]
-            ist = va.compress(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
+            ist = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
                               vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
                               store_index)
             new_ls["indexer"] = ist
@@ -148,7 +148,7 @@ def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None,
     ``cfg`` / ``storage`` static; state shapes are fixed: one compile per chunk length."""
     b, t = tokens.shape
     v4 = cfg.v4
-    positions = jnp.broadcast_to(state["pos"] + jnp.arange(t), (b, t))
+    positions = state["pos"][:, None] + jnp.arange(t)[None]
     inv = {k: vb.rope_inv_freq(cfg, k) for k in ("main", "compress")}
     x = params["embed"][tokens]
     streams = jnp.broadcast_to(x[:, :, None], (b, t, v4.hc_mult, x.shape[-1]))

@@ -120,6 +120,17 @@ def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
                            prev_kv, prev_gate, entries)
 
 
+def compress_batch(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
+                   store=lambda x: x):
+    """``compress`` for B sequences at their own positions pos int32 [B] (vmapped)."""
+    def one(st, p, k, g):
+        st = jax.tree.map(lambda a: a[None], st)
+        out = compress(st, p, k[None], g[None], cp, eps, inv_freq, store)
+        return jax.tree.map(lambda a: a[0], out)
+
+    return jax.vmap(one)(state, pos, kv, gate)
+
+
 def visible_entries(positions, n_entries: int, m: int):
     """bool [B, T, N]: entry w is closed for the query at position t (w < (t+1) // m)."""
     return jnp.arange(n_entries)[None, None] < ((positions + 1) // m)[..., None]
