@@ -38,7 +38,8 @@ from jfp8kv.models import v4_blocks as vb
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """The state of ``batch`` empty sequences that may grow to ``max_len`` tokens: ``pos``
-    int32 [B] zeros (tokens seen per sequence) and per layer the last W-1 window rows [B, W-1, hd] (row j holds position pos-W+1+j)
+    int32 [B] zeros (tokens seen per sequence) and per layer the last W-1 window rows
+    [B, W-1, hd] (row j holds position pos-W+1+j)
     and (CSA / HCA) the compressor and indexer ``CompressorState``s. Compressor state is
     float32 (or float64): it is an accumulator, not storage."""
     v4, hd = cfg.v4, cfg.head_dim
@@ -108,15 +109,15 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, 
     new_ls = {"window": keys[:, keys.shape[1] - ls["window"].shape[1]:]}
     if kind != "window":
         cp = lp["compressor"]
-        cs = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]), vb.linear(h, cp["wgate"]),
-                         cp, cfg.rms_norm_eps, freqs, store)
+        cs = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]),
+                               vb.linear(h, cp["wgate"]), cp, cfg.rms_norm_eps, freqs, store)
         new_ls["compressor"] = cs
         m = cp["bias"].shape[0]
         if kind == "csa":
             ip = lp["indexer"]
             ist = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
-                              vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
-                              store_index)
+                                    vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
+                                    store_index)
             new_ls["indexer"] = ist
             chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs,
                                        scorer)

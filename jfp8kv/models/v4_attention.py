@@ -76,8 +76,9 @@ def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
              store=lambda x: x):
     """Feed kv/gate [B, T, c] (projections of the T tokens after the first ``pos``, a traced
     scalar) to the compressor: every window that closes emits its entry, rounded by
-    ``store`` as its pool holds it; returns the new state. ``cp``: bias [m, c] (per slot in window), norm [d]. Static shapes: the
-    ceil-bounded K = T // m + 1 candidate windows are all pooled, the closed ones kept."""
+    ``store`` as its pool holds it; returns the new state. ``cp``: bias [m, c] (per slot in
+    window), norm [d]. Static shapes: the K = T // m + 1 candidate windows (an upper bound)
+    are all pooled and the closed ones kept."""
     m, c = cp["bias"].shape
     d = cp["norm"].shape[0]
     overlap = c == 2 * d

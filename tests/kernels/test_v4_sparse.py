@@ -47,7 +47,8 @@ def _float64(q, win, ws, win_len, comp, cs, idx, sinks, scale):
     wv, cv = deq(win, ws), deq(comp, cs)
     out = np.zeros(q.shape, np.float64)
     for b in range(q.shape[0]):
-        rows = [wv[b, j] for j in range(wv.shape[1] - int(win_len[b]), wv.shape[1])] + [cv[i] for i in idx[b] if i >= 0]
+        first = wv.shape[1] - int(win_len[b])
+        rows = [wv[b, j] for j in range(first, wv.shape[1])] + [cv[i] for i in idx[b] if i >= 0]
         for h in range(q.shape[1]):
             logits = [np.dot(np.float64(q[b, h]), r) * scale for r in rows] + [float(sinks[h])]
             e = np.exp(np.array(logits) - max(logits))
