@@ -129,6 +129,13 @@ def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: in
     from jfp8kv.models.transformer import init_random_params
 
     key = preset.lower()
+    if key.startswith("deepseek-v4"):
+        from jfp8kv.models.v4_presets import v4_config
+
+        v4_config(key)  # ValueError naming the V4 presets
+        raise ValueError(f"random:{key}: DeepSeek-V4 runs only through the reference forward "
+                         "jfp8kv.models.deepseek_v4 for now; the engine does not serve it yet "
+                         "(docs/deepseek-v4.md)")
     if key not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}; choose one of "
                          f"{['random:' + k for k in PRESETS]}")

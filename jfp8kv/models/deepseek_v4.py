@@ -1,0 +1,231 @@
+"""DeepSeek-V4 (family ``deepseek_v4``): the model's pure-jnp reference forward, prefill and
+decode, over a per-sequence dense state (the twin the paged pools must reproduce).
+
+Params (weights [in, out]; G = o_groups, n = hc_mult, c = 2*hd for CSA else hd)::
+
+    embed [V, D], final_norm [D], lm_head [D, V], hc_head {fn [n*D, n], base [n], scale [1]}
+    layers[i]: attn_norm, mlp_norm [D]; wq_a [D, q_lora], q_a_norm [q_lora],
+      wq_b [q_lora, H*hd]; wkv [D, hd], kv_norm [hd]; wo_a [G, H*hd/G, o_lora],
+      wo_b [G*o_lora, D]; sinks [H]; hc_attn, hc_ffn {fn [n*D, (2+n)*n], base, scale [3]};
+      CSA / HCA: compressor {wkv, wgate [D, c], bias [m, c], norm [hd]};
+      CSA: indexer {wkv, wgate [D, 2*dI], bias [m, 2*dI], norm [dI], wq_b [q_lora, nI*dI],
+                    w_weights [D, nI]};
+      MoE: router [D, E], router_bias [E] or (hash layers) tid2eid int32[V, k],
+      experts_gate/experts_up [E, D, I], experts_down [E, I, D], shared_gate/shared_up [D, I],
+      shared_down [I, D]
+
+``forward(params, state, tokens, cfg)`` runs a chunk of T tokens of B sequences that share
+their own positions (prefill: a fresh ``init_state``; decode: T = 1) and returns
+(logits [B, T, V], new state). The state per layer is the last W-1 window rows and the
+compressor / indexer ``CompressorState``: exactly what the paged pools hold per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jfp8kv.config import ModelConfig
+from jfp8kv.kernels import v4_sparse
+from jfp8kv.kvcache import v4_pools
+from jfp8kv.models import v4_attention as va
+from jfp8kv.models import v4_blocks as vb
+
+
+def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """The state of ``batch`` empty sequences that may grow to ``max_len`` tokens: ``pos``
+    int32 [B] zeros (tokens seen per sequence) and per layer the last W-1 window rows
+    [B, W-1, hd] (row j holds position pos-W+1+j)
+    and (CSA / HCA) the compressor and indexer ``CompressorState``s. Compressor state is
+    float32 (or float64): it is an accumulator, not storage."""
+    v4, hd = cfg.v4, cfg.head_dim
+    sdt = jnp.promote_types(dtype, jnp.float32)
+    layers = []
+    for i in range(cfg.num_layers):
+        kind, m = v4.layer_kind(i), v4.compress_ratios[i]
+        ls = {"window": jnp.zeros((batch, v4.sliding_window - 1, hd), dtype)}
+        if kind != "window":
+            ls["compressor"] = va.empty_compressor(batch, hd, m, kind == "csa", max_len // m,
+                                                   sdt)
+        if kind == "csa":
+            ls["indexer"] = va.empty_compressor(batch, v4.index_head_dim, m, True,
+                                                max_len // m, sdt)
+        layers.append(ls)
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+
+def _pooled(storage: str | None):
+    """Rows as the window / compressed (``storage``) or indexer pools give them back."""
+    if storage is None:
+        return lambda x: x, lambda x: x
+    return ((lambda x: v4_pools.read_rows(*v4_pools.store_rows(x, storage), x.dtype)),
+            (lambda x: x.astype(v4_pools.INDEXER_DTYPE).astype(x.dtype)))
+
+
+def _decode_kernel(q, keys, n_window: int, entries, chosen, pos, sinks, cfg, kind, interpret):
+    """Decode (T = 1) attention through ``kernels.v4_sparse.sparse_decode``: the window rows
+    keys[:, :n_window] (the last min(pos+1, W) visible) and the entries ``chosen`` marks,
+    passed as indices into the flattened entries."""
+    b, cap = entries.shape[:2]
+    k = cap if kind == "hca" else min(cfg.v4.index_topk, cap)
+    if kind == "window":
+        entries, idx = jnp.zeros((1, cfg.head_dim), keys.dtype), jnp.full((b, 1), -1)
+    else:
+        vals, ids = jax.lax.top_k(chosen[:, 0].astype(jnp.int32), k)
+        idx = jnp.where(vals > 0, ids + cap * jnp.arange(b)[:, None], -1)
+        entries = entries.reshape(b * cap, -1)
+    win_len = jnp.minimum(pos + 1, n_window).astype(jnp.int32)
+    out = v4_sparse.sparse_decode(q[:, 0], keys[:, :n_window], None, win_len, entries, None,
+                                  idx, sinks, cfg.head_dim ** -0.5, interpret=interpret)
+    return out[:, None].astype(q.dtype)
+
+
+def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, backend):
+    """One layer's attention on h [B, T, D] (normalized); returns (out [B, T, D], state).
+    Rows are stored first (rounded as their pools hold them), then attended; decode steps
+    take the Pallas kernels unless ``backend`` is "reference"."""
+    kernel = backend != "reference" and h.shape[1] == 1
+    interpret = backend == "pallas_interpret"
+    scorer = (functools.partial(v4_sparse.indexer_scores, interpret=interpret)
+              if kernel else None)
+    store, store_index = _pooled(storage)
+    b, t = h.shape[:2]
+    hd, v4 = cfg.head_dim, cfg.v4
+    freqs = inv["main" if kind == "window" else "compress"]
+    q_res = vb.rms_norm(vb.linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
+    q = vb.unweighted_rms_norm(vb.linear(q_res, lp["wq_b"]).reshape(b, t, -1, hd),
+                               cfg.rms_norm_eps)
+    q = vb.rope(q, positions, freqs)
+    kv = store(vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
+                       positions, freqs))
+    pos = positions[:, 0]  # [B]
+    keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
+    key_pos = pos[:, None] - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
+    mask = va.window_mask(positions, key_pos, v4.sliding_window) & (key_pos >= 0)[:, None]
+    new_ls = {"window": keys[:, keys.shape[1] - ls["window"].shape[1]:]}
+    if kind != "window":
+        cp = lp["compressor"]
+        cs = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]),
+                               vb.linear(h, cp["wgate"]), cp, cfg.rms_norm_eps, freqs, store)
+        new_ls["compressor"] = cs
+        m = cp["bias"].shape[0]
+        if kind == "csa":
+            ip = lp["indexer"]
+            ist = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
+                                    vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
+                                    store_index)
+            new_ls["indexer"] = ist
+            chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs,
+                                       scorer)
+        else:
+            chosen = va.visible_entries(positions, cs.entries.shape[1], m)
+    if kernel:
+        entries = keys[:, :0] if kind == "window" else cs.entries.astype(keys.dtype)
+        out = _decode_kernel(q, keys, keys.shape[1], entries,
+                             None if kind == "window" else chosen, pos, lp["sinks"], cfg, kind,
+                             interpret)
+    else:
+        if kind != "window":
+            keys = jnp.concatenate([keys, cs.entries.astype(keys.dtype)], 1)
+            mask = jnp.concatenate([mask, chosen], -1)
+        out = va.attend(q, keys, mask, lp["sinks"])
+    out = vb.rope(out, positions, freqs, inverse=True)
+    return vb.grouped_output(out, lp, cfg), new_ls
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "storage", "backend"))
+def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None,
+            backend: str = "reference"):
+    """tokens int [B, T] continuing ``state`` -> (logits [B, T, V] float32-or-wider, state).
+    ``storage``: None (rows kept in the compute dtype: the exact twin of transformers), or
+    the window / compressed pools' dtype ("bfloat16", "float8_e4m3fn": e4m3 with per-32
+    float16 scales), the indexer then bf16 (``jfp8kv.kvcache.v4_pools``). ``backend``:
+    "reference" (jnp), "pallas" or "pallas_interpret" (decode steps through
+    ``kernels.v4_sparse``; chunks of T > 1 stay jnp). Jitted with
+    ``cfg`` / ``storage`` static; state shapes are fixed: one compile per chunk length."""
+    b, t = tokens.shape
+    v4 = cfg.v4
+    positions = state["pos"][:, None] + jnp.arange(t)[None]
+    inv = {k: vb.rope_inv_freq(cfg, k) for k in ("main", "compress")}
+    x = params["embed"][tokens]
+    streams = jnp.broadcast_to(x[:, :, None], (b, t, v4.hc_mult, x.shape[-1]))
+    new_layers = []
+    for i, lp in enumerate(params["layers"]):
+        kind = v4.layer_kind(i)
+        col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
+        a, ls = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
+                           state["layers"][i], positions, cfg, kind, inv, storage, backend)
+        new_layers.append(ls)
+        streams = vb.hc_post(streams, a, post, comb)
+        col, post, comb = vb.hc_pre(streams, lp["hc_ffn"], cfg)
+        f = vb.moe(vb.rms_norm(col, lp["mlp_norm"], cfg.rms_norm_eps), tokens, lp, cfg,
+                   v4.hash_layers[i])
+        streams = vb.hc_post(streams, f, post, comb)
+    h = vb.rms_norm(vb.hc_head(streams, params["hc_head"], cfg), params["final_norm"],
+                    cfg.rms_norm_eps)
+    logits = jnp.einsum("btd,dv->btv", h, params["lm_head"],
+                        preferred_element_type=jnp.promote_types(h.dtype, jnp.float32))
+    return logits, {"pos": state["pos"] + t, "layers": new_layers}
+
+
+def _compressor_from_hf(get, prefix: str) -> dict[str, np.ndarray]:
+    return {"wkv": get(prefix + "kv_proj.weight").T, "wgate": get(prefix + "gate_proj.weight").T,
+            "bias": get(prefix + "position_bias"), "norm": get(prefix + "kv_norm.weight")}
+
+
+def _hc_from_hf(get, prefix: str, names=("fn", "base", "scale")) -> dict[str, np.ndarray]:
+    fn, base, scale = (get(prefix + n) for n in names)
+    return {"fn": fn.T, "base": base, "scale": scale}
+
+
+def layer_from_hf(get, i: int, cfg: ModelConfig) -> dict[str, Any]:
+    """Layer ``i``'s params from transformers' DeepseekV4 tensor names; ``get(name)`` returns
+    a numpy array (HF orientation, [out, in])."""
+    p, v4 = f"model.layers.{i}.", cfg.v4
+    a, mlp = p + "self_attn.", p + "mlp."
+    g = v4.o_groups
+    wo_a = get(a + "o_a_proj.weight")  # [G*o_lora, H*hd/G]
+    lp = {"attn_norm": get(p + "input_layernorm.weight"),
+          "mlp_norm": get(p + "post_attention_layernorm.weight"),
+          "wq_a": get(a + "q_a_proj.weight").T, "q_a_norm": get(a + "q_a_norm.weight"),
+          "wq_b": get(a + "q_b_proj.weight").T, "wkv": get(a + "kv_proj.weight").T,
+          "kv_norm": get(a + "kv_norm.weight"), "sinks": get(a + "sinks"),
+          "wo_a": wo_a.reshape(g, -1, wo_a.shape[-1]).transpose(0, 2, 1),
+          "wo_b": get(a + "o_b_proj.weight").T,
+          "hc_attn": _hc_from_hf(get, p + "attn_hc."), "hc_ffn": _hc_from_hf(get, p + "ffn_hc."),
+          "router": get(mlp + "gate.weight").T}
+    if v4.layer_kind(i) != "window":
+        lp["compressor"] = _compressor_from_hf(get, a + "compressor.")
+    if v4.layer_kind(i) == "csa":
+        ix = a + "compressor.indexer."
+        lp["indexer"] = dict(_compressor_from_hf(get, ix), wq_b=get(ix + "q_b_proj.weight").T,
+                             w_weights=get(ix + "scorer.weights_proj.weight").T)
+    if v4.hash_layers[i]:
+        lp["tid2eid"] = get(mlp + "gate.tid2eid").astype(np.int32)
+    else:
+        lp["router_bias"] = get(mlp + "gate.e_score_correction_bias")
+    gate_up = get(mlp + "experts.gate_up_proj")  # [E, 2I, D]
+    inter = gate_up.shape[1] // 2
+    lp.update(experts_gate=gate_up[:, :inter].transpose(0, 2, 1),
+              experts_up=gate_up[:, inter:].transpose(0, 2, 1),
+              experts_down=get(mlp + "experts.down_proj").transpose(0, 2, 1),
+              shared_gate=get(mlp + "shared_experts.gate_proj.weight").T,
+              shared_up=get(mlp + "shared_experts.up_proj.weight").T,
+              shared_down=get(mlp + "shared_experts.down_proj.weight").T)
+    return lp
+
+
+def params_from_hf(get, cfg: ModelConfig, dtype=jnp.float32) -> dict[str, Any]:
+    """The params pytree from transformers' DeepseekV4ForCausalLM tensor names (``get(name)``
+    -> numpy, e.g. a state_dict or safetensors reader); float weights cast to ``dtype``,
+    the hash tables stay int32."""
+    tree = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"),
+            "lm_head": get("lm_head.weight").T,
+            "hc_head": _hc_from_hf(get, "model.hc_head.", ("hc_fn", "hc_base", "hc_scale")),
+            "layers": [layer_from_hf(get, i, cfg) for i in range(cfg.num_layers)]}
+    return jax.tree.map(
+        lambda x: jnp.asarray(x, x.dtype if np.issubdtype(x.dtype, np.integer) else dtype), tree)
