@@ -32,6 +32,7 @@ from jfp8kv import kernels
 from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine import hybrid_cache
 from jfp8kv.engine.compile_cache import setup_compile_cache
+from jfp8kv.engine.device_policy import cache_memory, device_defaults
 from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.kvcache import calibrate, fp8, k_transform
@@ -44,25 +45,7 @@ log = logging.getLogger(__name__)
 
 # Chosen from bench/results/quality-cpu.json (docs/results-history.md, "Why token...").
 DEFAULT_FP8_SCALE_MODE = "token"
-CPU_DEFAULT_CACHE_MEMORY = 1 << 30
-# GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
-# compiles; several decode steps per dispatch hide host overhead.
-GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
-GPU_MIN_CHUNK = 128
-GPU_DECODE_STEPS = 8
-# Tokens per step: a prefill chunk long enough for full-rate matmuls, and so few prefill
-# steps that decode rows interleaved with them stay few (each step reads every weight).
-# On an H200, 8B shape, 64 x 4096 in / 256 out: docs/results-history.md's offline table.
-GPU_BATCHED_TOKENS = 8192
-GPU_CACHE_FRACTION = 0.85
-# CPU shape policy: every shape compiles before /health (~15 s a decode shape, ~30 s a
-# prefill one at SmolLM2-135M on one core: docs/cpu-serving.md), so the set is small: one-row
-# prefill chunks of 16/64/256 (longer prompts: chunked prefill), decode batches 1/8/64 at
-# page-table widths of 256 tokens and max_model_len (reference attention reads every page).
-CPU_BATCHED_TOKENS = 256
-CPU_MIN_CHUNK = 16
-CPU_DECODE_BUCKETS = (1, 8, 64)
-CPU_PAGE_WIDTH_FLOOR_TOKENS = 256
+CPU_PAGE_WIDTH_FLOOR_TOKENS = 256  # reference attention's narrowest decode page table
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,33 +127,6 @@ def choose_backend(requested: str, device, storage: str, dtype: str) -> str:
     if dtype in CHECK_DTYPES and backend != "reference":
         raise ValueError(f"dtype={dtype!r} runs only with attention_backend='reference'")
     return backend
-
-
-def device_defaults(engine: EngineConfig, device) -> EngineConfig:
-    """Fill the shape-policy knobs left None: GPU decode is memory-bound (coarse batch
-    buckets, several steps per dispatch); CPU takes a few batch buckets and one step."""
-    on_gpu = device.platform == "gpu"
-    return dataclasses.replace(
-        engine,
-        decode_steps=engine.decode_steps or (GPU_DECODE_STEPS if on_gpu else 1),
-        decode_buckets=engine.decode_buckets or (GPU_DECODE_BUCKETS if on_gpu
-                                                 else CPU_DECODE_BUCKETS),
-        min_prefill_chunk=engine.min_prefill_chunk or (GPU_MIN_CHUNK if on_gpu else CPU_MIN_CHUNK),
-        max_num_batched_tokens=engine.max_num_batched_tokens or (
-            GPU_BATCHED_TOKENS if on_gpu else CPU_BATCHED_TOKENS))
-
-
-def cache_memory(device, requested: int | None, bpt: int, max_model_len: int, seqs: int) -> int:
-    """Pool bytes: ``requested`` if free on the GPU after the weights (else ValueError, not a
-    later XLA OOM); default: a fraction of free GPU memory, on CPU max(8, seqs // 4) rows."""
-    stats = (device.memory_stats() or {}) if device.platform == "gpu" else {}
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    if requested is not None and "bytes_limit" in stats and requested > free:
-        raise ValueError(f"kv_cache_memory={requested} bytes is more than the {max(free, 0)} bytes "
-                         f"free on {device}; lower --kv-cache-memory or leave it unset")
-    if requested is not None or free > 0:
-        return requested or int(free * GPU_CACHE_FRACTION)
-    return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, seqs // 4)))
 
 
 def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from jfp8kv.engine.device_policy import cache_memory
 from jfp8kv.kvcache import k_transform, scale_modes
 from jfp8kv.kvcache.cache import bytes_per_token
 from jfp8kv.kvcache.state_pool import (DeltaState, HybridCache, StateConfig, bytes_per_slot,
@@ -59,7 +60,7 @@ def plan_capacity(model_cfg, engine, storage, mode, device, tp, bitcast_pool, kv
     if memory is None:
         bpt = bytes_per_token(attn.num_layers, attn.num_kv_heads, attn.head_dim, storage, mode)
         max_len = engine.max_model_len or model_cfg.max_position_embeddings
-        memory = builder.default_cache_memory(device, bpt, max_len, engine.max_num_seqs)
+        memory = cache_memory(device, None, bpt, max_len, engine.max_num_seqs)
         memory += state_bytes if device.platform != "gpu" else 0
     if memory <= state_bytes:
         raise ValueError(f"kv_cache_memory={memory} bytes does not hold the DeltaNet state of "

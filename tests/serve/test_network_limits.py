@@ -248,7 +248,7 @@ class _Device:
 
 
 def test_kv_cache_memory_beyond_free_gpu_memory_is_refused():
-    from jfp8kv.engine.builder import GPU_CACHE_FRACTION, cache_memory
+    from jfp8kv.engine.device_policy import GPU_CACHE_FRACTION, cache_memory
 
     gpu = _Device("gpu", {"bytes_limit": 10_000, "bytes_in_use": 4_000})
     with pytest.raises(ValueError, match=r"kv_cache_memory=7000 bytes is more than the 6000 "
