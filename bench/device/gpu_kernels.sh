@@ -16,7 +16,8 @@ fi
 stage() { local name=$1 limit=$2; shift 2; case " $STAGES " in *" $name "*) ;; *) return;; esac
   echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 30; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
-cp bench/results/kernels-h200.json "$OUT/kernels-h200.json"
+case " $STAGES " in *" tests "*|*" store "*|*" decode "*|*" pages "*|*" splits "*|*" rotation "*)
+  cp bench/results/kernels-h200.json "$OUT/kernels-h200.json";; esac
 stage tests ${TESTS_LIMIT:-100} python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/kernels/test_store.py tests/kernels/test_decode.py -k "cast or bit_exact or variants"
 stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store,prologue --budget-s $(( ${STORE_LIMIT:-150} - 40 )) \
@@ -44,4 +45,13 @@ stage mla ${MLA_LIMIT:-300} bash -c "python3 -m pytest -q -m gpu -p no:cacheprov
 stage rotation ${ROTATION_LIMIT:-540} python3 -m bench.kernels --kv-rotation all \
   --rotation-ops decode,prefill,store --budget-s $(( ${ROTATION_LIMIT:-540} - 90 )) \
   --out "$OUT/kernels-h200.json"
+# STAGES=fp8-prefill (issue 34, not a default): the Mosaic prefill kernel's native tests (the
+# fp8-products cases too) and the engine option's, then bf16 / fp8 dequant / fp8 products side
+# by side with accuracy rows (bench.prefill_fp8) into $OUT/prefill-fp8-h200.json
+stage fp8-prefill ${FP8_PREFILL_LIMIT:-270} bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/kernels/test_mosaic_prefill.py tests/kernels/test_fp8_attention_compute.py; \
+  python3 -m bench.prefill_fp8 --out $OUT/prefill-fp8-h200.json"
+# STAGES=v4 (issue 40, not a default): DeepSeek-V4's sparse decode (bf16 vs fp8 rows, error
+# against the twin) and indexer kernels timed, with the pools' capacity model
+stage v4 ${V4_LIMIT:-150} python3 -m bench.v4_kernels --out "$OUT/v4-kernels-h200.json"
 ls -la "$OUT"

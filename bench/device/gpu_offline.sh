@@ -71,6 +71,11 @@ stage moe-30b ${MOE_30B_LIMIT:-420} python3 -m bench.offline --model random:qwen
 # ~17 of the 32 sequences of 2,176 tokens and fp8 all 32. hybrid-131k: one 131,072-token
 # prompt with an fp8 cache (pool sized from free memory), 16 tokens out.
 hyb_json="$OUT/offline-hybrid-h200.json"
+# hybrid-tiny: the preset random:qwen3.6-tiny through the GPU kernels (both cache dtypes), a
+# first run of the hybrid engine on the GPU before the 35B-A3B stages spend minutes
+stage hybrid-tiny ${HYBRID_TINY_LIMIT:-150} python3 -m bench.offline --model random:qwen3.6-tiny \
+  --num-prompts 8 --input-len 256 --output-len 32 --kv-cache-dtype bfloat16,fp8 \
+  --out "$OUT/offline-hybrid-tiny-h200.json"
 for kv in bfloat16 fp8; do
   stage hybrid-$kv ${HYBRID_LIMIT:-240} python3 -m bench.offline --model random:qwen3.6-35b-a3b \
     --num-prompts 32 --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 32 \
