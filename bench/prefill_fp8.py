@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import common
 from bench.kernels import cache_cfg, make_layer, prefill_chain, timed_interleaved
 from jfp8kv.kernels import fp8_products, mosaic_prefill
 
@@ -99,8 +100,8 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results/prefill-fp8-h200.json")
     ap.add_argument("--lower-only", action="store_true")
     args = ap.parse_args(argv)
-    dev = jax.devices()[0]
-    doc = {"machine": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__,
+    doc = {"machine": common.machine_info(),
+           "command": common.command_line("bench.prefill_fp8", argv),
            "heads": HEADS, "page_size": 16, "rows": []}
     for shape in SHAPES:
         doc["rows"] += run_shape(shape, args.lower_only)
