@@ -81,6 +81,16 @@ for kv in bfloat16 fp8; do
     --num-prompts 32 --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 32 \
     --kv-cache-memory ${HYBRID_KV:-3.0e9} --kv-cache-dtype $kv --out "$hyb_json" --append
 done
+# hybrid-pair: both cache dtypes in one process (the 69 GB of weights made once); hybrid-serve:
+# issue 41's done-when, one 131,072-token request through python -m jfp8kv.serve (fp8 cache,
+# pool from free memory, no warm-up: the first TTFT includes compiling; --repeat times it warm)
+stage hybrid-pair ${HYBRID_PAIR_LIMIT:-320} python3 -m bench.offline --model random:qwen3.6-35b-a3b \
+  --num-prompts 32 --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 32 \
+  --kv-cache-memory ${HYBRID_KV:-3.0e9} --kv-cache-dtype bfloat16,fp8 --out "$hyb_json" --append
+stage hybrid-serve ${HYBRID_SERVE_LIMIT:-250} python3 -m bench.long_request \
+  --model random:qwen3.6-35b-a3b --prompt-tokens 131072 --max-tokens 16 --repeat \
+  --startup-timeout 150 --out "$OUT/long-request-hybrid-h200.json" -- --kv-cache-dtype fp8_e4m3 \
+  --max-model-len 131088 --max-num-seqs 4 --warmup off
 stage hybrid-131k ${HYBRID_131K_LIMIT:-240} python3 -m bench.offline --model random:qwen3.6-35b-a3b \
   --num-prompts 1 --input-len 131072 --output-len 16 --max-model-len 131088 --max-num-seqs 1 \
   --kv-cache-dtype fp8 --warmup off --out "$hyb_json" --append

@@ -1,0 +1,105 @@
+"""One long request through the server (issue 41's done-when: a 131,072-token request served).
+
+    python -m bench.long_request --model random:qwen3.6-35b-a3b --prompt-tokens 131072 \\
+        --max-tokens 16 --out bench/results/long-request-hybrid-h200.json -- \\
+        --kv-cache-dtype fp8_e4m3 --max-model-len 131088 --warmup off
+
+Starts ``python -m jfp8kv.serve`` on a free loopback port (flags after ``--``), waits for
+/health, sends one streamed greedy /v1/completions whose prompt is ``--prompt-tokens`` token
+ids (seeded, below ``--vocab-limit``), and records: start-up seconds, status, time to the first
+streamed token (prefill, compiles included when warm-up is off), total seconds, the tokens
+returned and the server's /metrics lines about the KV cache. Then the same request once more
+when ``--repeat`` (compiled shapes: the second TTFT is the prefill alone). Stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from types import SimpleNamespace
+
+import httpx
+
+from bench.common import command_line, machine_info, write_result
+from bench.soak import start_server
+
+
+def stream_once(url: str, body: dict, timeout: float) -> dict:
+    """POST one streamed completion; (status, ttft_s, total_s, text, chunks)."""
+    t0 = time.perf_counter()
+    ttft, text, chunks, usage = None, "", 0, None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout,
+                      trust_env=False) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "body": r.read().decode()[:2000],
+                    "total_s": time.perf_counter() - t0}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if msg.get("choices") and msg["choices"][0].get("text"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text += msg["choices"][0]["text"]
+                chunks += 1
+            usage = msg.get("usage") or usage
+    return {"status": 200, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+            "text": text, "text_chunks": chunks, "usage": usage}
+
+
+def kv_metrics(url: str) -> list[str]:
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    return [ln for ln in text.splitlines()
+            if ln and not ln.startswith("#") and ("cache" in ln or "page" in ln)]
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.long_request", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt-tokens", type=int, default=131072)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--vocab-limit", type=int, default=1000, help="prompt ids drawn below this")
+    p.add_argument("--repeat", action="store_true", help="send the request a second time")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=1200.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--out", required=True)
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: server flags")
+    args = p.parse_args(argv)
+    server_args = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    ids = random.Random(args.seed).choices(range(1, args.vocab_limit), k=args.prompt_tokens)
+    body = {"model": args.model, "prompt": ids, "max_tokens": args.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    proc, url, server_cmd = start_server(
+        SimpleNamespace(log_dir=args.log_dir, model=args.model, api_key=None,
+                        startup_timeout=args.startup_timeout), server_args)
+    doc = {"machine": machine_info(), "command": command_line("bench.long_request", list(argv)) if argv else command_line(),
+           "server_command": server_cmd, "startup_s": time.perf_counter() - t0,
+           "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "requests": []}
+    try:
+        for _ in range(2 if args.repeat else 1):
+            doc["requests"].append(stream_once(url, body, args.request_timeout))
+            print(json.dumps({k: v for k, v in doc["requests"][-1].items() if k != "text"}),
+                  flush=True)
+        doc["metrics"] = kv_metrics(url)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+    doc["served"] = all(r["status"] == 200 and (r.get("usage") or {}).get(
+        "prompt_tokens") == args.prompt_tokens for r in doc["requests"])
+    write_result(args.out, doc)
+    print(f"served={doc['served']} startup={doc['startup_s']:.1f}s -> {args.out}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
