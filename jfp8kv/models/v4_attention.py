@@ -192,7 +192,8 @@ def indexer_select(h, q_res, positions, entries, ip, cfg: ModelConfig, inv_freq,
         return vis
     k = min(v4.index_topk, n)
     _, top = jax.lax.top_k(jnp.where(vis, score, -jnp.inf), k)
-    chosen = jnp.any(top[..., :, None] == jnp.arange(n), -2)
+    bi, ti = jnp.indices(top.shape[:2])  # scatter, not a [B, T, k, N] comparison
+    chosen = jnp.zeros(score.shape, bool).at[bi[..., None], ti[..., None], top].set(True)
     return chosen & vis
 
 

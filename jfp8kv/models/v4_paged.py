@@ -25,6 +25,8 @@ from jfp8kv.kvcache.v4_cache import V4Cache, layer_slots
 from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models import v4_attention as va
 
+SUB_CHUNK = 512  # tokens per pass of a long prefill chunk (``forward``)
+
 
 def _rows(pool, dtype):
     """(values[, scales]) gathered rows -> the compute ``dtype`` (as ``read_rows``)."""
@@ -133,14 +135,8 @@ def write_back(cache: V4Cache, cfg: ModelConfig, layers, writes, pos, n_new, pag
     return V4Cache(window, compressed, indexer, state, cache.stats, cache.config)
 
 
-def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, slots, *,
-            cfg: ModelConfig, backend: str):
-    """tokens [B, T] at positions [B, T] (row b's real tokens: seq_lens[b] -
-    positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
-    [B, P] -> (final-normed hidden [B, T, D], cache). ``backend``: the engine's ("reference":
-    jnp; a Pallas one: decode attention and indexer through ``kernels.v4_sparse`` and the
-    MoE grouped by expert)."""
-    pos = positions[:, 0]
+def _chunk(params, cache: V4Cache, tokens, pos, seq_lens, page_tables, slots, cfg, backend):
+    """One pass: read the rows' state, run the layers, write back -> (hidden, cache)."""
     n_new = jnp.clip(seq_lens - pos, 0, tokens.shape[1]).astype(jnp.int32)
     dtype = params["embed"].dtype
     layers = read_state(cache, cfg, pos, page_tables, slots, dtype)
@@ -149,5 +145,30 @@ def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, sl
         params, layers, tokens, pos, n_new, cfg, cache.config.storage_dtype,
         "reference" if ref else ("pallas_interpret" if "interpret" in backend else "pallas"),
         None if ref else backend)
-    cache = write_back(cache, cfg, new_layers, writes, pos, n_new, page_tables, slots)
-    return h, cache
+    return h, write_back(cache, cfg, new_layers, writes, pos, n_new, page_tables, slots)
+
+
+def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, slots, *,
+            cfg: ModelConfig, backend: str, sub_chunk: int = SUB_CHUNK):
+    """tokens [B, T] from positions[:, 0] on (row b's real tokens: seq_lens[b] -
+    positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
+    [B, P] -> (final-normed hidden [B, T, D], cache). ``backend``: the engine's ("reference":
+    jnp; a Pallas one: decode attention and indexer through ``kernels.v4_sparse`` and the
+    MoE grouped by expert). A chunk longer than ``sub_chunk`` runs as a ``lax.scan`` over
+    sub-chunks of that length, the cache carried (the reference attention's logits grow
+    with T x (T + entries): this bounds them)."""
+    b, t = tokens.shape
+    pos = positions[:, 0]
+    if t <= sub_chunk or t % sub_chunk:
+        return _chunk(params, cache, tokens, pos, seq_lens, page_tables, slots, cfg, backend)
+
+    def body(cache, x):
+        toks, start = x
+        h, cache = _chunk(params, cache, toks, pos + start, seq_lens, page_tables, slots, cfg,
+                          backend)
+        return cache, h
+
+    parts = tokens.reshape(b, t // sub_chunk, sub_chunk).swapaxes(0, 1)
+    starts = jnp.arange(0, t, sub_chunk, dtype=pos.dtype)
+    cache, h = jax.lax.scan(body, cache, (parts, starts))
+    return h.swapaxes(0, 1).reshape(b, t, -1), cache
