@@ -262,9 +262,10 @@ def load_hf_dir(path: Path, dtype: str, tensor_parallel_size: int = 1) -> Loaded
     cfg_dict = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf_dict(cfg_dict, name=name)
     if cfg.v4 is not None:
-        raise ValueError(f"{path}: DeepSeek-V4 runs only through the reference forward "
-                         "jfp8kv.models.deepseek_v4 for now; the engine does not serve it yet "
-                         "(docs/deepseek-v4.md)")
+        raise ValueError(f"{path}: loading DeepSeek-V4 checkpoints is not built yet (the "
+                         "released fp8 / fp4 experts need dequantizing; transformers' names "
+                         "map through jfp8kv.models.deepseek_v4.params_from_hf); the engine "
+                         "serves the random:deepseek-v4-* presets (docs/deepseek-v4.md)")
     if cfg_dict.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported; use a checkpoint "
                          "with full attention in every layer")
