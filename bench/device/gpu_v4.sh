@@ -11,6 +11,8 @@
 #                (bf16 1,110,016 B each: window ring + fp32 compressor state; fp8 864,256 B)
 #                then pages of 128 tokens (bf16 41,984 B, fp8 26,144 B), so bf16 holds 540
 #                pages = 31 of the 64 sequences (17 pages each) and fp8 1,489 = all 64.
+#                Prefill chunks of 2,048 tokens (one prompt per dispatch, four 512-token
+#                passes), so the run compiles one prefill shape and the decode buckets.
 #   v4-serve     python -m jfp8kv.serve on the same model with an fp8 pool; one completion
 # Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json.
 set -u
@@ -32,6 +34,7 @@ json="$OUT/offline-v4-h200.json"
 for kv in bfloat16 fp8; do
   stage v4-$kv ${V4_LIMIT:-480} python3 -m bench.offline --model "$MODEL" --num-prompts 64 \
     --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 64 \
+    --max-num-batched-tokens 2048 \
     --kv-cache-memory ${V4_KV:-9.6e7} --kv-cache-dtype $kv --out "$json" --append
 done
 serve_once() {  # start the server, wait for /health (<= 200 s), one completion, stop it

@@ -18,7 +18,8 @@ from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-PROMPTS = [[5, 17, 3, 88, 41, 9, 60], list(range(20, 36)), [70, 2, 33, 14, 51]]
+# The 30-token prompt is prefilled in two chunks (max_num_batched_tokens 16), beside decode.
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], list(range(20, 50)), [70, 2, 33, 14, 51]]
 STORAGE = {"bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
 
 
@@ -28,18 +29,19 @@ def loaded():
 
 
 def _llm(loaded, **kw):
-    opts = dict(max_model_len=64, max_num_seqs=4, decode_buckets=(4,), attention_backend="auto")
+    opts = dict(max_model_len=64, max_num_seqs=4, decode_buckets=(4,), attention_backend="auto",
+                max_num_batched_tokens=16)
     return LLM(loaded=loaded, dtype="float32", **{**opts, **kw})
 
 
 @functools.cache
 def reference_greedy(storage: str) -> list[list[int]]:
-    """Greedy tokens of the reference forward for PROMPTS: one batch padded to 16 with
+    """Greedy tokens of the reference forward for PROMPTS: one batch padded to 32 with
     per-row real counts (``n_new``), then batched decode steps."""
     loaded, prompts, steps = load_model("random:deepseek-v4-tiny", "float32"), PROMPTS, \
         GREEDY.max_tokens
     cfg, params = loaded.config, loaded.params
-    ids = np.zeros((len(prompts), 16), np.int32)
+    ids = np.zeros((len(prompts), 32), np.int32)
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
@@ -55,9 +57,9 @@ def reference_greedy(storage: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("kv,preempt", [("bfloat16", False), ("fp8_e4m3", True)])
 def test_greedy_equals_reference_forward(loaded, kv, preempt):
-    """With ``preempt``, the pool is small enough to force preemption: 3 sequences of up
-    to 28 tokens need 6 pages of 16, the pool has 4 (one max_model_len sequence), so the
-    newest are preempted (pages and slot freed) and re-prefilled: same tokens."""
+    """With ``preempt``, the pool is small enough to force preemption: the 3 sequences need
+    2 + 3 + 2 pages of 16, the pool has 4 (one max_model_len sequence), so the newest are
+    preempted (pages and slot freed) and re-prefilled: same tokens."""
     kw = {}
     if preempt:
         spec = v4_pools.V4PoolSpec.from_model(loaded.config, kv, 16)
