@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jfp8kv.kvcache import fp8
+from jfp8kv.kvcache.cache import STAT_FIELDS
 from jfp8kv.kvcache.v4_pools import V4PoolSpec, init_pools
 
 
@@ -74,7 +75,8 @@ class V4CacheConfig:
 @dataclasses.dataclass
 class V4Cache:
     """The pools (``v4_pools.init_pools``' lists of (values[, float16 scales]) tuples) and
-    a zero stats array (the engine's fp8 counters: V4 does not count saturation yet)."""
+    a stats array of the paged cache's shape (``cache.STAT_FIELDS`` per layer), zeros: V4
+    does not count saturation or NaN yet (``LLM.kv_stats()`` reads zeros)."""
 
     window: list
     compressed: list
@@ -87,7 +89,7 @@ class V4Cache:
     def init(cls, cfg: V4CacheConfig) -> "V4Cache":
         pools = init_pools(cfg.spec, cfg.num_pages, cfg.num_slots)
         return cls(pools["window"], pools["compressed"], pools["indexer"], pools["state"],
-                   jnp.zeros((cfg.num_layers, 4), jnp.float32), cfg)
+                   jnp.zeros((cfg.num_layers, len(STAT_FIELDS)), jnp.float32), cfg)
 
     def pool_nbytes(self) -> dict[str, int]:
         """Bytes allocated per pool (equal to ``V4PoolSpec.cache_info``'s)."""
