@@ -255,7 +255,9 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
-                         prefill_one_row=not on_gpu, chunk_factor=2 if on_gpu else 4,
+                         # V4: one row per prefill dispatch bounds its jnp attention's logits
+                         prefill_one_row=not on_gpu or loaded.config.v4 is not None,
+                         chunk_factor=2 if on_gpu else 4,
                          max_chunk=engine_cfg.max_num_batched_tokens, tp=tp,
                          decode_gemm_autotune=engine_cfg.decode_gemm_autotune)
     # Pages are reused only under the settings that produced their numbers.
