@@ -73,6 +73,10 @@ def test_greedy_equals_reference_forward(loaded, kv, preempt):
     if preempt:
         assert info["num_pages"] == 4 and sum(o.num_preemptions for o in outs) > 0
     assert [o.token_ids for o in outs] == reference_greedy(STORAGE[kv])
+    if not preempt:  # teacher-forced through the scratch slot, chunks of 16: same argmaxes
+        full = PROMPTS[1] + outs[1].token_ids
+        _, logits = llm.nll(full, return_logits=True)
+        assert logits[len(PROMPTS[1]) - 1:].argmax(-1).tolist() == outs[1].token_ids
 
 
 def test_capacity_at_a_fixed_budget_is_the_byte_model(loaded):
