@@ -14,7 +14,9 @@
 #                Prefill chunks of 2,048 tokens (one prompt per dispatch, four 512-token
 #                passes), so the run compiles one prefill shape and the decode buckets.
 #   v4-serve     python -m jfp8kv.serve on the same model with an fp8 pool; one completion
-# Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json.
+# Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json. The device tool
+# runs one command for at most 600 s: one stage per call (each stage's limit is below it;
+# the Flash-4l stages compile one prefill and up to six decode executables in the warm-up).
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"v4"}
@@ -32,7 +34,7 @@ stage v4-tests ${V4_TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/kernels/
   tests/engine/test_v4_engine.py -p no:cacheprovider
 json="$OUT/offline-v4-h200.json"
 for kv in bfloat16 fp8; do
-  stage v4-$kv ${V4_LIMIT:-480} python3 -m bench.offline --model "$MODEL" --num-prompts 64 \
+  stage v4-$kv ${V4_LIMIT:-560} python3 -m bench.offline --model "$MODEL" --num-prompts 64 \
     --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 64 \
     --max-num-batched-tokens 2048 \
     --kv-cache-memory ${V4_KV:-9.6e7} --kv-cache-dtype $kv --out "$json" --append
