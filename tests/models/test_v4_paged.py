@@ -69,3 +69,22 @@ def test_decode_through_kernels_equals_jnp(tiny):
                                                  cfg=cfg, backend=backend)
         np.testing.assert_allclose(out["pallas_interpret"][:2], out["reference"][:2],
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_flash_widths_trace(backend):
+    """``random:deepseek-v4-flash-4l``'s shapes (head_dim 512, 256 experts, one HCA entry
+    per 128-token page) trace through a 2,048-token prefill (four 512-token passes) and a
+    64-row decode step with fp8 pools, abstractly (no weights allocated)."""
+    cfg = v4_config("deepseek-v4-flash-4l")
+    params = jax.eval_shape(lambda k: init_random_params(cfg, k, "bfloat16"),
+                            jax.random.PRNGKey(0))
+    spec = v4_pools.V4PoolSpec.from_model(cfg, "fp8_e4m3", 128)
+    cache = jax.eval_shape(lambda: V4Cache.init(V4CacheConfig(spec, 1490, 66)))
+    for b, t in ((1, 2048), (64, 1)):
+        z = jnp.zeros((b, t), jnp.int32)
+        h, out = jax.eval_shape(
+            lambda p, c, tok: v4_paged.forward(p, c, tok, tok, jnp.zeros((b, 17), jnp.int32),
+                                               tok[:, 0], tok[:, 0], cfg=cfg, backend=backend),
+            params, cache, z)
+        assert h.shape == (b, t, 4096) and jax.tree.structure(out) == jax.tree.structure(cache)
