@@ -40,6 +40,10 @@ def _page_size(model_cfg, page_size: int) -> int:
     ps = page_size
     while any(ps % r for r in ratios):
         ps *= 2
+        if ps > 128:  # EngineConfig's largest page
+            raise ValueError(f"no page size up to 128 tokens holds whole windows of the compress "
+                             f"ratios {sorted(set(ratios))}; DeepSeek-V4 needs power-of-two "
+                             "ratios of at most 128")
     if ps != page_size:
         log.info("page_size %d -> %d for %s: a page must hold whole compressed windows "
                  "(compress ratios %s)", page_size, ps, model_cfg.name, sorted(set(ratios)))
