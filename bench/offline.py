@@ -93,7 +93,10 @@ IDEAL_MODEL = (
     " the expected distinct experts of B rows under uniform routing, B = rows per decode "
     "iteration; F = per layer 4 * H * Dh, MLA (absorbed) 2 * H * (kv_lora_rank + "
     "qk_rope_head_dim) + 2 * H * kv_lora_rank; ideal_roofline_s charges each dispatch "
-    "max(flops / matmul_rate, bytes / copy_bandwidth)")
+    "max(flops / matmul_rate, bytes / copy_bandwidth); DeepSeek-V4: A counts its attention's "
+    "q-LoRA, shared KV, grouped output, compressors, indexer and mHC maps, F = 0 (sparse "
+    "attention FLOPs not counted) and bytes_per_token is its pages' (compressed + indexer "
+    "entries) per source token, the slot state not counted: a lower bound")
 
 
 def machine_slug(info: dict) -> str:
@@ -143,9 +146,28 @@ def attention_params(cfg) -> int:
     return 2 * d * h * hd + 2 * d * cfg.num_kv_heads * hd + gate
 
 
+def v4_mixer_params(cfg, layer: int) -> int:
+    """Matmul parameters of a DeepSeek-V4 layer's attention and mHC maps: wq_a, wq_b, wkv,
+    wo_a (grouped), wo_b, both hc maps; CSA / HCA the compressor (kv + gate); CSA the
+    indexer's compressor, query and head weights."""
+    v4, d, hd, h = cfg.v4, cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    n = v4.hc_mult
+    out = (d * cfg.q_lora_rank + cfg.q_lora_rank * h * hd + d * hd + h * hd * v4.o_lora_rank
+           + v4.o_groups * v4.o_lora_rank * d + 2 * n * d * (2 + n) * n)
+    kind = v4.layer_kind(layer)
+    if kind != "window":
+        out += 2 * d * (2 * hd if kind == "csa" else hd)
+    if kind == "csa":
+        di, ni = v4.index_head_dim, v4.index_n_heads
+        out += 2 * d * 2 * di + cfg.q_lora_rank * ni * di + d * ni
+    return out
+
+
 def mixer_params(cfg, layer: int) -> int:
     """Matmul parameters of ``layer``'s token mixer: its attention, or for a Qwen3.5/3.6
     Gated DeltaNet layer in_proj_qkv, in_proj_z, in_proj_a/b and out_proj."""
+    if cfg.v4 is not None:
+        return v4_mixer_params(cfg, layer)
     hy = cfg.hybrid
     if hy is None or hy.layer_types[layer] == "full_attention":
         return attention_params(cfg)
@@ -181,6 +203,8 @@ def attn_flops_per_pair(cfg) -> int:
     """Attention FLOPs per causal (query, key) pair over all layers: 4 * H * Dh per layer;
     MLA, absorbed: 2 * H * (r + d_r) for scores over latent rows + 2 * H * r for values."""
     h = cfg.num_heads
+    if cfg.v4 is not None:
+        return 0  # sparse (window + chosen entries): not counted (IDEAL_MODEL)
     if cfg.is_mla:
         return cfg.num_layers * (2 * h * cfg.latent_dim + 2 * h * cfg.kv_lora_rank)
     layers = cfg.num_layers if cfg.hybrid is None else len(cfg.hybrid.attention_layers)

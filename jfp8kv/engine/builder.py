@@ -30,7 +30,7 @@ from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheConfig, CacheO
                            EngineConfig, LoadConfig, check_compute_dtype)
 from jfp8kv import kernels
 from jfp8kv.engine.llm_engine import LLMEngine
-from jfp8kv.engine import hybrid_cache
+from jfp8kv.engine import hybrid_cache, v4_engine
 from jfp8kv.engine.compile_cache import setup_compile_cache
 from jfp8kv.engine.device_policy import cache_memory, device_defaults
 from jfp8kv.engine.runner import ModelRunner
@@ -136,6 +136,8 @@ def plan_capacity(model_cfg, engine: EngineConfig, storage: str, mode: str | Non
     Under tensor parallelism the budget and ``bytes_per_token`` are per device (one
     device's KV heads); the ``CacheConfig`` describes the global pool (all heads).
     ``bitcast_pool``: integer page arrays (``CacheConfig.bitcast_pool``; same bytes)."""
+    if model_cfg.v4 is not None:  # DeepSeek-V4's own pools (engine/v4_engine.py)
+        return v4_engine.plan_capacity(model_cfg, engine, storage, device)
     if model_cfg.hybrid is not None:  # DeltaNet state slots beside the pages
         return hybrid_cache.plan_capacity(model_cfg, engine, storage, mode, device, tp,
                                           bitcast_pool, kv_rotation)
@@ -238,7 +240,9 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     """Cache, runner, scheduler and engine for a resolved configuration. Static scales are
     [layers, model KV heads, head_dim]; under ``tp`` the pool is allocated on its shards."""
     ccfg = plan.cache_config
-    if tp is None:
+    if v4_engine.init_cache(ccfg) is not None:
+        cache = v4_engine.init_cache(ccfg)
+    elif tp is None:
         cache = KVCache.init(ccfg, k_scale, v_scale, k_shift)
     else:
         cache = tp.init_cache(ccfg, *(None if s is None else tp.expand_kv_heads(s)
@@ -251,7 +255,9 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
     runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                          decode_buckets=engine_cfg.decode_buckets,
                          min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
-                         prefill_one_row=not on_gpu, chunk_factor=2 if on_gpu else 4,
+                         # V4: one row per prefill dispatch bounds its jnp attention's logits
+                         prefill_one_row=not on_gpu or loaded.config.v4 is not None,
+                         chunk_factor=2 if on_gpu else 4,
                          max_chunk=engine_cfg.max_num_batched_tokens, tp=tp,
                          decode_gemm_autotune=engine_cfg.decode_gemm_autotune)
     # Pages are reused only under the settings that produced their numbers.
@@ -261,7 +267,8 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
                  ccfg.kv_rotation,
                  None if k_shift is None else hash(np.asarray(k_shift).tobytes()))
     scheduler = Scheduler.from_config(PageAllocator(ccfg.num_pages), engine_cfg, namespace,
-                                      hybrid_cache.sequence_slots(loaded.config, engine_cfg))
+                                      hybrid_cache.sequence_slots(loaded.config, engine_cfg)
+                                      or v4_engine.sequence_slots(loaded.config, engine_cfg))
     eos = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
         eos.add(loaded.tokenizer.eos_token_id)
@@ -288,13 +295,15 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
         loaded = load_model(load.model, load.dtype, engine.tensor_parallel_size)
     loaded, tp = place_model(loaded, engine.tensor_parallel_size)
     engine = hybrid_cache.check_engine(loaded.config, engine, cache, mode)
+    engine = v4_engine.check_engine(loaded.config, engine, cache)
     if loaded.config.is_mla and fp8.is_fp8(storage) and cache.kv_scale_mode is None:
         mode = latent.DEFAULT_LATENT_SCALE_MODE  # the issue's default for latents
     # XLA on CPU rewrites a whole bf16/fp8 pool per scatter, an integer one in place.
     plan = plan_capacity(loaded.config, engine, storage, mode, device, tp,
                          bitcast_pool=device.platform == "cpu" and backend == "reference",
                          kv_rotation=cache.kv_rotation if fp8.is_fp8(storage) else "none")
-    plan = kernels.with_attention_compute(plan, cache.fp8_attention_compute)
+    if loaded.config.v4 is None:  # V4 pools: block scales, their own kernels
+        plan = kernels.with_attention_compute(plan, cache.fp8_attention_compute)
     engine = dataclasses.replace(engine, max_model_len=plan.max_model_len,
                                  kv_cache_memory=plan.kv_cache_memory)
     if loaded.config.is_mla:
@@ -336,7 +345,8 @@ def cache_info(built: BuiltEngine) -> dict:
                 enable_prefix_caching=built.engine_config.enable_prefix_caching,
                 prefix_cache=dataclasses.asdict(
                     built.engine.scheduler.prefix_cache_stats()),
-                **tensor_parallel_info(built), **hybrid_cache.state_info(built))
+                **tensor_parallel_info(built), **hybrid_cache.state_info(built),
+                **v4_engine.pool_info(built))
 
 
 def tensor_parallel_info(built: BuiltEngine) -> dict:

@@ -50,7 +50,7 @@ def cpu_float32_weights(params):
         return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
     out = dict(params)
-    out["layers"] = [{k: up(v) for k, v in lp.items()} for lp in params["layers"]]
+    out["layers"] = [jax.tree.map(up, lp) for lp in params["layers"]]
     out["final_norm"] = up(params["final_norm"])
     if params.get("lm_head") is not None:
         out["lm_head"] = up(params["lm_head"])
@@ -100,7 +100,9 @@ class ModelRunner:
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
         self.greedy_modes = (None,) if on_cpu else (True, False)  # decode's all_greedy values
-        self.hybrid = model_cfg.hybrid is not None  # rows carry DeltaNet state slots
+        # Rows carry state slots: hybrid models' DeltaNet state, DeepSeek-V4's window
+        # ring and compressor state.
+        self.hybrid = model_cfg.hybrid is not None or model_cfg.v4 is not None
         self.tp = tp
         self._decode = steps.DECODE_JITS[decode_gemm_autotune]
 
@@ -187,7 +189,7 @@ class ModelRunner:
             state_slots=self._state_slots([], b))
 
     def _state_slots(self, slots: list[int], b: int):
-        """int32[b] DeltaNet state slots of a hybrid model's rows (0: the padding slot), or
+        """int32[b] state slots of a hybrid or V4 model's rows (0: the padding slot), or
         None for other models."""
         if not self.hybrid:
             return None

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jfp8kv.engine.sampler import init_state, sample_step
 from jfp8kv.kvcache.state_pool import HybridCache
-from jfp8kv.models import qwen3_hybrid, transformer
+from jfp8kv.models import qwen3_hybrid, transformer, v4_paged
 
 
 def _attend(tp):
@@ -37,7 +37,11 @@ def _placed(cache, tp):
 def _forward(params, cache, tokens, positions, slots, page_tables, seq_lens, state_slots, *,
              cfg, backend, tp):
     """The model's forward: ``transformer.forward``, or for a hybrid model (``cache`` a
-    ``HybridCache``) ``qwen3_hybrid.forward`` with each row's DeltaNet ``state_slots``."""
+    ``HybridCache``) ``qwen3_hybrid.forward`` with each row's DeltaNet ``state_slots``, or
+    for DeepSeek-V4 (``cache`` a ``V4Cache``) ``v4_paged.forward`` with its slots."""
+    if cfg.v4 is not None:
+        return v4_paged.forward(params, cache, tokens, positions, page_tables, seq_lens,
+                                state_slots, cfg=cfg, backend=backend)
     if cfg.hybrid is None:
         return transformer.forward(params, cache, tokens, positions, slots, page_tables,
                                    seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))

@@ -84,10 +84,20 @@ def _decode_kernel(q, keys, n_window: int, entries, chosen, pos, sinks, cfg, kin
     return out[:, None].astype(q.dtype)
 
 
-def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, backend):
-    """One layer's attention on h [B, T, D] (normalized); returns (out [B, T, D], state).
-    Rows are stored first (rounded as their pools hold them), then attended; decode steps
-    take the Pallas kernels unless ``backend`` is "reference"."""
+def _window_after(keys, n_new, rows: int):
+    """The ``rows`` window rows before each row's next position: keys [B, rows + T, hd]
+    holds the old rows then the chunk's; row b keeps rows n_new[b] .. n_new[b] + rows - 1."""
+    return jax.vmap(lambda k, n: jax.lax.dynamic_slice_in_dim(k, n, rows, 0))(keys, n_new)
+
+
+def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, storage,
+               backend):
+    """One layer's attention on h [B, T, D] (normalized), of which the first n_new[b]
+    tokens of row b are real (the rest padding: they write nothing); returns (out
+    [B, T, D], state, writes). Rows are stored first (rounded as their pools hold them),
+    then attended; decode steps take the Pallas kernels unless ``backend`` is "reference".
+    ``writes``: what the pools receive, before storage rounding: "kv" [B, T, hd] (the
+    window rows) and per compressor (entries [B, K, d], entry indices [B, K], -1: none)."""
     kernel = backend != "reference" and h.shape[1] == 1
     interpret = backend == "pallas_interpret"
     scorer = (functools.partial(v4_sparse.indexer_scores, interpret=interpret)
@@ -100,25 +110,28 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, 
     q = vb.unweighted_rms_norm(vb.linear(q_res, lp["wq_b"]).reshape(b, t, -1, hd),
                                cfg.rms_norm_eps)
     q = vb.rope(q, positions, freqs)
-    kv = store(vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
-                       positions, freqs))
+    kv_raw = vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
+                     positions, freqs)
+    kv = store(kv_raw)
     pos = positions[:, 0]  # [B]
+    rows = ls["window"].shape[1]
     keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
-    key_pos = pos[:, None] - ls["window"].shape[1] + jnp.arange(keys.shape[1])[None]
+    key_pos = pos[:, None] - rows + jnp.arange(keys.shape[1])[None]
     mask = va.window_mask(positions, key_pos, v4.sliding_window) & (key_pos >= 0)[:, None]
-    new_ls = {"window": keys[:, keys.shape[1] - ls["window"].shape[1]:]}
+    new_ls, writes = {"window": _window_after(keys, n_new, rows)}, {"kv": kv_raw}
     if kind != "window":
         cp = lp["compressor"]
-        cs = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]),
-                               vb.linear(h, cp["wgate"]), cp, cfg.rms_norm_eps, freqs, store)
-        new_ls["compressor"] = cs
+        cs, new, ids = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]),
+                                         vb.linear(h, cp["wgate"]), cp, cfg.rms_norm_eps,
+                                         freqs, store, n_new)
+        new_ls["compressor"], writes["compressor"] = cs, (new, ids)
         m = cp["bias"].shape[0]
         if kind == "csa":
             ip = lp["indexer"]
-            ist = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
-                                    vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps, freqs,
-                                    store_index)
-            new_ls["indexer"] = ist
+            ist, new, ids = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
+                                              vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps,
+                                              freqs, store_index, n_new)
+            new_ls["indexer"], writes["indexer"] = ist, (new, ids)
             chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs,
                                        scorer)
         else:
@@ -134,42 +147,58 @@ def _attention(h, lp, ls, positions, cfg: ModelConfig, kind: str, inv, storage, 
             mask = jnp.concatenate([mask, chosen], -1)
         out = va.attend(q, keys, mask, lp["sinks"])
     out = vb.rope(out, positions, freqs, inverse=True)
-    return vb.grouped_output(out, lp, cfg), new_ls
+    return vb.grouped_output(out, lp, cfg), new_ls, writes
+
+
+def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage, backend,
+                  moe_backend=None):
+    """The layers on tokens [B, T] after ``pos`` [B] tokens, with per-layer states
+    ``layers`` (``init_state``'s "layers"); the first n_new[b] tokens of row b are real.
+    Returns (final-normed hidden [B, T, D], new layer states, per-layer pool writes:
+    ``_attention``'s). ``moe_backend``: None (the reference MoE, expert weights gathered
+    per token) or a ``kernels.grouped_matmul`` backend (grouped by expert)."""
+    b, t = tokens.shape
+    v4 = cfg.v4
+    positions = pos[:, None] + jnp.arange(t)[None]
+    inv = {k: vb.rope_inv_freq(cfg, k) for k in ("main", "compress")}
+    x = params["embed"][tokens]
+    streams = jnp.broadcast_to(x[:, :, None], (b, t, v4.hc_mult, x.shape[-1]))
+    new_layers, writes = [], []
+    for i, lp in enumerate(params["layers"]):
+        kind = v4.layer_kind(i)
+        col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
+        a, ls, w = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
+                              layers[i], positions, n_new, cfg, kind, inv, storage, backend)
+        new_layers.append(ls)
+        writes.append(w)
+        streams = vb.hc_post(streams, a, post, comb)
+        col, post, comb = vb.hc_pre(streams, lp["hc_ffn"], cfg)
+        f = vb.moe(vb.rms_norm(col, lp["mlp_norm"], cfg.rms_norm_eps), tokens, lp, cfg,
+                   v4.hash_layers[i], moe_backend)
+        streams = vb.hc_post(streams, f, post, comb)
+    h = vb.rms_norm(vb.hc_head(streams, params["hc_head"], cfg), params["final_norm"],
+                    cfg.rms_norm_eps)
+    return h, new_layers, writes
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "storage", "backend"))
 def forward(params, state, tokens, cfg: ModelConfig, storage: str | None = None,
-            backend: str = "reference"):
+            backend: str = "reference", n_new=None):
     """tokens int [B, T] continuing ``state`` -> (logits [B, T, V] float32-or-wider, state).
+    ``n_new`` int32 [B] (None: all T): row b's first n_new[b] tokens are real, the rest
+    padding that neither writes the state nor advances ``pos`` (its logits are garbage).
     ``storage``: None (rows kept in the compute dtype: the exact twin of transformers), or
     the window / compressed pools' dtype ("bfloat16", "float8_e4m3fn": e4m3 with per-32
     float16 scales), the indexer then bf16 (``jfp8kv.kvcache.v4_pools``). ``backend``:
     "reference" (jnp), "pallas" or "pallas_interpret" (decode steps through
     ``kernels.v4_sparse``; chunks of T > 1 stay jnp). Jitted with
     ``cfg`` / ``storage`` static; state shapes are fixed: one compile per chunk length."""
-    b, t = tokens.shape
-    v4 = cfg.v4
-    positions = state["pos"][:, None] + jnp.arange(t)[None]
-    inv = {k: vb.rope_inv_freq(cfg, k) for k in ("main", "compress")}
-    x = params["embed"][tokens]
-    streams = jnp.broadcast_to(x[:, :, None], (b, t, v4.hc_mult, x.shape[-1]))
-    new_layers = []
-    for i, lp in enumerate(params["layers"]):
-        kind = v4.layer_kind(i)
-        col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
-        a, ls = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
-                           state["layers"][i], positions, cfg, kind, inv, storage, backend)
-        new_layers.append(ls)
-        streams = vb.hc_post(streams, a, post, comb)
-        col, post, comb = vb.hc_pre(streams, lp["hc_ffn"], cfg)
-        f = vb.moe(vb.rms_norm(col, lp["mlp_norm"], cfg.rms_norm_eps), tokens, lp, cfg,
-                   v4.hash_layers[i])
-        streams = vb.hc_post(streams, f, post, comb)
-    h = vb.rms_norm(vb.hc_head(streams, params["hc_head"], cfg), params["final_norm"],
-                    cfg.rms_norm_eps)
+    n_new = jnp.full_like(state["pos"], tokens.shape[1]) if n_new is None else n_new
+    h, layers, _ = hidden_states(params, state["layers"], tokens, state["pos"], n_new, cfg,
+                                 storage, backend)
     logits = jnp.einsum("btd,dv->btv", h, params["lm_head"],
                         preferred_element_type=jnp.promote_types(h.dtype, jnp.float32))
-    return logits, {"pos": state["pos"] + t, "layers": new_layers}
+    return logits, {"pos": state["pos"] + n_new, "layers": layers}
 
 
 def _compressor_from_hf(get, prefix: str) -> dict[str, np.ndarray]:

@@ -220,6 +220,47 @@ def with_stop_ids(cfg: ModelConfig, tokenizer: Any, extra: Iterable[int] = ()) -
     return dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(ids)))
 
 
+def _load_v4_dir(path: Path, cfg: ModelConfig, dtype: str, tensor_parallel_size: int):
+    """A DeepSeek-V4 checkpoint of float tensors, in DeepSeek's names or transformers'
+    (``v4_checkpoint``), through ``deepseek_v4.params_from_hf``; the MTP layer is skipped.
+    ValueError for TP > 1, a quantized (fp8 / fp4) tensor, a missing or an unused one."""
+    from safetensors import safe_open
+
+    from jfp8kv.models import deepseek_v4, v4_checkpoint
+
+    if tensor_parallel_size > 1:
+        raise ValueError(f"{path}: DeepSeek-V4 runs on one device; use tensor_parallel_size=1")
+    files = {n: f for n, f in _tensor_files(path).items() if not n.startswith("mtp.")}
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="numpy"))
+                   for f in set(files.values())}
+
+        def read(name: str) -> np.ndarray:
+            arr = handles[files[name]].get_tensor(name)
+            if arr.dtype.kind not in "iu" and arr.dtype not in SOURCE_DTYPES:
+                raise ValueError(f"tensor {name} in {path} is {arr.dtype}: DeepSeek-V4's "
+                                 "released fp8 / fp4 checkpoints are not loaded yet (dequantize "
+                                 "them to bf16 first); jfp8kv reads float32/16 and bf16")
+            return arr
+
+        get, consumed = v4_checkpoint.transformers_getter(files, read)
+
+        def need(name: str) -> np.ndarray:
+            try:
+                return get(name)
+            except KeyError:
+                raise ValueError(f"checkpoint {path} is missing tensor {name}") from None
+
+        params = deepseek_v4.params_from_hf(need, cfg, NP_DTYPES[dtype])
+    unused = sorted(set(files) - consumed)
+    if unused:
+        raise ValueError(f"checkpoint {path} has tensors jfp8kv's DeepSeek-V4 model does not "
+                         f"use: {unused[:5]}; this variant is not supported")
+    tokenizer = _load_tokenizer(path)
+    return LoadedModel(config=with_stop_ids(cfg, tokenizer), params=params,
+                       tokenizer=tokenizer, kv_scales=None, name=path.resolve().name)
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> safetensors file holding it."""
     index_file = path / "model.safetensors.index.json"
@@ -262,9 +303,7 @@ def load_hf_dir(path: Path, dtype: str, tensor_parallel_size: int = 1) -> Loaded
     cfg_dict = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf_dict(cfg_dict, name=name)
     if cfg.v4 is not None:
-        raise ValueError(f"{path}: DeepSeek-V4 runs only through the reference forward "
-                         "jfp8kv.models.deepseek_v4 for now; the engine does not serve it yet "
-                         "(docs/deepseek-v4.md)")
+        return _load_v4_dir(path, cfg, dtype, tensor_parallel_size)
     if cfg_dict.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported; use a checkpoint "
                          "with full attention in every layer")

@@ -103,14 +103,16 @@ def deepseek_v3_route(logits, bias, top_k: int, *, n_group: int, topk_group: int
     return weights * routed_scaling_factor, ids.astype(jnp.int32)
 
 
-def grouped_experts(x, ids, weights, w_gate, w_up, w_down, backend: str = "reference"):
+def grouped_experts(x, ids, weights, w_gate, w_up, w_down, backend: str = "reference",
+                    activation=None):
     """sum_j weights[n, j] * SwiGLU_{ids[n, j]}(x[n]) for every token n, without dropping.
 
     x [N, D]; ids int32[N, k]; weights [N, k]; w_gate/w_up [E, D, I]; w_down [E, I, D].
     Returns [N, D] in x's dtype. Gate/up outputs are rounded to x's dtype as the dense MLP
     does; the down projection, router weighting and the sum over k stay in the accumulation
     dtype and are rounded once. ``backend``: ``kernels.grouped_matmul``'s (``reference``:
-    ``jax.lax.ragged_dot``; the Pallas backends: ``pallas_gmm``).
+    ``jax.lax.ragged_dot``; the Pallas backends: ``pallas_gmm``). ``activation(gate, up)``
+    (both in the accumulation dtype; None: silu(gate) * up) replaces the SwiGLU product.
     """
     n, k = ids.shape
     num_experts = w_gate.shape[0]
@@ -125,7 +127,10 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, backend: str = "refer
 
     gate = mm(rows, w_gate).astype(x.dtype)
     up = mm(rows, w_up).astype(x.dtype)
-    mid = (jax.nn.silu(gate.astype(acc)) * up).astype(x.dtype)
+    if activation is None:
+        mid = (jax.nn.silu(gate.astype(acc)) * up).astype(x.dtype)
+    else:
+        mid = activation(gate.astype(acc), up.astype(acc)).astype(x.dtype)
     out = mm(mid, w_down) * weights.reshape(-1)[order][:, None].astype(acc)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     return jnp.sum(out[inverse].reshape(n, k, -1), axis=1).astype(x.dtype)

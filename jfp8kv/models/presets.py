@@ -130,12 +130,7 @@ def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: in
 
     key = preset.lower()
     if key.startswith("deepseek-v4"):
-        from jfp8kv.models.v4_presets import v4_config
-
-        v4_config(key)  # ValueError naming the V4 presets
-        raise ValueError(f"random:{key}: DeepSeek-V4 runs only through the reference forward "
-                         "jfp8kv.models.deepseek_v4 for now; the engine does not serve it yet "
-                         "(docs/deepseek-v4.md)")
+        return _load_random_v4(key, dtype, seed, tensor_parallel_size)
     if key not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}; choose one of "
                          f"{['random:' + k for k in PRESETS]}")
@@ -143,5 +138,20 @@ def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: in
     tp = sharding.plan(cfg, tensor_parallel_size)
     params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype=dtype,
                                 sharding_of=None if tp is None else tp.sharding)
+    tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)
+
+
+def _load_random_v4(key: str, dtype: str, seed: int, tensor_parallel_size: int):
+    """A ``LoadedModel`` of a DeepSeek-V4 preset (``v4_presets``: ValueError naming them)."""
+    from jfp8kv.models.loader import LoadedModel
+    from jfp8kv.models.v4_presets import init_random_params, v4_config
+
+    cfg = v4_config(key)
+    if tensor_parallel_size > 1:
+        raise ValueError(f"random:{key}: DeepSeek-V4 runs on one device "
+                         f"(tensor_parallel_size={tensor_parallel_size} is not supported: its "
+                         "heads and pools are not sharded); use tensor_parallel_size=1")
+    params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype)
     tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)

@@ -72,17 +72,22 @@ def _pool(wkv, wgate, prev_kv, prev_gate, d: int, overlap: bool):
     return (jnp.sum(slot_kv * jax.nn.softmax(slot_gate, 2), 2), wkv[..., :d], wgate[..., :d])
 
 
-def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
-             store=lambda x: x):
-    """Feed kv/gate [B, T, c] (projections of the T tokens after the first ``pos``, a traced
-    scalar) to the compressor: every window that closes emits its entry, rounded by
-    ``store`` as its pool holds it; returns the new state. ``cp``: bias [m, c] (per slot in
-    window), norm [d]. Static shapes: the K = T // m + 1 candidate windows (an upper bound)
-    are all pooled and the closed ones kept."""
+def compress_rows(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq, n=None):
+    """Feed the first ``n`` (default all T) of kv/gate [B, T, c] (projections of the tokens
+    after the first ``pos``, a traced scalar) to the compressor; tokens t >= n are padding
+    and change nothing. Returns (state with new buffers, entries untouched; the candidate
+    entries [B, K, d] after norm and RoPE, before storage; their entry indices int32 [K],
+    -1 where the window did not close). ``cp``: bias [m, c] (per slot in window), norm [d].
+    Static shapes: the K = T // m + 1 candidate windows (an upper bound) are all pooled.
+    The returned buffers hold zeros past the open window's (pos + n) % m tokens, so a
+    padded chunk leaves exactly the state of the unpadded one."""
     m, c = cp["bias"].shape
     d = cp["norm"].shape[0]
     overlap = c == 2 * d
     b, t = kv.shape[:2]
+    n = t if n is None else n
+    real = (jnp.arange(t) < n)[None, :, None]
+    kv, gate = jnp.where(real, kv, 0), jnp.where(real, gate, 0)
     acc = acc_dtype(kv.dtype)
     k_max = t // m + 1
     r = pos % m
@@ -93,7 +98,7 @@ def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
         return jax.lax.dynamic_update_slice(out, new.astype(acc), (0, r, 0))
 
     skv, sgate = line_up(state.buf_kv, kv), line_up(state.buf_gate, gate)
-    closed = (r + t) // m
+    closed = (r + n) // m
     wkv = skv[:, :k_max * m].reshape(b, k_max, m, c)
     wgate = sgate[:, :k_max * m].reshape(b, k_max, m, c) + cp["bias"].astype(acc)
     prev_kv, prev_gate = state.prev_kv, state.prev_gate
@@ -112,24 +117,50 @@ def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
     pooled = rms_norm(pooled.astype(kv.dtype), cp["norm"], eps)
     idx = first + jnp.arange(k_max)
     new = rope(pooled, jnp.broadcast_to(idx * m, (b, k_max)), inv_freq)
+    open_rows = (jnp.arange(m) < (r + n) % m)[None, :, None]
+
+    def tail(buf, like):
+        out = jax.lax.dynamic_slice_in_dim(buf, closed * m, m, 1)
+        return jnp.where(open_rows, out, 0).astype(like.dtype)
+
+    st = CompressorState(tail(skv, state.buf_kv), tail(sgate, state.buf_gate), prev_kv,
+                         prev_gate, state.entries)
+    return st, new, jnp.where(jnp.arange(k_max) < closed, idx, -1).astype(jnp.int32)
+
+
+def with_entries(state: CompressorState, new, ids, store=lambda x: x) -> CompressorState:
+    """``state`` with the candidate entries ``new`` [B, K, d] stored (rounded by ``store``
+    as their pool holds them) at their indices ``ids`` [K] (-1: dropped)."""
     cap = state.entries.shape[1]
-    rows = jnp.where(jnp.arange(k_max) < closed, idx, cap)  # out of range: dropped
-    entries = state.entries.at[:, rows].set(store(new).astype(state.entries.dtype), mode="drop")
-    tail = jax.lax.dynamic_slice_in_dim
-    return CompressorState(tail(skv, closed * m, m, 1).astype(state.buf_kv.dtype),
-                           tail(sgate, closed * m, m, 1).astype(state.buf_gate.dtype),
-                           prev_kv, prev_gate, entries)
+    rows = jnp.where(ids >= 0, ids, cap)  # out of range: dropped
+    entries = state.entries.at[:, rows].set(store(new).astype(state.entries.dtype),
+                                            mode="drop")
+    return state._replace(entries=entries)
+
+
+def compress(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
+             store=lambda x: x, n=None):
+    """``compress_rows`` then ``with_entries``: every window that closes among the first
+    ``n`` tokens emits its entry, rounded by ``store`` as its pool holds it; returns the new
+    state."""
+    st, new, ids = compress_rows(state, pos, kv, gate, cp, eps, inv_freq, n)
+    return with_entries(st, new, ids, store)
 
 
 def compress_batch(state: CompressorState, pos, kv, gate, cp, eps: float, inv_freq,
-                   store=lambda x: x):
-    """``compress`` for B sequences at their own positions pos int32 [B] (vmapped)."""
-    def one(st, p, k, g):
-        st = jax.tree.map(lambda a: a[None], st)
-        out = compress(st, p, k[None], g[None], cp, eps, inv_freq, store)
-        return jax.tree.map(lambda a: a[0], out)
+                   store=lambda x: x, n=None):
+    """``compress`` for B sequences at their own positions pos int32 [B], each with its own
+    count of real tokens n int32 [B] (None: all T), vmapped. Returns (state, the candidate
+    entries [B, K, d] before storage, their indices int32 [B, K], -1: not closed)."""
+    n = jnp.full_like(pos, kv.shape[1]) if n is None else n
 
-    return jax.vmap(one)(state, pos, kv, gate)
+    def one(st, p, k, g, nb):
+        st = jax.tree.map(lambda a: a[None], st)
+        out, new, ids = compress_rows(st, p, k[None], g[None], cp, eps, inv_freq, nb)
+        out = with_entries(out, new, ids, store)
+        return jax.tree.map(lambda a: a[0], out), new[0], ids
+
+    return jax.vmap(one)(state, pos, kv, gate, n)
 
 
 def visible_entries(positions, n_entries: int, m: int):
@@ -161,7 +192,8 @@ def indexer_select(h, q_res, positions, entries, ip, cfg: ModelConfig, inv_freq,
         return vis
     k = min(v4.index_topk, n)
     _, top = jax.lax.top_k(jnp.where(vis, score, -jnp.inf), k)
-    chosen = jnp.any(top[..., :, None] == jnp.arange(n), -2)
+    bi, ti = jnp.indices(top.shape[:2])  # scatter, not a [B, T, k, N] comparison
+    chosen = jnp.zeros(score.shape, bool).at[bi[..., None], ti[..., None], top].set(True)
     return chosen & vis
 
 

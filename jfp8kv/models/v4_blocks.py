@@ -19,6 +19,7 @@ import numpy as np
 from jfp8kv.config import ModelConfig
 from jfp8kv.kernels.prologue import acc_dtype, rms_norm
 from jfp8kv.models import mla
+from jfp8kv.models.moe import grouped_experts
 
 
 def unweighted_rms_norm(x, eps: float):
@@ -138,13 +139,16 @@ def _clamped_swiglu(gate, up, limit: float):
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "is_hash"))
-def moe(h, token_ids, lp, cfg: ModelConfig, is_hash: bool):
+@functools.partial(jax.jit, static_argnames=("cfg", "is_hash", "backend"))
+def moe(h, token_ids, lp, cfg: ModelConfig, is_hash: bool, backend: str | None = None):
     """V4 MoE block on h [B, T, D] (normalized): routed experts chosen by score top-k over
     scores + router_bias, or (``is_hash``) by the frozen table tid2eid [V, k] at the token
     ids [B, T]; weights = the chosen scores renormalized, times routed_scaling_factor; plus
     the shared expert. Expert pre-activations are clamped at swiglu_limit (gate above only,
-    up both sides). Reference path: every chosen expert's weights are gathered per token."""
+    up both sides). ``backend`` None: every chosen expert's weights are gathered per token
+    (the reference: fine at test widths, not at Flash's); else the assignments are grouped
+    by expert (``moe.grouped_experts`` with this ``kernels.grouped_matmul`` backend, gate
+    and up rounded to h's dtype as there)."""
     acc = acc_dtype(h.dtype)
     x = h.reshape(-1, h.shape[-1]).astype(acc)
     scores = _score(jnp.einsum("nd,de->ne", x, lp["router"].astype(acc)), cfg.v4.scoring_func)
@@ -155,10 +159,16 @@ def moe(h, token_ids, lp, cfg: ModelConfig, is_hash: bool):
     w = jnp.take_along_axis(scores, ids, -1)
     w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     limit = cfg.v4.swiglu_limit
-    gate = jnp.einsum("nd,nkdi->nki", x, lp["experts_gate"][ids].astype(acc))
-    up = jnp.einsum("nd,nkdi->nki", x, lp["experts_up"][ids].astype(acc))
-    routed = jnp.einsum("nki,nkid,nk->nd", _clamped_swiglu(gate, up, limit),
-                        lp["experts_down"][ids].astype(acc), w)
+    if backend is None:
+        gate = jnp.einsum("nd,nkdi->nki", x, lp["experts_gate"][ids].astype(acc))
+        up = jnp.einsum("nd,nkdi->nki", x, lp["experts_up"][ids].astype(acc))
+        routed = jnp.einsum("nki,nkid,nk->nd", _clamped_swiglu(gate, up, limit),
+                            lp["experts_down"][ids].astype(acc), w)
+    else:
+        routed = grouped_experts(h.reshape(x.shape), ids.astype(jnp.int32), w,
+                                 lp["experts_gate"], lp["experts_up"], lp["experts_down"],
+                                 backend, lambda g, u: _clamped_swiglu(g, u, limit))
+        routed = routed.astype(acc)
     shared = jnp.einsum("ni,id->nd", _clamped_swiglu(x @ lp["shared_gate"].astype(acc),
                                                      x @ lp["shared_up"].astype(acc), limit),
                         lp["shared_down"].astype(acc))

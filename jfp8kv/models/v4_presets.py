@@ -6,6 +6,11 @@ hash-routed), ``deepseek-v4-flash-<N>l`` (its first N layers, every expert kept)
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
 from jfp8kv.config import ModelConfig
 
 FLASH = {
@@ -50,3 +55,78 @@ def v4_config(name: str) -> ModelConfig:
                                             name=f"random:{key}")
     raise ValueError(f"unknown DeepSeek-V4 preset {name!r}; choose deepseek-v4-flash, "
                      "deepseek-v4-flash-<N>l (first N of 43 layers) or deepseek-v4-tiny")
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape: tuple[int, ...], dtype: str):
+    """N(0, 1 / fan_in) of ``shape`` (fan_in: the second-to-last axis), made on the device."""
+    return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
+
+
+def _layer_shapes(cfg: ModelConfig, i: int) -> dict:
+    """{name: shape} of layer ``i``'s float matrices (``deepseek_v4``'s params layout)."""
+    v4, d, hd = cfg.v4, cfg.hidden_size, cfg.head_dim
+    h, g, n = cfg.num_heads, v4.o_groups, v4.hc_mult
+    e, inter = cfg.num_experts, cfg.moe_intermediate_size
+    shared = inter * max(1, cfg.n_shared_experts)
+    out = {"wq_a": (d, cfg.q_lora_rank), "wq_b": (cfg.q_lora_rank, h * hd), "wkv": (d, hd),
+           "wo_a": (g, h * hd // g, v4.o_lora_rank), "wo_b": (g * v4.o_lora_rank, d),
+           "router": (d, e), "experts_gate": (e, d, inter), "experts_up": (e, d, inter),
+           "experts_down": (e, inter, d), "shared_gate": (d, shared), "shared_up": (d, shared),
+           "shared_down": (shared, d), "hc_attn/fn": (n * d, (2 + n) * n),
+           "hc_ffn/fn": (n * d, (2 + n) * n)}
+    kind = v4.layer_kind(i)
+    if kind != "window":
+        c = 2 * hd if kind == "csa" else hd
+        out.update({"compressor/wkv": (d, c), "compressor/wgate": (d, c)})
+    if kind == "csa":
+        di, ni = v4.index_head_dim, v4.index_n_heads
+        out.update({"indexer/wkv": (d, 2 * di), "indexer/wgate": (d, 2 * di),
+                    "indexer/wq_b": (cfg.q_lora_rank, ni * di), "indexer/w_weights": (d, ni)})
+    return out
+
+
+def _random_layer(cfg: ModelConfig, i: int, key, dtype: str) -> dict:
+    """Layer ``i``'s params: matrices N(0, 1/fan_in), norms 1, sinks / biases 0, mHC scales
+    1; a hash layer's table sends token v to experts (7v + j) mod E, j < k (distinct)."""
+    v4, d, hd, n = cfg.v4, cfg.hidden_size, cfg.head_dim, cfg.v4.hc_mult
+    ones, zeros = (lambda *s: jnp.ones(s, dtype)), (lambda *s: jnp.zeros(s, dtype))
+    lp: dict = {"attn_norm": ones(d), "mlp_norm": ones(d), "q_a_norm": ones(cfg.q_lora_rank),
+                "kv_norm": ones(hd), "sinks": zeros(cfg.num_heads)}
+    for j, (name, shape) in enumerate(_layer_shapes(cfg, i).items()):
+        arr = _normal(jax.random.fold_in(key, j), shape, dtype)
+        if "/" in name:
+            outer, inner = name.split("/")
+            lp.setdefault(outer, {})[inner] = arr
+        else:
+            lp[name] = arr
+    for hc in ("hc_attn", "hc_ffn"):
+        lp[hc].update(base=zeros((2 + n) * n), scale=ones(3))
+    kind, m = v4.layer_kind(i), v4.compress_ratios[i]
+    if kind != "window":
+        lp["compressor"].update(bias=zeros(m, 2 * hd if kind == "csa" else hd), norm=ones(hd))
+    if kind == "csa":
+        lp["indexer"].update(bias=zeros(m, 2 * v4.index_head_dim),
+                             norm=ones(v4.index_head_dim))
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    if v4.hash_layers[i]:
+        v = jnp.arange(cfg.vocab_size, dtype=jnp.int32)[:, None]
+        lp["tid2eid"] = (7 * v + jnp.arange(k, dtype=jnp.int32)[None]) % e
+    else:
+        lp["router_bias"] = zeros(e)
+    return lp
+
+
+def init_random_params(cfg: ModelConfig, key, dtype: str = "bfloat16") -> dict:
+    """Random weights in ``deepseek_v4``'s params layout (for benchmarks and tests: the
+    bytes and FLOPs are Flash's at its presets, the outputs meaningless), made on the
+    default device one matrix at a time."""
+    d, n = cfg.hidden_size, cfg.v4.hc_mult
+    keys = jax.random.split(key, cfg.num_layers + 3)
+    return {"embed": _normal(keys[0], (cfg.vocab_size, d), dtype) * cfg.vocab_size ** 0.5,
+            "lm_head": _normal(keys[1], (d, cfg.vocab_size), dtype),
+            "final_norm": jnp.ones((d,), dtype),
+            "hc_head": {"fn": _normal(keys[2], (n * d, n), dtype),
+                        "base": jnp.zeros((n,), dtype), "scale": jnp.ones((1,), dtype)},
+            "layers": [_random_layer(cfg, i, keys[3 + i], dtype)
+                       for i in range(cfg.num_layers)]}

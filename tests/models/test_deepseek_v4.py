@@ -91,7 +91,7 @@ def test_config_parses_schedule(tiny):
 def test_both_config_spellings_agree(tiny, tmp_path):
     """DeepSeek's own config.json spelling (compress_ratios, num_hash_layers, flat YaRN
     rope_scaling; the ``deepseek-v4-tiny`` preset) parses to what transformers' saved config
-    gives; the engine refuses V4 with a message naming the reference path."""
+    gives; the random preset loads."""
     from jfp8kv.models.loader import load_model
     from jfp8kv.models.v4_presets import v4_config
 
@@ -101,12 +101,52 @@ def test_both_config_spellings_agree(tiny, tmp_path):
     for field in ("head_dim", "qk_rope_head_dim", "q_lora_rank", "num_experts",
                   "moe_intermediate_size", "routed_scaling_factor", "rope_theta"):
         assert getattr(own, field) == getattr(cfg, field), field
-    model.save_pretrained(tmp_path)
-    for name in ("random:deepseek-v4-tiny", str(tmp_path)):
-        with pytest.raises(ValueError, match="does not serve it yet"):
-            load_model(name, "float32")
+    assert load_model("random:deepseek-v4-tiny", "float32").config.v4 == own.v4
     with pytest.raises(ValueError, match="deepseek-v4-flash-<N>l"):
         load_model("random:deepseek-v4-huge", "float32")
+
+
+def test_checkpoint_directory_loads(tiny, tmp_path):
+    """A ``save_pretrained`` directory (DeepSeek's tensor names under ``model.``, per-expert
+    tensors; plus a word-level tokenizer) loads through ``load_model`` to exactly the params
+    ``params_from_hf`` makes from the state dict, as does the release spelling; the engine
+    builds on it (V4 pools); TP > 1 is refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jfp8kv import LLM
+    from jfp8kv.models.loader import load_model
+
+    model, cfg, params = tiny
+    model.save_pretrained(tmp_path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), "float32")
+    assert loaded.config.v4 == cfg.v4
+    import jax
+
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    llm = LLM(loaded=loaded, dtype="float32", kv_cache_dtype="fp8_e4m3", max_model_len=64)
+    assert llm.cache_info()["kv_layout"] == "v4"
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        load_model(str(tmp_path), "float32", 2)
+    # DeepSeek's release spelling (no "model." prefix, embed / hc_head_* / norm) loads alike
+    from safetensors.numpy import load_file, save_file
+
+    release = tmp_path / "release"
+    release.mkdir()
+    names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+             **{f"model.hc_head.hc_{x}": f"hc_head_{x}" for x in ("fn", "base", "scale")}}
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({names.get(k, k.removeprefix("model.")): v for k, v in tensors.items()},
+              str(release / "model.safetensors"))
+    for f in tmp_path.glob("*.json"):
+        (release / f.name).write_text(f.read_text())
+    again = load_model(str(release), "float32")
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_prefill_matches_transformers(tiny):

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One device call for DeepSeek-V4 through the engine (issue 40; docs/deepseek-v4.md).
+# Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_v4.sh
+# STAGES (default "v4": all four) picks stages; each is bounded in time and a failing stage
+# does not stop the rest:
+#   v4-tests     the V4 kernels' native GPU tests and the engine's GPU case (tiny preset)
+#   v4-bfloat16  bench.offline, random:deepseek-v4-flash-4l (layers 0-1 window-only, 2 CSA,
+#   v4-fp8       3 HCA; 52.6 GB of bf16 weights: 4 x 256 experts x 3 x 4096 x 2048 x 2 B +
+#                embedding and LM head 2.1 GB + attention 0.2 GB per layer), one KV dtype per
+#                stage, 64 prompts of 2,048 + 128 tokens at a fixed 9.6e7-byte pool: 66 slots
+#                (bf16 1,110,016 B each: window ring + fp32 compressor state; fp8 864,256 B)
+#                then pages of 128 tokens (bf16 41,984 B, fp8 26,144 B), so bf16 holds 540
+#                pages = 31 of the 64 sequences (17 pages each) and fp8 1,489 = all 64.
+#                Prefill chunks of 2,048 tokens (one prompt per dispatch, four 512-token
+#                passes), so the run compiles one prefill shape and the decode buckets.
+#   v4-serve     python -m jfp8kv.serve on the same model with an fp8 pool; one completion
+# Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json. The device tool
+# runs one command for at most 600 s: one stage per call (each stage's limit is below it;
+# the Flash-4l stages compile one prefill and up to six decode executables in the warm-up).
+set -u
+OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
+STAGES=${STAGES:-"v4"}
+MODEL=${V4_MODEL:-random:deepseek-v4-flash-4l}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 JFP8KV_CACHE=/tmp/jfp8kv-cache
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+stage() { local name=$1 limit=$2; shift 2
+  case " $STAGES " in *" $name "*|*" ${name%%-*} "*|*" ${name%-*} "*) ;; *) return;; esac
+  echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
+stage v4-tests ${V4_TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/kernels/test_v4_sparse.py \
+  tests/engine/test_v4_engine.py -p no:cacheprovider
+json="$OUT/offline-v4-h200.json"
+for kv in bfloat16 fp8; do
+  stage v4-$kv ${V4_LIMIT:-560} python3 -m bench.offline --model "$MODEL" --num-prompts 64 \
+    --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 64 \
+    --max-num-batched-tokens 2048 \
+    --kv-cache-memory ${V4_KV:-9.6e7} --kv-cache-dtype $kv --out "$json" --append
+done
+serve_once() {  # start the server, wait for /health (<= 200 s), one completion, stop it
+  python3 -m jfp8kv.serve --model "$MODEL" --kv-cache-dtype fp8_e4m3 --port 8011 --warmup off \
+    > "$OUT/v4-serve-server.log" 2>&1 &
+  local pid=$! up=0
+  for _ in $(seq 200); do
+    if curl -sf http://127.0.0.1:8011/health > /dev/null; then up=1; break; fi
+    kill -0 $pid 2> /dev/null || break
+    sleep 1
+  done
+  if [ $up = 1 ]; then
+    curl -s http://127.0.0.1:8011/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "v4", "prompt": "t5 t17 t3 t88 t41 t9 t60 t12", "max_tokens": 16, "temperature": 0}' \
+      | tee "$OUT/v4-serve.json"; echo
+  else
+    echo "server not healthy within 200 s"; tail -n 30 "$OUT/v4-serve-server.log"
+  fi
+  kill $pid 2> /dev/null; wait $pid 2> /dev/null
+  [ $up = 1 ]
+}
+export -f serve_once; export MODEL OUT
+stage v4-serve ${V4_SERVE_LIMIT:-400} bash -c serve_once
+[ -f "$json" ] && python3 -m bench.offline --plot-only "$json" > /dev/null 2>&1
+ls -la "$OUT"

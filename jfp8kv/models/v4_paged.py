@@ -1,0 +1,174 @@
+"""DeepSeek-V4's forward over the engine's cache (``kvcache.v4_cache.V4Cache``): each row
+reads its dense per-sequence state out of the pools (its slot's window ring and compressor
+state, its pages' compressed and indexer entries), runs the reference layers
+(``deepseek_v4.hidden_states``, the same code the reference forward runs) and writes back
+what the chunk's real tokens produced, stored as the pools hold it.
+
+The rows read back are exactly the reference's: window rows and compressed entries are
+stored by ``v4_pools.store_rows`` (e4m3 + float16 per-32 scales, or bf16) and read by
+``read_rows`` in the compute dtype, as the reference forward's ``storage`` rounds them; the
+indexer keys are bf16 and the compressor state float32. So the engine's tokens equal the
+reference forward's with ``storage`` set to the pools' dtype.
+
+Row b's real tokens are n_new[b] = seq_lens[b] - positions[b, 0] (clipped to [0, T]):
+padding rows and decode rows past their limit have none and write nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jfp8kv.config import ModelConfig
+from jfp8kv.kvcache import v4_pools
+from jfp8kv.kvcache.v4_cache import V4Cache, layer_slots
+from jfp8kv.models import deepseek_v4 as dv4
+from jfp8kv.models import v4_attention as va
+
+SUB_CHUNK = 512  # tokens per pass of a long prefill chunk (``forward``)
+
+
+def _rows(pool, dtype):
+    """(values[, scales]) gathered rows -> the compute ``dtype`` (as ``read_rows``)."""
+    return v4_pools.read_rows(pool[0], pool[1] if len(pool) > 1 else None, dtype)
+
+
+def _entries(pool, page_tables, dtype):
+    """A paged entry pool [pages, ps/m, d] -> each row's entries [B, P*ps/m, d] (entry w at
+    flat index w), read in ``dtype``."""
+    b, p = page_tables.shape
+    got = tuple(a[page_tables].reshape(b, -1, a.shape[-1]) for a in pool)
+    return _rows(got, dtype)
+
+
+def _compressor(state, off: int, slots, fresh, entries) -> va.CompressorState:
+    """A row-batched ``CompressorState`` from the slot state arrays at ``off`` (4 with an
+    overlap half, else 2); ``fresh`` rows (position 0) start empty."""
+    buf_kv, buf_gate = (jnp.where(fresh[:, None, None], 0, state[off + j][0][slots])
+                        for j in range(2))
+    if buf_kv.shape[-1] == entries.shape[-1]:  # no overlap (HCA)
+        return va.CompressorState(buf_kv, buf_gate, None, None, entries)
+    prev_kv = jnp.where(fresh[:, None, None], 0, state[off + 2][0][slots])
+    prev_gate = jnp.where(fresh[:, None, None], -jnp.inf, state[off + 3][0][slots])
+    return va.CompressorState(buf_kv, buf_gate, prev_kv, prev_gate, entries)
+
+
+def read_state(cache: V4Cache, cfg: ModelConfig, pos, page_tables, slots, dtype) -> list:
+    """Per layer, the reference's state of each row (``deepseek_v4.init_state``'s layers):
+    the W-1 window rows before ``pos`` (ring order undone), compressor / indexer state."""
+    w = cfg.v4.sliding_window
+    ring = (pos[:, None] - (w - 1) + jnp.arange(w - 1)[None]) % w  # [B, W-1]
+    fresh = pos == 0
+    sdt = jnp.promote_types(dtype, jnp.float32)
+    kinds = tuple(cfg.v4.layer_kind(i) for i in range(cfg.num_layers))
+    layers = []
+    for i, at in enumerate(layer_slots(cache.config.spec, kinds)):
+        win = tuple(a[slots[:, None], ring] for a in cache.window[i])
+        ls = {"window": _rows(win, dtype)}
+        if "compressed" in at:
+            ent = _entries(cache.compressed[at["compressed"]], page_tables, dtype).astype(sdt)
+            ls["compressor"] = _compressor(cache.state, at["state"], slots, fresh, ent)
+        if "indexer" in at:
+            ent = _entries(cache.indexer[at["indexer"]], page_tables, dtype).astype(sdt)
+            ls["indexer"] = _compressor(cache.state, at["state"] + 4, slots, fresh, ent)
+        layers.append(ls)
+    return layers
+
+
+def _store(x, pool_len: int, storage):
+    """Rows x as a pool of ``pool_len`` arrays stores them."""
+    q, s = v4_pools.store_rows(x, storage)
+    return (q,) if pool_len == 1 else (q, s)
+
+
+def _write_window(pool, kv, pos, n_new, slots, storage):
+    """The last min(n_new, W) real rows of kv [B, T, hd] into their slots' ring rows."""
+    num_slots, w = pool[0].shape[:2]
+    t = jnp.arange(kv.shape[1])[None]
+    real = (t < n_new[:, None]) & (t >= n_new[:, None] - w)
+    slot = jnp.where(real, slots[:, None], num_slots)  # out of range: dropped
+    row = (pos[:, None] + t) % w
+    return tuple(a.at[slot, row].set(v.astype(a.dtype), mode="drop")
+                 for a, v in zip(pool, _store(kv, len(pool), storage)))
+
+
+def _write_entries(pool, new, ids, m: int, page_tables, storage):
+    """Closed entries new [B, K, d] (indices ``ids`` [B, K], -1: none) into their pages."""
+    num_pages, per_page = pool[0].shape[:2]
+    ps = per_page * m
+    col = jnp.clip(ids * m // ps, 0, page_tables.shape[1] - 1)
+    page = jnp.where(ids >= 0, jnp.take_along_axis(page_tables, col, 1), num_pages)
+    row = jnp.where(ids >= 0, ids % per_page, 0)
+    vals = (new.astype(pool[0].dtype),) if storage is None else _store(new, len(pool), storage)
+    return tuple(a.at[page, row].set(v.astype(a.dtype), mode="drop") for a, v in zip(pool, vals))
+
+
+def _write_state(state, off: int, cs: va.CompressorState, slots):
+    """The slot arrays at ``off`` from ``cs`` (rows with ``slots`` out of range dropped)."""
+    parts = [cs.buf_kv, cs.buf_gate] + ([] if cs.prev_kv is None else [cs.prev_kv, cs.prev_gate])
+    for j, x in enumerate(parts):
+        a = state[off + j][0]
+        state[off + j] = (a.at[slots].set(x.astype(a.dtype), mode="drop"),)
+
+
+def write_back(cache: V4Cache, cfg: ModelConfig, layers, writes, pos, n_new, page_tables,
+               slots) -> V4Cache:
+    """The cache after a chunk: per layer its window rows, entries and compressor state."""
+    spec = cache.config.spec
+    storage = spec.storage_dtype
+    written = jnp.where(n_new > 0, slots, cache.config.num_slots)
+    window, compressed = list(cache.window), list(cache.compressed)
+    indexer, state = list(cache.indexer), list(cache.state)
+    kinds = tuple(cfg.v4.layer_kind(i) for i in range(cfg.num_layers))
+    for i, at in enumerate(layer_slots(spec, kinds)):
+        window[i] = _write_window(window[i], writes[i]["kv"], pos, n_new, slots, storage)
+        if "compressed" in at:
+            c, m = at["compressed"], spec.compressed_ratios[at["compressed"]]
+            compressed[c] = _write_entries(compressed[c], *writes[i]["compressor"], m,
+                                           page_tables, storage)
+            _write_state(state, at["state"], layers[i]["compressor"], written)
+        if "indexer" in at:
+            x = at["indexer"]
+            indexer[x] = _write_entries(indexer[x], *writes[i]["indexer"],
+                                        spec.indexer_ratios[x], page_tables, None)
+            _write_state(state, at["state"] + 4, layers[i]["indexer"], written)
+    return V4Cache(window, compressed, indexer, state, cache.stats, cache.config)
+
+
+def _chunk(params, cache: V4Cache, tokens, pos, seq_lens, page_tables, slots, cfg, backend):
+    """One pass: read the rows' state, run the layers, write back -> (hidden, cache)."""
+    n_new = jnp.clip(seq_lens - pos, 0, tokens.shape[1]).astype(jnp.int32)
+    dtype = params["embed"].dtype
+    layers = read_state(cache, cfg, pos, page_tables, slots, dtype)
+    ref = backend == "reference"
+    h, new_layers, writes = dv4.hidden_states(
+        params, layers, tokens, pos, n_new, cfg, cache.config.storage_dtype,
+        "reference" if ref else ("pallas_interpret" if "interpret" in backend else "pallas"),
+        None if ref else backend)
+    return h, write_back(cache, cfg, new_layers, writes, pos, n_new, page_tables, slots)
+
+
+def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, slots, *,
+            cfg: ModelConfig, backend: str, sub_chunk: int = SUB_CHUNK):
+    """tokens [B, T] from positions[:, 0] on (row b's real tokens: seq_lens[b] -
+    positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
+    [B, P] -> (final-normed hidden [B, T, D], cache). ``backend``: the engine's ("reference":
+    jnp; a Pallas one: decode attention and indexer through ``kernels.v4_sparse`` and the
+    MoE grouped by expert). A chunk longer than ``sub_chunk`` runs as a ``lax.scan`` over
+    sub-chunks of that length, the cache carried (the reference attention's logits grow
+    with T x (T + entries): this bounds them)."""
+    b, t = tokens.shape
+    pos = positions[:, 0]
+    if t <= sub_chunk or t % sub_chunk:
+        return _chunk(params, cache, tokens, pos, seq_lens, page_tables, slots, cfg, backend)
+
+    def body(cache, x):
+        toks, start = x
+        h, cache = _chunk(params, cache, toks, pos + start, seq_lens, page_tables, slots, cfg,
+                          backend)
+        return cache, h
+
+    parts = tokens.reshape(b, t // sub_chunk, sub_chunk).swapaxes(0, 1)
+    starts = jnp.arange(0, t, sub_chunk, dtype=pos.dtype)
+    cache, h = jax.lax.scan(body, cache, (parts, starts))
+    return h.swapaxes(0, 1).reshape(b, t, -1), cache
