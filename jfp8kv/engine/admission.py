@@ -5,17 +5,21 @@ free. Under a full pool that overcommits: the running sequences' decode growth (
 of every admitted prompt) later needs pages nobody reserved, so ``Scheduler._grow`` preempts
 the newest sequence, whose whole prefill is then thrown away and recomputed.
 
-``reserve`` (the default) admits a sequence only if, after it is admitted, the free pages
-cover what every running sequence and it are still expected to need, plus a watermark
-(``Admission.admits`` is the rule). A sequence's expected need is the rest of its prompt
-(chunked prefill will need all of it) plus ``ratio`` times the output it may still produce
-(max_tokens - generated, capped by max_model_len), in pages, less the pages it holds.
-Prefix-cache hits count as held. The ratio adapts, as SGLang's ``new_token_ratio`` does: it
-decays every step towards a floor while nothing is preempted, and jumps back to 1 at a
+``reserve`` (the default) admits a sequence only if, with it, the free pages cover what the
+running sequences and it are expected to need at every later moment, plus a watermark
+(``Admission.admits`` is the rule). Each sequence is expected to need the rest of its known
+tokens now (chunked prefill will need the whole prompt) and then ``ratio`` times the output
+it may still produce (max_tokens - generated, capped by max_model_len), one token per decode
+iteration once its prompt is prefilled; when it ends it hands back the pages it alone holds.
+Need grows between ends, so it peaks just before one: ``peak`` checks every expected end
+(it is never more than the sum of every sequence's need at its end, the bound for sequences
+that all end together, and less when some end early and free their pages for the others'
+growth). Prefix-cache hits count as held. The ratio adapts, as SGLang's ``new_token_ratio``
+does: it decays towards a floor while nothing is preempted, and jumps back to 1 at a
 preemption. Unlike SGLang's fixed floor, the floor is learned: the mean fraction of their
 output budget that finished sequences used. A workload that always runs to max_tokens
-(``ignore_eos`` benchmarks) so keeps the ratio at 1 and never preempts; one whose requests
-stop early lets the ratio fall and admits more.
+(``ignore_eos`` benchmarks) so keeps the ratio at 1 and, lengths then known, does not preempt;
+one whose requests stop early lets the ratio fall and admits more.
 
 Nothing starves: when nothing runs, the head is admitted as greedy would admit it (a
 request that fits the pool always starts). The queue stays first come, first served: a
@@ -42,27 +46,36 @@ MIN_RATIO = 0.05
 # iterations, 25 dispatches of 8 (SGLang decays from 0.7 to its floor over ~600 steps). The
 # learned floor is what keeps the ratio high where outputs run long, so the decay can be
 # quick: in tests/engine/test_scheduler.py's early-EOS workload 0.002 left the pool about
-# a third emptier on average than 0.005 (0.30 against 0.46 of it in use).
+# a third emptier on average than 0.005 (0.30 against 0.47 of it in use).
 RATIO_DECAY = 0.005
 # Weight of each finished sequence in the learned floor (an exponential moving mean over the
 # last ~10 finishes: a changing workload moves it within a few dozen requests).
 LEARN_WEIGHT = 0.1
-# Pages kept free at admission, as a fraction of the pool (vLLM's watermark, 0.01): slack
-# for decode steps that allocate ahead (decode_steps tokens per dispatch) and for the ratio
-# lagging a workload that changed.
+# Pages kept free at admission while the ratio is below 1, as a fraction of the pool (vLLM's
+# watermark, 0.01): slack for an estimate that lags a workload that changed. At ratio 1 the
+# need counted is the most the sequences can take (the lookahead of multi-step decode
+# included), so no slack is kept: on the H200 fp8 workload 1% of the pool was the 48th row
+# of 48.3 that fit: with it kept, 96 requests took three waves of decode, not two.
 WATERMARK = 0.01
 FINISHED = ("stop", "length")  # finish reasons that tell how long outputs run (not abort)
 
 
+Row = tuple  # (finish iteration, base pages, final extra pages, own pages): Admission.row
+
+
 class Admission:
-    def __init__(self, policy: str, page_size: int, max_model_len: int, num_pages: int):
+    def __init__(self, policy: str, allocator, page_size: int, max_model_len: int,
+                 max_num_batched_tokens: int, decode_steps: int = 1):
         if policy not in ADMISSION_POLICIES:
             raise ValueError(f"unknown admission {policy!r}; choose one of "
                              f"{list(ADMISSION_POLICIES)}")
         self.policy = policy
+        self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
-        self.watermark = int(WATERMARK * (num_pages - 1))
+        self.budget = max_num_batched_tokens
+        self.lookahead = decode_steps - 1  # a decode dispatch allocates its steps' pages first
+        self.watermark = int(WATERMARK * (allocator.num_pages - 1))
         self.ratio = INIT_RATIO
         self.used: float | None = None  # learned fraction of max_tokens used; None: no finish yet
 
@@ -89,31 +102,100 @@ class Admission:
         frac = min(1.0, seq.num_generated / budget)
         self.used = frac if self.used is None else self.used + LEARN_WEIGHT * (frac - self.used)
 
-    def expected_pages(self, seq, held: int | None = None) -> int:
-        """Pages ``seq`` is still expected to need beyond the ``held`` ones (default: its
-        pages): the rest of its known tokens plus ``ratio`` of the output it may produce."""
+    def expected_output(self, seq) -> int:
+        """Tokens ``seq`` is expected to add: ``ratio`` of its output budget left, capped by
+        max_model_len."""
         out_left = max(0, seq.params.max_tokens - seq.num_generated)
         room = max(0, self.max_model_len - seq.num_tokens)
-        total = seq.num_tokens + min(room, math.ceil(self.ratio * out_left))
-        held = len(seq.pages) if held is None else held
-        return max(0, -(-total // self.page_size) - held)
+        return min(room, math.ceil(self.ratio * out_left))
 
-    def reserved(self, running) -> int:
-        """Pages the running sequences are expected to need on top of what they hold."""
+    def row(self, seq, held: int, shared: int, cached: int, queued: int) -> tuple[Row, int]:
+        """``seq``'s future as admission sees it, and the prefill tokens queued up to and
+        including it. It holds ``held`` pages (``shared`` of them with others: those stay
+        held when it ends) and K/V for ``cached`` tokens; its prefill ends once the
+        ``queued`` tokens of older prompts and its own are done, ``budget`` a step, one
+        decode iteration a step; then it adds ``expected_output`` tokens, one an iteration.
+        Row: (iteration it ends, pages it needs now (the rest of its known tokens), pages it
+        needs at its end, beyond ``held``; pages it hands back at its end)."""
+        todo = seq.num_tokens - cached
+        delay = 0
+        if todo > 1:  # 1: decode input, not prefill
+            queued += todo
+            delay = -(-queued // self.budget)
+        out = self.expected_output(seq)
+        pages = lambda n: -(-n // self.page_size)  # noqa: E731
+        base = max(0, pages(seq.num_tokens) - held)
+        final = max(0, pages(seq.num_tokens + out) - held)
+        return (delay + out, base, final, held - shared), queued
+
+    def rows(self, running) -> tuple[list[Row], int]:
+        """The running sequences' rows (oldest first: the order prefill serves them) and the
+        prefill tokens they queue; greedy: none (it never looks)."""
+        rows, queued = [], 0
         if self.policy == "greedy":
-            return 0
-        return sum(self.expected_pages(s) for s in running)
+            return rows, queued
+        for s in sorted(running, key=lambda s: s.order):
+            r, queued = self.row(s, len(s.pages), self._shared(s.pages), s.num_cached, queued)
+            rows.append(r)
+        return rows, queued
 
-    def admits(self, seq, hit: int, first_chunk: int, free: int, reserved: int,
+    def extend(self, running: tuple, seq) -> tuple:
+        """``running`` (``rows``) with ``seq``, just admitted and its first chunk placed."""
+        if self.policy == "greedy":
+            return running
+        rows, queued = running
+        row, queued = self.row(seq, len(seq.pages), self._shared(seq.pages), seq.num_cached,
+                               queued)
+        return rows + [row], queued
+
+    def _shared(self, pages) -> int:
+        """Leading pages another holder also holds (only a prefix of pages is ever shared)."""
+        n = 0
+        while n < len(pages) and self.allocator.refcount(pages[n]) > 1:
+            n += 1
+        return n
+
+    def admits(self, seq, hit: list, first_chunk: int, free: int, running: tuple,
                alone: bool) -> bool:
-        """THE ADMISSION RULE. ``hit``: prefix-cache pages ``seq`` would map (held from
+        """THE ADMISSION RULE. ``hit``: the prefix-cache pages ``seq`` would map (held from
         then on); ``first_chunk``: new pages its first prefill chunk allocates; ``free``:
-        pages free once the hits are shared; ``reserved``: ``reserved(running)``;
+        pages free once the hits are shared; ``running``: ``rows(running sequences)``;
         ``alone``: nothing runs."""
         if first_chunk > free:
             return False
         if self.policy == "greedy" or alone:
             return True  # alone: a request that fits always starts (no starvation)
+        shared = sum(1 for p in hit if self.allocator.refcount(p) > 0)  # others hold them
+        rows, queued = running
+        row, _ = self.row(seq, len(hit), shared, len(hit) * self.page_size, queued)
         # At ratio 1 every sequence's reservation is the most it can ever need: no slack.
         slack = self.watermark if self.ratio < 1 else 0
-        return self.expected_pages(seq, held=hit) + reserved + slack <= free
+        return self.peak(rows + [row]) + slack <= free
+
+    def peak(self, rows: list[Row]) -> int:
+        """The most pages ``rows`` will need beyond what they hold now, at any iteration.
+        At iteration t an unfinished row needs min(final, base + pages of t + lookahead
+        tokens) and a finished one has handed back its own pages; need grows between
+        finishes, so it peaks just before one: checked at every row's end, O(n log n)."""
+        n, ps = len(rows), self.page_size
+        active, capped = [True] * n, [False] * n
+        by_end = sorted(range(n), key=lambda j: rows[j][0])
+        by_cap = sorted(range(n), key=lambda j: rows[j][2] - rows[j][1])  # growth to final
+        count, base, at_final, handed, top, c = n, sum(r[1] for r in rows), 0, 0, 0, 0
+        for k, j in enumerate(by_end):
+            grow = -(-(rows[j][0] + self.lookahead) // ps)  # pages of growth by j's end
+            while c < n and rows[by_cap[c]][2] - rows[by_cap[c]][1] <= grow:
+                i = by_cap[c]
+                c += 1
+                capped[i] = True
+                if active[i]:  # from now on it needs its final pages, no more
+                    count, base, at_final = count - 1, base - rows[i][1], at_final + rows[i][2]
+            if k == 0 or rows[by_end[k - 1]][0] < rows[j][0]:  # before equal ends hand back
+                top = max(top, at_final + base + count * grow - handed)
+            active[j] = False
+            handed += rows[j][3]
+            if capped[j]:
+                at_final -= rows[j][2]
+            else:
+                count, base = count - 1, base - rows[j][1]
+        return top

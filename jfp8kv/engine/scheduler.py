@@ -23,10 +23,12 @@ them. A preempted sequence usually finds its own pages still cached when readmit
 Each step decodes every running sequence in decode state (decode has priority, so
 inter-token latency stays low while others prefill) and spends the token budget
 (``max_num_batched_tokens``) on prefill chunks: first sequences part-way through their
-prompt, then new admissions in arrival order. Decode rows run in their own dispatch and
-take no budget: counting them cut every prompt at budget - rows, and the short remainders
-then rode in rows padded to the longest chunk (the runner pads a dispatch to [rows,
-longest]). The chunks are handed over longest first, so the runner's dispatches group
+prompt, then new admissions in arrival order, as far as the admission policy lets them start
+(``jfp8kv.engine.admission``: by default only with room for the running sequences' expected
+growth, so that decode rarely runs out of pages and preempts). Decode rows run in their own
+dispatch and take no budget: counting them cut every prompt at budget - rows, and the short
+remainders then rode in rows padded to the longest chunk (the runner pads a dispatch to
+[rows, longest]). The chunks are handed over longest first, so the runner's dispatches group
 chunks of one length bucket. A step without prefill decodes up to ``decode_steps`` tokens per row in
 one dispatch; a step with prefill decodes one (``ScheduledStep.num_steps``): every decode
 iteration reads all the weights, so iterations spent on the few rows running while the
@@ -159,7 +161,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.admission = Admission(admission, page_size, max_model_len, allocator.num_pages)
+        self.admission = Admission(admission, allocator, page_size, max_model_len,
+                                   max_num_batched_tokens, decode_steps)
         self._order = itertools.count()
         self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace)
                              if enable_prefix_caching else None)
@@ -311,33 +314,33 @@ class Scheduler:
     def _admit_waiting(self, budget: int, protect: set, prefill: list) -> None:
         """Admit waiting sequences in arrival order while the policy lets them start
         (never preempting to admit), appending their first chunks to ``prefill``."""
-        reserved = None  # pages the running sequences will still need (computed if needed)
+        rows = None  # the running sequences' futures (Admission.rows), computed if needed
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with tokens in flight: prefill needs their values
-            if reserved is None:
-                reserved = self.admission.reserved(self.running)
-            if not self._admit(seq, budget, reserved):
+            if rows is None:
+                rows = self.admission.rows(self.running)
+            if not self._admit(seq, budget, rows):
                 break
             self.waiting.popleft()
             self.running.append(seq)
             chunk = self._prefill_chunk(seq, budget, protect)
             prefill.append(chunk)
             budget -= chunk.length
-            reserved += self.admission.expected_pages(seq)  # beyond its first chunk
+            rows = self.admission.extend(rows, seq)
 
-    def _admit(self, seq: Sequence, budget: int, reserved: int) -> bool:
+    def _admit(self, seq: Sequence, budget: int, rows) -> bool:
         """Map the cached pages ``seq``'s tokens start with, if the admission policy lets it
-        start (``Admission.admits``; else change nothing and return False). ``reserved``:
-        the pages the running sequences are still expected to need."""
+        start (``Admission.admits``; else change nothing and return False). ``rows``: the
+        running sequences' futures, ``Admission.rows``."""
         assert not seq.pages and seq.num_cached == 0, "a waiting sequence holds no pages"
         hit = self.prefix_cache.match(seq.tokens, seq.page_keys) if self.prefix_cache else []
         start = len(hit) * self.page_size
         n = min(seq.num_tokens - start, budget)
         free = self.allocator.num_free_after(sharing=hit)
-        if not self.admission.admits(seq, len(hit), self._pages_for(start + n) - len(hit), free,
-                                     reserved, alone=not self.running):
+        if not self.admission.admits(seq, hit, self._pages_for(start + n) - len(hit), free,
+                                     rows, alone=not self.running):
             return False
         self.allocator.share(hit)
         seq.pages = list(hit)
