@@ -552,6 +552,29 @@ def test_rows_and_peak_by_hand():
     assert rows == [(5, 0, 1, 3), (2 + 4, 5, 6, 1)]
 
 
+def test_prefix_hit_pages_count_as_held_at_admission():
+    """b's prompt starts with a's 16 tokens, whose 4 pages a holds: a (36 tokens, 9 pages)
+    and b (32 tokens, 8 pages) need 13 distinct pages, the whole pool, so b starts beside
+    a; without the prefix cache they would need 17 and b waits."""
+    b_prompt = list(range(1, 17)) + [50, 51, 52, 53]
+    for caching in (True, False):
+        s = Scheduler(PageAllocator(14), 4, 48, 8, 64, enable_prefix_caching=caching)
+        pool = FakePool(s)
+        a = seq("a", 16, max_tokens=20)
+        s.add(a)
+        sim_step(s, pool)  # a's prompt: 4 full pages, registered at the next step
+        b = Sequence("b", b_prompt, SamplingParams(max_tokens=12), 0)
+        s.add(b)
+        plan = sim_step(s, pool)
+        if caching:
+            assert chunks(plan) == [("b", 16, 4)] and b.pages[:4] == a.pages[:4]
+        else:
+            assert not plan.prefill and list(s.waiting) == [b]
+        while s.has_work():
+            sim_step(s, pool)
+        assert s.num_preemptions == 0 and (len(a.output_ids), len(b.output_ids)) == (20, 12)
+
+
 def test_reserve_admission_on_hybrid_state_slots():
     """A hybrid model's state slots are handed out at admission and all come back."""
     s = Scheduler(PageAllocator(41), 4, 40, 4, 32, 2, state_slots=4)
