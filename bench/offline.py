@@ -15,7 +15,8 @@ the default, gives exactly L). ``--prefill-only`` sets every output length to 1:
 all prefill (each request's only token is sampled by its last prefill chunk), a TTFT-like
 measurement. ``--kv-cache-memory`` (bytes) caps the KV pool, making a run capacity-bound.
 One invocation runs every ``--kv-cache-dtype`` of a comma list on the same prompts and the
-same loaded weights.
+same loaded weights, and for each every ``--admission`` policy of a comma list (an A/B of
+``EngineConfig.admission``: reserve, greedy; default: the engine's).
 
 Warm-up (``--warmup``): ``full`` (default) runs the whole workload once first with other
 random tokens of the same lengths (so a prefix cache cannot help the timed run), which
@@ -81,7 +82,7 @@ from bench import internals
 from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
                           matmul_tflops, override_decode_tuning, override_split_loop,
                           write_result)
-from jfp8kv.config import GEMM_AUTOTUNE
+from jfp8kv.config import ADMISSION_POLICIES, GEMM_AUTOTUNE
 
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
@@ -318,8 +319,9 @@ def timed_generate(llm, prompts, out_lens) -> dict:
                 compiles_in_run=c1 - c0, compile_s_in_run=s1 - s0)
 
 
-def run_one(args, loaded, kv: str, rates: dict) -> dict:
-    """Build an LLM for one KV dtype, warm it up, time the workload, and make its record."""
+def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) -> dict:
+    """Build an LLM for one KV dtype (and admission policy, None: the engine's), warm it
+    up, time the workload, and make its record."""
     from jfp8kv import LLM
 
     kw = dict(loaded=loaded, dtype=args.dtype, kv_cache_dtype=kv,
@@ -328,6 +330,8 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
               attention_backend=args.attention_backend, decode_steps=args.decode_steps)
     if args.overlap_scheduling is not None:
         kw["overlap_scheduling"] = args.overlap_scheduling == "on"
+    if admission is not None:
+        kw["admission"] = admission
     for name in ("max_num_seqs", "max_num_batched_tokens", "decode_gemm_autotune"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -354,7 +358,7 @@ def run_one(args, loaded, kv: str, rates: dict) -> dict:
     rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
                decode_one_wave=args.decode_one_wave, split_loop=args.split_loop or "default",
-               decode_gemm_autotune=ec.decode_gemm_autotune)
+               decode_gemm_autotune=ec.decode_gemm_autotune, admission=ec.admission)
     del llm
     gc.collect()
     return rec
@@ -419,7 +423,8 @@ def versions() -> dict:
 def summary_line(r: dict) -> str:
     a = r["anatomy"]
     padded = a.get("prefill_slots", 0) / max(1, a["prefill_tokens"])  # 0: not recorded
-    return (f"{r['model']} {r['kv_cache_dtype']:9s} {r['num_prompts']}x{r['input_len']}/"
+    return (f"{r['model']} {r['kv_cache_dtype']:9s} {r.get('admission', '')} "
+            f"{r['num_prompts']}x{r['input_len']}/"
             f"{r['output_len']}: {r['output_throughput']:,.0f} out tok/s, "
             f"{r['total_throughput']:,.0f} total tok/s, {r['elapsed_s']:.3f} s = "
             f"{r['actual_over_ideal']:.2f}x ideal {r['ideal']['ideal_s']:.3f} s, "
@@ -453,6 +458,9 @@ def parse_args(argv):
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--overlap-scheduling", choices=("on", "off"), default=None,
                    help="the engine's overlap scheduling (default: the engine's default)")
+    p.add_argument("--admission", default=None,
+                   help="comma list of EngineConfig.admission policies (reserve, greedy), each "
+                        "run per --kv-cache-dtype on the same weights (default: the engine's)")
     p.add_argument("--warmup", choices=("full", "buckets", "off"), default="full")
     p.add_argument("--decode-gemm-autotune", choices=GEMM_AUTOTUNE, default=None,
                    help="XLA's GEMM tiling search for the decode step (default: the engine's)")
@@ -471,6 +479,9 @@ def parse_args(argv):
         p.error("--range-ratio must be in (0, 1]")
     if min(args.num_prompts, args.input_len, args.output_len) < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    bad = set((args.admission or "reserve").split(",")) - set(ADMISSION_POLICIES)
+    if bad:
+        p.error(f"--admission: unknown {sorted(bad)}; choose from {list(ADMISSION_POLICIES)}")
     return args
 
 
@@ -497,12 +508,14 @@ def main(argv=None) -> int:
     doc["commands"].append(command)
     doc["rates"].append(rates)
     loaded = load_model(args.model, args.dtype)
+    policies = [a.strip() for a in args.admission.split(",")] if args.admission else [None]
     for kv in args.kv_cache_dtype.split(","):
-        rec = run_one(args, loaded, kv.strip(), rates)
-        rec.update(rates=rates, command=command)
-        doc["runs"].append(rec)
-        print(summary_line(rec), flush=True)
-        write_result(out, doc)  # after every run: a run cut short keeps what it measured
+        for admission in policies:
+            rec = run_one(args, loaded, kv.strip(), rates, admission)
+            rec.update(rates=rates, command=command)
+            doc["runs"].append(rec)
+            print(summary_line(rec), flush=True)
+            write_result(out, doc)  # after every run: a run cut short keeps what it measured
     print(f"wrote {out}")
     if args.plot:
         plot(out)

@@ -47,14 +47,15 @@ def gpu_shape_policy(budget: int):
 
 def simulate(prompts: int, input_len: int, output_len: int, pool_tokens: int | None,
              budget: int = 8192, page_size: int = 16, max_num_seqs: int = 64,
-             decode_steps: int = 8) -> dict:
+             decode_steps: int = 8, admission: str = "reserve") -> dict:
     """Run the scheduler to completion; every step's sampled tokens are applied as the
-    engine applies them. Returns the prefill counts."""
+    engine applies them. Returns the prefill counts. ``admission``: the engine's default;
+    the numbers in docs/engine-notes.md section 1 were taken under greedy admission."""
     runner = gpu_shape_policy(budget)
     pages = (pool_tokens // page_size if pool_tokens
              else prompts * -(-(input_len + output_len) // page_size)) + 1
     sched = Scheduler(PageAllocator(pages), page_size, input_len + output_len, max_num_seqs,
-                      budget, decode_steps)
+                      budget, decode_steps, admission=admission)
     for i in range(prompts):  # distinct prompts: nothing shared through the prefix cache
         sched.add(Sequence(str(i), [i * 10**6 + j for j in range(input_len)],
                            SamplingParams(max_tokens=output_len), seed=0))

@@ -105,6 +105,7 @@ KV_ROTATIONS = ("none", "hadamard", "smooth", "smooth+hadamard")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas_triton", "reference")
 GEMM_AUTOTUNE = ("default", "exhaustive")  # EngineConfig.decode_gemm_autotune
 FP8_ATTENTION_COMPUTES = ("dequant", "fp8")  # CacheOptions.fp8_attention_compute
+ADMISSION_POLICIES = ("reserve", "greedy")  # EngineConfig.admission (engine/admission.py)
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Not for serving: float64 compute exists so the fp8 cache can be checked against another
 # float64 implementation without float32 rounding noise (CPU, reference attention, x64 on).
@@ -301,6 +302,11 @@ class EngineConfig:
         "short list) or exhaustive (every Triton tiling: 0.6B decode ~4% faster, 80-90 s "
         "more per decode batch size on the first start; kept in the compilation cache)",
         choices=GEMM_AUTOTUNE)
+    admission: str = _knob(
+        "reserve", "when a waiting request starts: reserve (only if the free pages cover the "
+        "running requests' expected growth, so the pool stays full without preempting) or "
+        "greedy (as soon as its first prefill chunk fits; preempts the newest when decode "
+        "runs out of pages)", choices=ADMISSION_POLICIES)
 
     def __post_init__(self):
         ps = self.page_size
@@ -313,7 +319,7 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         check_choices(self, attention_backend=ATTENTION_BACKENDS,
-                      decode_gemm_autotune=GEMM_AUTOTUNE)
+                      decode_gemm_autotune=GEMM_AUTOTUNE, admission=ADMISSION_POLICIES)
         if self.decode_buckets is not None:
             if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
                 raise ValueError(f"decode_buckets must be positive batch sizes, got "

@@ -23,10 +23,12 @@ them. A preempted sequence usually finds its own pages still cached when readmit
 Each step decodes every running sequence in decode state (decode has priority, so
 inter-token latency stays low while others prefill) and spends the token budget
 (``max_num_batched_tokens``) on prefill chunks: first sequences part-way through their
-prompt, then new admissions in arrival order. Decode rows run in their own dispatch and
-take no budget: counting them cut every prompt at budget - rows, and the short remainders
-then rode in rows padded to the longest chunk (the runner pads a dispatch to [rows,
-longest]). The chunks are handed over longest first, so the runner's dispatches group
+prompt, then new admissions in arrival order, as far as the admission policy lets them start
+(``jfp8kv.engine.admission``: by default only with room for the running sequences' expected
+growth, so that decode rarely runs out of pages and preempts). Decode rows run in their own
+dispatch and take no budget: counting them cut every prompt at budget - rows, and the short
+remainders then rode in rows padded to the longest chunk (the runner pads a dispatch to
+[rows, longest]). The chunks are handed over longest first, so the runner's dispatches group
 chunks of one length bucket. A step without prefill decodes up to ``decode_steps`` tokens per row in
 one dispatch; a step with prefill decodes one (``ScheduledStep.num_steps``): every decode
 iteration reads all the weights, so iterations spent on the few rows running while the
@@ -43,6 +45,7 @@ import time
 from typing import Any
 
 from jfp8kv.config import EngineConfig
+from jfp8kv.engine.admission import Admission
 from jfp8kv.engine.types import SamplingParams
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.kvcache.prefix_cache import PrefixCache, PrefixCacheStats
@@ -140,14 +143,15 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1, *,
                  enable_prefix_caching: bool = True, prefix_cache_namespace="",
-                 state_slots: int = 0):
+                 state_slots: int = 0, admission: str = "reserve"):
         """``prefix_cache_namespace``: anything that changes the numbers stored in a page
         (model, cache dtype, scale mode, static-scale version, rotation); pages are reused
         only within one namespace (see ``PrefixCache``). ``state_slots`` (hybrid models,
         ``kvcache.state_pool``): slots 1..state_slots (>= max_num_seqs) are handed to
         sequences at admission and taken back with their pages (finish, abort, preemption:
         the state is then recomputed by prefill, as the pages are); slot state_slots + 1 is
-        ``scratch_state_slot`` (``LLM.nll``)."""
+        ``scratch_state_slot`` (``LLM.nll``). ``admission``: when a waiting sequence may
+        start, ``jfp8kv.engine.admission``."""
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -157,6 +161,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admission = Admission(admission, allocator, page_size, max_model_len,
+                                   max_num_batched_tokens, decode_steps)
         self._order = itertools.count()
         self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace)
                              if enable_prefix_caching else None)
@@ -176,7 +182,8 @@ class Scheduler:
         return cls(allocator, cfg.page_size, cfg.max_model_len, cfg.max_num_seqs,
                    cfg.max_num_batched_tokens, cfg.decode_steps,
                    enable_prefix_caching=cfg.enable_prefix_caching,
-                   prefix_cache_namespace=prefix_cache_namespace, state_slots=state_slots)
+                   prefix_cache_namespace=prefix_cache_namespace, state_slots=state_slots,
+                   admission=cfg.admission)
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -189,6 +196,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.admission.on_finish(seq)  # learns from finish reasons stop/length only
         self._release(seq)
 
     @property
@@ -257,6 +265,7 @@ class Scheduler:
         seq.num_cached = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.admission.on_preempt()
         self._preempted.append(seq)
         self.waiting.appendleft(seq)
 
@@ -293,32 +302,45 @@ class Scheduler:
             if chunk:
                 prefill.append(chunk)
                 budget -= chunk.length
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending:
-                break  # preempted with tokens in flight: prefill needs their values
-            if not self._admit(seq, budget):
-                break  # admission needs free pages; never preempt to admit
-            self.waiting.popleft()
-            self.running.append(seq)
-            chunk = self._prefill_chunk(seq, budget, protect)
-            prefill.append(chunk)
-            budget -= chunk.length
+        self._admit_waiting(budget, protect, prefill)
         if prefill:  # one decode token per row beside prefill (see the module docstring)
             decode = [dataclasses.replace(r, steps=1) for r in decode]
             prefill.sort(key=lambda c: -c.length)  # longest first: see the module docstring
         num_steps = max((r.steps for r in decode), default=1)
         num_steps = min(c for c in self.step_counts if c >= num_steps)
+        self.admission.step(num_steps if decode else 1)
         return ScheduledStep(decode, prefill, self._preempted, num_steps)
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
-        """Map the cached pages ``seq``'s tokens start with, if pages for the rest of its
-        first chunk are free (else change nothing and return False)."""
+    def _admit_waiting(self, budget: int, protect: set, prefill: list) -> None:
+        """Admit waiting sequences in arrival order while the policy lets them start
+        (never preempting to admit), appending their first chunks to ``prefill``."""
+        rows = None  # the running sequences' futures (Admission.rows), computed if needed
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with tokens in flight: prefill needs their values
+            if rows is None:
+                rows = self.admission.rows(self.running)
+            if not self._admit(seq, budget, rows):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunk = self._prefill_chunk(seq, budget, protect)
+            prefill.append(chunk)
+            budget -= chunk.length
+            rows = self.admission.extend(rows, seq)
+
+    def _admit(self, seq: Sequence, budget: int, rows) -> bool:
+        """Map the cached pages ``seq``'s tokens start with, if the admission policy lets it
+        start (``Admission.admits``; else change nothing and return False). ``rows``: the
+        running sequences' futures, ``Admission.rows``."""
         assert not seq.pages and seq.num_cached == 0, "a waiting sequence holds no pages"
         hit = self.prefix_cache.match(seq.tokens, seq.page_keys) if self.prefix_cache else []
         start = len(hit) * self.page_size
         n = min(seq.num_tokens - start, budget)
-        if not self.allocator.can_allocate(self._pages_for(start + n) - len(hit), sharing=hit):
+        free = self.allocator.num_free_after(sharing=hit)
+        if not self.admission.admits(seq, hit, self._pages_for(start + n) - len(hit), free,
+                                     rows, alone=not self.running):
             return False
         self.allocator.share(hit)
         seq.pages = list(hit)

@@ -57,10 +57,13 @@ class PageAllocator:
         return page in self._cached
 
     def can_allocate(self, n: int, sharing: Iterable[int] = ()) -> bool:
-        """Whether ``n`` pages can be allocated after ``share(sharing)`` (cached pages that
-        nobody holds stop being evictable once shared)."""
-        revived = sum(1 for p in set(sharing) if p in self._evictable)
-        return n <= self.num_free - revived
+        """Whether ``n`` pages can be allocated after ``share(sharing)``."""
+        return n <= self.num_free_after(sharing)
+
+    def num_free_after(self, sharing: Iterable[int] = ()) -> int:
+        """``num_free`` after ``share(sharing)`` (cached pages that nobody holds stop being
+        evictable once shared)."""
+        return self.num_free - sum(1 for p in set(sharing) if p in self._evictable)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` pages with count 1: clean pages first, then evicted cached ones (LRU)."""

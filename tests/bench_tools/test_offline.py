@@ -205,3 +205,22 @@ def test_offline_tiny_preset_record(tmp_path, preset, kvs):
         assert math.isfinite(r["actual_over_ideal"]) and r["actual_over_ideal"] > 0
         assert r["max_ttft_ms"] >= r["median_ttft_ms"] > 0
     assert (tmp_path / "offline.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(900)
+def test_offline_admission_ab_on_one_load(tmp_path):
+    """``--admission greedy,reserve`` runs both policies on one load. The pool holds 12
+    pages of 16 tokens; each of 8 requests grows to 64 tokens (4 pages): greedy admission
+    starts 6 (their 2-page prompts fit) and preempts as they grow, reserve starts 3 at a
+    time and does not (host replay: 4 preemptions and none)."""
+    out = tmp_path / "offline.json"
+    assert offline.main(["--model", "random:qwen3-tiny", "--num-prompts", "8", "--input-len",
+                         "32", "--output-len", "32", "--kv-cache-dtype", "bfloat16",
+                         "--kv-cache-memory", str(12 * 16 * 512), "--admission",
+                         "greedy,reserve", "--warmup", "off", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["admission"], r["num_pages"]) for r in runs] == [("greedy", 12), ("reserve", 12)]
+    assert runs[0]["preemptions"] > 0 and runs[1]["preemptions"] == 0
+    assert all(r["total_output_tokens"] == 8 * 32 for r in runs)
+    with pytest.raises(SystemExit):
+        offline.parse_args(["--admission", "greedy,fifo"])

@@ -56,8 +56,10 @@ def test_preemption_recomputes_the_state(hybrid_checkpoint):  # noqa: F811
     want = [o.token_ids for o in _llm(loaded).generate(prompts, GREEDY)]
     # 2 attention layers x 2 KV heads x 32 dims x 4 bytes x (K, V) = 1024 bytes per token;
     # 4 sequences of ~50 tokens need ~13 pages of 16; give the pages 8 (and the state).
+    # Greedy admission starts them all (reserve admission would mostly avoid preempting).
     state = 6 * bytes_per_slot(state_config(loaded.config.hybrid, 6))  # max_num_seqs + 2
-    small = _llm(loaded, kv_cache_memory=state + 8 * 16 * 1024, max_model_len=64)
+    small = _llm(loaded, kv_cache_memory=state + 8 * 16 * 1024, max_model_len=64,
+                 admission="greedy")
     assert small.cache_info()["num_pages"] == 8
     outs = small.generate(prompts, GREEDY)
     assert sum(o.num_preemptions for o in outs) > 0
@@ -105,7 +107,7 @@ def test_scheduler_state_slots_follow_the_pages():
 
     rnd = random.Random()
     s = Scheduler(PageAllocator(9), 4, 32, 3, 16, 1, enable_prefix_caching=False,
-                  state_slots=3)
+                  state_slots=3, admission="greedy")  # greedy: preemptions
     assert s.scratch_state_slot == 4
     for i in range(10):
         s.add(seq(f"r{i}", rnd.randint(12, 16), max_tokens=8))  # two outgrow the pool

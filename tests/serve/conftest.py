@@ -3,7 +3,8 @@
 One session-scoped server serves every test but the SIGTERM one, which gets a spare server
 launched at the same time (so its start-up overlaps the main one's). The KV pool is small
 (``SERVER_FLAGS``: 12 pages of 16 tokens, max_model_len 128): one request never lacks pages,
-but four of 64 tokens must preempt each other. Server processes share a persistent JAX
+but four of 64 tokens must preempt each other (the server runs greedy admission for that:
+the default, reserve, would start them as their pages allow and not preempt). Server processes share a persistent JAX
 compilation cache under pytest's cache dir, so the spare server and later runs skip most
 compiles. Tests send temperature 0 unless sampling is the point, which keeps the set of
 compiled shapes small.
@@ -37,7 +38,7 @@ POOL_PAGES = 12
 MAX_MODEL_LEN = 128
 SERVER_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "512", "--kv-cache-memory", str(POOL_PAGES * 8192),
-                "--max-queue-len", "40")
+                "--max-queue-len", "40", "--admission", "greedy")
 
 
 def build_server_checkpoint(path: Path, tokenizer_dir: Path) -> Path:
