@@ -47,7 +47,7 @@ def gpu_shape_policy(budget: int):
 
 def simulate(prompts: int, input_len: int, output_len: int, pool_tokens: int | None,
              budget: int = 8192, page_size: int = 16, max_num_seqs: int = 64,
-             decode_steps: int = 8, admission: str = "reserve") -> dict:
+             decode_steps: int = 8, admission: str = "greedy") -> dict:
     """Run the scheduler to completion; every step's sampled tokens are applied as the
     engine applies them. Returns the prefill counts. ``admission``: the engine's default;
     the numbers in docs/engine-notes.md section 1 were taken under greedy admission."""

@@ -56,6 +56,12 @@ def _metric(text: str, name: str) -> float:
     return float("nan")
 
 
+def _delta(end: dict, start: dict, key: str) -> float | None:
+    if end.get(key) is None or start.get(key) is None:
+        return None
+    return end[key] - start[key]
+
+
 def rss_bytes(pid: int | None) -> int | None:
     if pid is None:
         return None
@@ -214,7 +220,7 @@ class Soak:
             await asyncio.sleep(0.5)
         keys = ("kv_cache_pages_used", "kv_cache_pages_total", "num_requests_running",
                 "queue_length", "prefix_cache_pages", "preemptions_total",
-                "prefix_cache_hit_rate", "requests_timed_out_total")
+                "prefix_cache_hit_rate", "requests_timed_out_total", "xla_compiles_total")
         state = {k: _metric(m, "jfp8kv_" + k) for k in keys}
         state["rejected_overloaded"] = _metric(
             m.replace('{reason="server_overloaded"}', ""), "jfp8kv_requests_rejected_total")
@@ -231,7 +237,7 @@ class Soak:
                 await asyncio.gather(self._bursts(client, end),
                                      *(self._client_loop(client, end) for _ in range(a.clients)))
                 self.records, self.burst_windows = [], []
-            await self.idle_state(client)
+            self.start_state = await self.idle_state(client)
             unloaded = await self.unloaded(client)  # alone, on an idle server, shape compiled
             self.t0 = time.monotonic()
             end = self.t0 + a.duration
@@ -283,9 +289,14 @@ class Soak:
                          "burst_admitted_p99_s": b99,
                          "p99_ratio": (b99 / u99) if u99 and b99 else None, "target": 1.5},
             "idle_metrics": idle, "probes_before": before, "probes_after": after,
+            # XLA compiles during the measured run (each adds an executable to the RSS)
+            "compiles_in_run": _delta(idle, getattr(self, "start_state", {}),
+                                      "xla_compiles_total"),
             "rss_mib": {"first": rss[0] / 2**20 if rss else None,
                         "mid": rss[len(rss) // 2] / 2**20 if rss else None,
-                        "last": rss[-1] / 2**20 if rss else None, "samples": len(rss)},
+                        "last": rss[-1] / 2**20 if rss else None, "samples": len(rss),
+                        "deciles": [round(rss[min(len(rss) - 1, i * len(rss) // 10)] / 2**20)
+                                    for i in range(11)] if rss else None},
             "checks": checks, "passed": all(checks.values()),
         }
 

@@ -303,10 +303,11 @@ class EngineConfig:
         "more per decode batch size on the first start; kept in the compilation cache)",
         choices=GEMM_AUTOTUNE)
     admission: str = _knob(
-        "reserve", "when a waiting request starts: reserve (only if the free pages cover the "
+        "greedy", "when a waiting request starts: reserve (only if the free pages cover the "
         "running requests' expected growth, so the pool stays full without preempting) or "
         "greedy (as soon as its first prefill chunk fits; preempts the newest when decode "
-        "runs out of pages)", choices=ADMISSION_POLICIES)
+        "runs out of pages; the default until an H200 A/B decides: docs/engine-notes.md)",
+        choices=ADMISSION_POLICIES)
 
     def __post_init__(self):
         ps = self.page_size

@@ -143,7 +143,7 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1, *,
                  enable_prefix_caching: bool = True, prefix_cache_namespace="",
-                 state_slots: int = 0, admission: str = "reserve"):
+                 state_slots: int = 0, admission: str = "greedy"):
         """``prefix_cache_namespace``: anything that changes the numbers stored in a page
         (model, cache dtype, scale mode, static-scale version, rotation); pages are reused
         only within one namespace (see ``PrefixCache``). ``state_slots`` (hybrid models,

@@ -558,7 +558,8 @@ def test_prefix_hit_pages_count_as_held_at_admission():
     a; without the prefix cache they would need 17 and b waits."""
     b_prompt = list(range(1, 17)) + [50, 51, 52, 53]
     for caching in (True, False):
-        s = Scheduler(PageAllocator(14), 4, 48, 8, 64, enable_prefix_caching=caching)
+        s = Scheduler(PageAllocator(14), 4, 48, 8, 64, enable_prefix_caching=caching,
+                      admission="reserve")
         pool = FakePool(s)
         a = seq("a", 16, max_tokens=20)
         s.add(a)
