@@ -13,7 +13,7 @@
 #                pages = 31 of the 64 sequences (17 pages each) and fp8 1,489 = all 64.
 #                Prefill chunks of 2,048 tokens (one prompt per dispatch, four 512-token
 #                passes), so the run compiles one prefill shape and the decode buckets.
-#   v4-serve     python -m jfp8kv.serve on the same model with an fp8 pool; one completion
+#   v4-serve     python -m jfp8kv.serve on the same model with an fp8 pool (bench.long_request)
 # Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json. The device tool
 # runs one command for at most 600 s: one stage per call (each stage's limit is below it;
 # the Flash-4l stages compile one prefill and up to six decode executables in the warm-up).
@@ -39,26 +39,11 @@ for kv in bfloat16 fp8; do
     --max-num-batched-tokens 2048 \
     --kv-cache-memory ${V4_KV:-9.6e7} --kv-cache-dtype $kv --out "$json" --append
 done
-serve_once() {  # start the server, wait for /health (<= 200 s), one completion, stop it
-  python3 -m jfp8kv.serve --model "$MODEL" --kv-cache-dtype fp8_e4m3 --port 8011 --warmup off \
-    > "$OUT/v4-serve-server.log" 2>&1 &
-  local pid=$! up=0
-  for _ in $(seq 200); do
-    if curl -sf http://127.0.0.1:8011/health > /dev/null; then up=1; break; fi
-    kill -0 $pid 2> /dev/null || break
-    sleep 1
-  done
-  if [ $up = 1 ]; then
-    curl -s http://127.0.0.1:8011/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": "v4", "prompt": "t5 t17 t3 t88 t41 t9 t60 t12", "max_tokens": 16, "temperature": 0}' \
-      | tee "$OUT/v4-serve.json"; echo
-  else
-    echo "server not healthy within 200 s"; tail -n 30 "$OUT/v4-serve-server.log"
-  fi
-  kill $pid 2> /dev/null; wait $pid 2> /dev/null
-  [ $up = 1 ]
-}
-export -f serve_once; export MODEL OUT
-stage v4-serve ${V4_SERVE_LIMIT:-400} bash -c serve_once
+# v4-serve: issue 40's done-when through bench.long_request (started server, /health, one
+# streamed greedy completion of 1,024 prompt tokens, then the same again with its shapes
+# compiled; JSON with the machine and both timings)
+stage v4-serve ${V4_SERVE_LIMIT:-400} python3 -m bench.long_request --model "$MODEL" \
+  --prompt-tokens ${V4_SERVE_TOKENS:-1024} --max-tokens 16 --repeat --startup-timeout 300 \
+  --out "$OUT/v4-serve.json" -- --kv-cache-dtype fp8_e4m3 --max-model-len 4096 --warmup off
 [ -f "$json" ] && python3 -m bench.offline --plot-only "$json" > /dev/null 2>&1
 ls -la "$OUT"
