@@ -13,18 +13,8 @@
 # (V2-Lite 2.5e9 B: 31,104 vs 16,524 B/token with block scales, 34 vs 65 sequences of 2304
 # tokens; 30B-A3B 8e9 B: 98,304 vs 50,688 B/token with token scales, 35 vs 68).
 # Results: $OUT/offline-moe-h200.json (+ .png).
-set -u
-OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"tests small large"}
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 JFP8KV_CACHE=/tmp/jfp8kv-cache
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-stage() { local name=$1 limit=$2; shift 2
-  case " $STAGES " in *" $name "*|*" ${name%%-*} "*|*" ${name%-*} "*) ;; *) return;; esac
-  echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
+source "$(dirname "$0")/lib.sh"
 json="$OUT/offline-h200.json"
 stage tests ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/kernels tests/engine/test_gpu_e2e.py \
   -k "not mla_engine" -p no:cacheprovider

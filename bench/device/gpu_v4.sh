@@ -17,19 +17,9 @@
 # Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json. The device tool
 # runs one command for at most 600 s: one stage per call (each stage's limit is below it;
 # the Flash-4l stages compile one prefill and up to six decode executables in the warm-up).
-set -u
-OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"v4"}
 MODEL=${V4_MODEL:-random:deepseek-v4-flash-4l}
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 JFP8KV_CACHE=/tmp/jfp8kv-cache
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-stage() { local name=$1 limit=$2; shift 2
-  case " $STAGES " in *" $name "*|*" ${name%%-*} "*|*" ${name%-*} "*) ;; *) return;; esac
-  echo "=== $name (<= ${limit}s)"; local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - t0))s"; }
+source "$(dirname "$0")/lib.sh"
 stage v4-tests ${V4_TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/kernels/test_v4_sparse.py \
   tests/engine/test_v4_engine.py -p no:cacheprovider
 json="$OUT/offline-v4-h200.json"
