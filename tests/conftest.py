@@ -116,11 +116,17 @@ def pytest_collection_modifyitems(config, items):
     # interpretation: their lowering tests run always, their interpret cases under -m lab
     run_lab = "lab" in (config.getoption("markexpr") or "")
     skip_lab = pytest.mark.skip(reason="a lab prototype's interpret run: pytest -m lab tests/lab")
+    # slow: interpret runs that repeat what a default case covers, one knob at a time (each
+    # listed in docs/testing.md with where it still runs): under -m slow only
+    run_slow = "slow" in (config.getoption("markexpr") or "")
+    skip_slow = pytest.mark.skip(reason="a redundant slow CPU case: pytest -m slow")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
         elif item.get_closest_marker("lab") and not run_lab:
             item.add_marker(skip_lab)
+        elif item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(skip_slow)
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda it: rank.get(_group(it.nodeid), len(rank)))  # stable: order kept
 
