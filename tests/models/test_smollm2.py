@@ -3,6 +3,8 @@
 transformers dequantizes the same GGUF file, so both sides run identical fp32 weights.
 """
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -61,6 +63,9 @@ def test_greedy_generation_matches_transformers(llm, hf_model):
                                     add_special_tokens=False) for q in questions]
     outs = llm.generate(prompts, jfp8kv.SamplingParams(max_tokens=24, temperature=0,
                                                        ignore_eos=True))
+    # transformers 5.25 renamed forward's past_key_values (and the output's) to cache; 5.17
+    # (the H200 machine) has only the old name
+    kw = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     for p, o in zip(prompts, outs):
         ref = []
         with torch.no_grad():  # plain greedy loop: EOS is an ordinary token, like ignore_eos
@@ -71,6 +76,6 @@ def test_greedy_generation_matches_transformers(llm, hf_model):
                 ref.append(int(step.logits[0, -1].argmax()))
                 if len(ref) < 24:
                     step = hf_model(torch.tensor([ref[-1:]]), use_cache=True,
-                                    past_key_values=step.past_key_values)
+                                    **{kw: getattr(step, kw)})
         assert o.token_ids == ref, (llm.tokenizer.decode(o.token_ids), llm.tokenizer.decode(ref))
         assert o.finish_reason == "length" and o.text
