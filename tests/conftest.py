@@ -28,6 +28,13 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_cpu_enable_concurrency_optimized_scheduler=false"]))
 
+# Under pytest-xdist (CI: `-n 2` on 2 cores) each worker's torch (the transformers references)
+# would start one intra-op thread per core, 2 workers x 2 threads on 2 cores: oversubscribed.
+# One thread a worker, set before anything imports torch (it reads OMP_NUM_THREADS once);
+# an explicit OMP_NUM_THREADS wins. A plain single-process run keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest
 from jaxtyping import install_import_hook
@@ -73,7 +80,8 @@ def _release_executables():
 LONG_FIRST = ("tests/engine/test_tensor_parallel.py", "tests/kvcache/test_quality.py",
               "tests/engine/test_prefix_cache_llm.py", "tests/engine/test_llm.py",
               "tests/models/test_mla.py", "tests/models/test_moe.py", "tests/serve",
-              "tests/models/test_smollm2.py", "tests/engine/test_overlap.py")
+              "tests/models/test_smollm2.py", "tests/kernels/test_mosaic_prefill.py",
+              "tests/engine/test_overlap.py")
 
 
 def _group(nodeid: str) -> str:
@@ -108,11 +116,17 @@ def pytest_collection_modifyitems(config, items):
     # interpretation: their lowering tests run always, their interpret cases under -m lab
     run_lab = "lab" in (config.getoption("markexpr") or "")
     skip_lab = pytest.mark.skip(reason="a lab prototype's interpret run: pytest -m lab tests/lab")
+    # slow: interpret runs that repeat what a default case covers, one knob at a time (each
+    # listed in docs/testing.md with where it still runs): under -m slow only
+    run_slow = "slow" in (config.getoption("markexpr") or "")
+    skip_slow = pytest.mark.skip(reason="a redundant slow CPU case: pytest -m slow")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
         elif item.get_closest_marker("lab") and not run_lab:
             item.add_marker(skip_lab)
+        elif item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(skip_slow)
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda it: rank.get(_group(it.nodeid), len(rank)))  # stable: order kept
 

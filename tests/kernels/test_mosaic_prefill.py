@@ -42,9 +42,15 @@ CASES = [  # (storage, scale mode, page_size, head_dim, num_heads, num_kv_heads,
 ]
 IDS = [f"{c[0]}-{c[1]}-S{c[2]}-D{c[3]}-H{c[4]}_{c[5]}-T{c[6]}-st{c[7]}-bk{c[8]}"
        for c in CASES]
+# The default run interprets the two-query-block bf16 case with one head (half the programs of
+# H2_1, whose GQA grouping the fp8 case's H3_1 covers); H2_1 itself under -m slow.
+BF16_ONE_HEAD = ("bfloat16", None, 16, 64, 1, 1, 150, 2, 64)
 
 
-PARAMS = ([pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[:3], IDS)]
+PARAMS = ([pytest.param(BF16_ONE_HEAD, "interpret", id="bfloat16-None-S16-D64-H1_1-T150-st2-bk64-"
+                        "interpret"),
+           pytest.param(CASES[0], "interpret", id=f"{IDS[0]}-interpret", marks=pytest.mark.slow)]
+          + [pytest.param(c, "interpret", id=f"{i}-interpret") for c, i in zip(CASES[1:3], IDS[1:])]
           + [pytest.param(c, "gpu", id=f"{i}-gpu", marks=HOPPER_MARKS) for c, i in zip(CASES, IDS)])
 
 
@@ -95,18 +101,27 @@ def test_mosaic_prefill_without_pingpong_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, pingpong=False)
 
 
+# The two fp8 knobs each alone: interpret under -m slow (~200 s each on CI's 2 cores), natively
+# under -m gpu; the default run interprets them together (the next test) in one case.
 @pytest.mark.parametrize("case,exec_mode", [  # fp8 pages: K and V upcast by two warpgroups
-    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")]
+    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret", marks=pytest.mark.slow)]
     + [pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in (1, 3, 5, 6)])
 def test_mosaic_prefill_with_two_upcasting_warpgroups_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, upcast_wgs=2)
 
 
 @pytest.mark.parametrize("case,exec_mode", [  # token scales gathered per batch row in XLA
-    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")]
+    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret", marks=pytest.mark.slow)]
     + [pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in (1, 5)])
 def test_mosaic_prefill_with_gathered_token_scales_matches_reference(case, exec_mode):
     test_mosaic_prefill_matches_reference(case, exec_mode, gather_scales=True)
+
+
+@pytest.mark.parametrize("case,exec_mode", [  # both: V's warpgroup reads the gathered scales
+    pytest.param(CASES[1], "interpret", id=f"{IDS[1]}-interpret")]
+    + [pytest.param(CASES[i], "gpu", id=f"{IDS[i]}-gpu", marks=HOPPER_MARKS) for i in (1, 5)])
+def test_mosaic_prefill_with_two_upcasting_warpgroups_and_gathered_scales(case, exec_mode):
+    test_mosaic_prefill_matches_reference(case, exec_mode, upcast_wgs=2, gather_scales=True)
 
 
 @pytest.mark.parametrize("storage,mode,kw,what", [

@@ -151,7 +151,6 @@ def test_unknown_kind_without_torch_names_what_works(tiny_tokenizer_dir, tmp_pat
     assert "pip install torch" in proc.stdout and "qwen2" in proc.stdout
 
 
-@pytest.mark.slow
 def test_default_model_loads_and_serves_imports_without_torch(smollm2_gguf_path):
     """The README's first command needs no torch: the default model loads (weights, config,
     tokenizer) and the server modules import with torch unimportable."""
