@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.tiles import (LOG2E, KVLayout, QueryRotation, Variant, as_variant,
+from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Launch, QueryRotation, Variant, as_variant,
                                   check_dot_tile, check_head_dim, cols, dequant_kv, init_state,
                                   k_variant, key_loop, load_kv_raw, next_pow2, normalize,
                                   prepare_q, scale_output, softmax_step)
@@ -51,25 +51,28 @@ NUM_SMS_H200 = 132
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeTuning:
-    """Static launch knobs. ``num_splits=0`` picks splits so the grid fills the GPU
-    (``choose_splits``); ``unsplit_programs=(lo, hi)``: no split when the unsplit grid's
-    batch * kv_heads programs lie in [lo, hi] (one resident wave that already holds at
-    least ``lo`` programs: the combine pass would cost more than it balances); (0, 0): off.
-
-    ``variant``: a ``tiles.Variant`` (its short spelling, e.g. "pagepf+asm", is accepted).
-    """
+class SplitTuning(Launch):
+    """Knobs of a split-key attention launch (dense decode here, MLA in ``pallas_mla``):
+    ``block_k`` keys per tile; ``num_splits=0`` picks splits so the grid reaches
+    ``target_programs`` (``choose_splits``); ``variant``: a ``tiles.Variant`` (its short
+    spelling, e.g. "pagepf+asm", is accepted)."""
 
     block_k: int = 64
     num_splits: int = 0
-    num_warps: int = 4
-    num_stages: int = 3
     target_programs: int = 4 * NUM_SMS_H200
     variant: Variant = Variant()
-    unsplit_programs: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         object.__setattr__(self, "variant", as_variant(self.variant))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning(SplitTuning):
+    """``unsplit_programs=(lo, hi)``: no split when the unsplit grid's batch * kv_heads
+    programs lie in [lo, hi] (one resident wave that already holds at least ``lo``
+    programs: the combine pass would cost more than it balances); (0, 0): off."""
+
+    unsplit_programs: tuple[int, int] = (0, 0)
 
 
 # One wave without splits: from 1.5 programs per SM up to the three CTAs an SM holds at

@@ -38,18 +38,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jfp8kv.kernels.tiles import check_dot_tile, dot_nn, next_pow2
+from jfp8kv.kernels.tiles import Launch, check_dot_tile, dot_nn, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
-class GmmTuning:
-    """Static launch knobs. ``tm=0`` picks the row tile from the rows per group."""
+class GmmTuning(Launch):
+    """The launch knobs plus the tile: ``tm`` rows (0: from the rows per group), ``tn``
+    output columns, ``tk`` reduction steps."""
 
     tm: int = 0
     tn: int = 128
     tk: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 def choose_tm(m: int, num_groups: int) -> int:

@@ -49,30 +49,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
-from jfp8kv.kernels.pallas_decode import (NUM_SMS_H200, DecodeTuning, choose_splits,
+from jfp8kv.kernels.pallas_decode import (DecodeTuning, SplitTuning, choose_splits,
                                           combine_splits, split_state_shapes, triton_call)
-from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, as_variant, check_dot_tile, cols,
+from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Variant, check_dot_tile, cols,
                                   dequant_kv, init_state, k_variant, key_loop, load_kv_raw,
                                   next_pow2, normalize, softmax_step)
 
 
 @dataclasses.dataclass(frozen=True)
-class MLATuning:
-    """Static launch knobs. ``block_m`` (query, head) rows per program, 0: the largest power
-    of two >= 16 that covers T * H, capped so the f32 accumulator [block_m, r] stays near
-    32 KiB; ``num_splits`` 0: enough splits to fill the GPU. ``variant``: ``tiles.Variant``
-    (``vmask`` and ``nomma`` do not apply: the value tile is the key's latent chunk)."""
+class MLATuning(SplitTuning):
+    """``SplitTuning`` with its own defaults, plus ``block_m`` (query, head) rows per
+    program, 0: the largest power of two >= 16 that covers T * H, capped so the f32
+    accumulator [block_m, r] stays near 32 KiB. ``vmask`` and ``nomma`` variants do not
+    apply: the value tile is the key's latent chunk."""
 
-    block_m: int = 0
     block_k: int = 32
-    num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
-    target_programs: int = 4 * NUM_SMS_H200
-    variant: Variant = Variant()
-
-    def __post_init__(self):
-        object.__setattr__(self, "variant", as_variant(self.variant))
+    block_m: int = 0
 
     def rows(self, n_rows: int, rank: int) -> int:
         if self.block_m:

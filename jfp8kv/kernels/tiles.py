@@ -70,6 +70,15 @@ def as_variant(v) -> Variant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Launch:
+    """The Triton launch knobs every kernel on this backend takes: warps per program and
+    software-pipeline stages. Each kernel's tuning extends it with its tile sizes."""
+
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
 class KVLayout:
     """How the attention kernels read one layer's K/V, decided by the fp8 policy."""
 
