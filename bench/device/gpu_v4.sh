@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for DeepSeek-V4 through the engine (issue 40; docs/deepseek-v4.md).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_v4.sh
-# STAGES (default "v4": all four) picks stages; each is bounded in time and a failing stage
-# does not stop the rest:
+# STAGES (default "v4-tests v4-pair v4-serve") picks stages; each is bounded in time and a
+# failing stage does not stop the rest:
 #   v4-tests     the V4 kernels' native GPU tests and the engine's GPU case (tiny preset)
 #   v4-bfloat16  bench.offline, random:deepseek-v4-flash-4l (layers 0-1 window-only, 2 CSA,
 #   v4-fp8       3 HCA; 52.6 GB of bf16 weights: 4 x 256 experts x 3 x 4096 x 2048 x 2 B +
@@ -13,11 +13,13 @@
 #                pages = 31 of the 64 sequences (17 pages each) and fp8 1,489 = all 64.
 #                Prefill chunks of 2,048 tokens (one prompt per dispatch, four 512-token
 #                passes), so the run compiles one prefill shape and the decode buckets.
+#   v4-pair      both KV dtypes in one process (the weights made once; each run is written
+#                to the JSON as it ends, so a stage cut short keeps the bf16 run)
 #   v4-serve     python -m jfp8kv.serve on the same model with an fp8 pool (bench.long_request)
 # Results: $OUT/offline-v4-h200.json, $OUT/v4-*.log, $OUT/v4-serve.json. The device tool
 # runs one command for at most 600 s: one stage per call (each stage's limit is below it;
 # the Flash-4l stages compile one prefill and up to six decode executables in the warm-up).
-STAGES=${STAGES:-"v4"}
+STAGES=${STAGES:-"v4-tests v4-pair v4-serve"}
 MODEL=${V4_MODEL:-random:deepseek-v4-flash-4l}
 source "$(dirname "$0")/lib.sh"
 stage v4-tests ${V4_TESTS_LIMIT:-300} python3 -m pytest -q -m gpu tests/kernels/test_v4_sparse.py \
@@ -29,6 +31,10 @@ for kv in bfloat16 fp8; do
     --max-num-batched-tokens 2048 \
     --kv-cache-memory ${V4_KV:-9.6e7} --kv-cache-dtype $kv --out "$json" --append
 done
+stage v4-pair ${V4_PAIR_LIMIT:-560} python3 -m bench.offline --model "$MODEL" --num-prompts 64 \
+  --input-len 2048 --output-len 128 --max-model-len 2176 --max-num-seqs 64 \
+  --max-num-batched-tokens 2048 \
+  --kv-cache-memory ${V4_KV:-9.6e7} --kv-cache-dtype bfloat16,fp8 --out "$json" --append
 # v4-serve: issue 40's done-when through bench.long_request (started server, /health, one
 # streamed greedy completion of 1,024 prompt tokens, then the same again with its shapes
 # compiled; JSON with the machine and both timings)
