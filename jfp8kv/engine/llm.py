@@ -15,6 +15,7 @@ from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
 # that import them from here.
 from jfp8kv.engine.builder import (DEFAULT_FP8_SCALE_MODE, build_engine, cache_info,
                                    check_fp8_support, resolve_backend)
+from jfp8kv.engine.compile_cache import ExecutableStore
 from jfp8kv.engine.overlap import warm_helpers
 from jfp8kv.engine.types import RequestOutput, SamplingParams
 from jfp8kv.kvcache.cache import STAT_FIELDS
@@ -71,34 +72,56 @@ class LLM:
         return self.engine.runner.warmup_shapes(sched.max_num_seqs, sched.max_num_batched_tokens,
                                                 sched.step_counts)
 
-    def warmup(self, progress: bool = True) -> None:
+    def warmup(self, progress: bool = True, run: bool | None = None) -> None:
         """Compile every decode and prefill bucket the engine can dispatch (on parallel
-        threads, then each run once on zeros) and the overlap scheduler's helpers: the
-        server does this before /health, so no request waits for a compile. Requests with
-        log-probs or penalties, and prompt scoring (``echo``), still compile their variants
-        on first use."""
+        threads) and the overlap scheduler's helpers: the server does this before /health,
+        so no request waits for a compile. Requests with log-probs or penalties, and prompt
+        scoring (``echo``), still compile their variants on first use.
+
+        ``run``: also execute each shape once on zeros (writing only to the sink page).
+        Default: on a GPU, where it takes milliseconds and surfaces a temporary buffer that
+        does not fit before the first request; not on a CPU, where the compiled
+        executables are already the ones the jitted calls find (nothing compiles on first
+        use; tests/engine/test_cpu_buckets.py) and running every bucket once took 11 of a
+        warm start's 40 s (the 64-row decode over 4,096 tokens alone 4-5 s). Shapes the
+        parallel compile missed are always compiled by running them."""
         sched, runner = self.engine.scheduler, self.engine.runner
         shapes = self._shapes()
-        if len(shapes) > 1:
-            self._precompile(shapes)
-        runner.warmup(shapes, progress)
+        compiled = self._precompile(shapes, progress)
+        if run is None:
+            run = not runner.on_cpu
+        if run or compiled < len(shapes):
+            runner.warmup(shapes, progress and compiled < len(shapes))
         if self.engine.overlap_scheduling:
             batches = sorted({runner.decode_bucket(n) for n in range(1, sched.max_num_seqs + 1)})
             warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches, sched.step_counts,
                          sched.max_num_seqs)
 
-    def _precompile(self, shapes) -> None:
+    def _precompile(self, shapes, progress: bool = False) -> int:
         """Compile ``shapes`` on parallel threads (XLA compiles outside the GIL; on the
-        2-core CPU machine two threads halve the start), so ``warmup`` only runs them. A
+        2-core CPU machine two threads halve the start); returns how many compiled. A
         failure here only costs time: warmup then compiles what is missing itself."""
-        t0 = time.perf_counter()
+        t0, store = time.perf_counter(), self._executable_store()
+        loads = self.engine.runner.stored_loads
         try:
-            n = self.engine.runner.precompile(shapes, min(8, os.cpu_count() or 1))
+            n = self.engine.runner.precompile(shapes, min(8, os.cpu_count() or 1, len(shapes)),
+                                              progress, store=store)
         except Exception as e:  # noqa: BLE001
             log.warning("parallel precompile failed (%s: %s); compiling one shape at a time",
                         type(e).__name__, e)
-            return
-        log.info("compiled %d shapes on parallel threads in %.0f s", n, time.perf_counter() - t0)
+            return 0
+        log.info("compiled %d shapes on parallel threads in %.0f s (%d executables loaded from "
+                 "%s)", n, time.perf_counter() - t0, self.engine.runner.stored_loads - loads,
+                 store.path if store else "nowhere: compile cache off")
+        return n
+
+    def _executable_store(self):
+        """Where compiled steps are kept between starts (``compile_cache.ExecutableStore``:
+        a warm start loads them without tracing), or None with the compile cache off."""
+        if not self.engine_config.compile_cache or os.environ.get("JFP8KV_COMPILE_CACHE",
+                                                                  "1") == "0":
+            return None
+        return ExecutableStore.default()
 
     # -- generation -------------------------------------------------------------------
     def _submit(self, prompts, sampling_params) -> list[str]:

@@ -39,6 +39,7 @@ import numpy as np
 
 from jfp8kv.config import ModelConfig
 from jfp8kv.engine import steps
+from jfp8kv.engine.compile_cache import compile_fresh
 from jfp8kv.engine.sampler import SamplingArrays
 from jfp8kv.kvcache.cache import KVCache
 
@@ -57,6 +58,9 @@ def cpu_float32_weights(params):
     elif params["embed"].dtype in (jnp.bfloat16, jnp.float16):
         out["lm_head"] = up(params["embed"]).T
     return out
+
+
+_STATIC = ("cfg", "backend", "tp", "all_greedy", "num_steps")  # the steps' static arguments
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -88,6 +92,7 @@ class ModelRunner:
         self.cfg = model_cfg
         on_cpu = all(d.platform == "cpu" for d in jax.tree_util.tree_leaves(params)[0].devices())
         self.params = cpu_float32_weights(params) if on_cpu else params
+        self.on_cpu = on_cpu
         self.cache = cache
         self.backend = backend
         self.page_size = cache.config.page_size
@@ -105,6 +110,12 @@ class ModelRunner:
         self.hybrid = model_cfg.hybrid is not None or model_cfg.v4 is not None
         self.tp = tp
         self._decode = steps.DECODE_JITS[decode_gemm_autotune]
+        self._labels = {steps.prefill: "prefill", self._decode: f"decode:{decode_gemm_autotune}"}
+        # Signature (``_signature``) -> jax.stages.Compiled: the executables ``precompile``
+        # compiled or loaded from an ``ExecutableStore``; a dispatch whose signature is here
+        # calls it directly, anything else goes through the jitted function.
+        self._executables: dict = {}
+        self.stored_loads = 0  # executables ``compile_only`` took from an ExecutableStore
 
     def decode_bucket(self, n: int) -> int:
         if self.decode_buckets is None:
@@ -205,7 +216,7 @@ class ModelRunner:
         for shape in tqdm(shapes, desc="compiling buckets", disable=not progress):
             for greedy in self.modes(shape[0]):
                 fn, args, kw = self._warm_call(*shape, greedy, self.cache)
-                toks, self.cache = fn(*args, **kw)
+                toks, self.cache = self._call(fn, args, kw)
             jax.block_until_ready(toks)
 
     def cache_spec(self):
@@ -220,33 +231,76 @@ class ModelRunner:
 
         return jax.tree.map(spec, self.cache)
 
-    def compile_only(self, shapes, abstract, stop=None) -> int:
+    def _signature(self, fn, args, kw):
+        """What picks an executable besides params and cache (fixed per runner): the step,
+        its sampler mode and scan length, and the host arguments' tree, shapes and dtypes."""
+        leaves, tree = jax.tree.flatten((args[2:], {k: v for k, v in kw.items()
+                                                    if k not in _STATIC}))
+        return (self._labels[fn], kw.get("all_greedy"), kw.get("num_steps"), tree,
+                tuple((x.shape, str(x.dtype)) for x in leaves))
+
+    def _call(self, fn, args, kw):
+        """``fn(*args, **kw)``, through the executable ``precompile`` left for this
+        signature when there is one (same program: it was lowered from these arguments)."""
+        if self._executables:
+            ex = self._executables.get(self._signature(fn, args, kw))
+            if ex is not None:
+                return ex(*args, **{k: v for k, v in kw.items() if k not in _STATIC})
+        return fn(*args, **kw)
+
+    def compile_only(self, shapes, abstract, stop=None, store=None, register=False) -> int:
         """Compile each shape without running it or touching the cache (safe beside a
         running engine): what it gains is the persistent compilation cache's entry, which
         the first real dispatch of the shape loads instead of compiling (``precompile``
         passes the live cache instead: then the jitted calls find the executables in
         memory). ``abstract``: ``cache_spec()`` or the cache; ``stop``: a threading.Event
-        that ends the loop early. Returns the number of shapes compiled."""
+        that ends the loop early; ``store``: an ``ExecutableStore`` whose entry replaces
+        tracing, lowering and compiling when it has one (and gets the result when not);
+        ``register``: dispatch the shape through its compiled executable from now on.
+        Returns the number of shapes compiled."""
         done = 0
         for shape in shapes:
             for greedy in self.modes(shape[0]):
                 if stop is not None and stop.is_set():
                     return done
                 fn, args, kw = self._warm_call(*shape, greedy, abstract)
-                fn.lower(*args, **kw).compile()
+                key = compiled = None
+                if store is not None and self.tp is None:
+                    key = store.key(self._labels[fn], args,
+                                    {k: v for k, v in kw.items() if k in _STATIC})
+                    compiled = store.load(key)
+                    self.stored_loads += compiled is not None
+                if compiled is None:
+                    compiled, fresh = compile_fresh(fn.lower(*args, **kw))
+                    if key is not None and fresh:
+                        store.save(key, compiled)
+                if register:
+                    self._executables[self._signature(fn, args, kw)] = compiled
             done += 1
         return done
 
-    def precompile(self, shapes, workers: int) -> int:
-        """Compile ``shapes`` on ``workers`` threads (XLA compiles outside the GIL) without
-        running them. Lowered from the live cache arrays, they are the executables the jitted
-        calls look up, so a following ``warmup`` (or first use) compiles nothing (and the
-        persistent cache, when on, gets them too). Returns the number of shapes compiled."""
-        from concurrent.futures import ThreadPoolExecutor
+    def precompile(self, shapes, workers: int, progress: bool = False, store=None) -> int:
+        """Compile ``shapes`` on ``workers`` threads (XLA compiles, and loads executables from
+        the persistent cache, outside the GIL; tracing holds it, so one thread traces while
+        another compiles) without running them. Lowered from the live cache arrays, they are
+        the executables the jitted calls look up, so a following ``warmup`` (or first use)
+        compiles nothing (and the persistent cache, when on, gets them too); each is also
+        registered for direct dispatch. ``store``: an ``ExecutableStore`` to load them from
+        (no tracing) or save them to. ``progress``: a progress bar per shape. Returns the
+        number of shapes compiled."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm import tqdm
 
         cache = self.cache  # lowered from the live arrays (read, not donated: nothing runs)
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="jfp8kv-precompile") as ex:
-            return sum(ex.map(lambda x: self.compile_only([x], cache), shapes))
+        done = 0
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="jfp8kv-precompile") as ex, \
+                tqdm(total=len(shapes), desc="compiling buckets", disable=not progress) as bar:
+            for fut in as_completed([ex.submit(self.compile_only, [x], cache, store=store,
+                                               register=True) for x in shapes]):
+                done += fut.result()
+                bar.update()
+        return done
 
     def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
         # Prefill keeps the fixed width (one compile per (batch, chunk) bucket, not one per
@@ -288,11 +342,11 @@ class ModelRunner:
             t = self.chunk_bucket(max(len(c[0]) for c in part))
             tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(part, b, t)
             sub = sampling.rows(start, end).padded(b)
-            out, self.cache = steps.prefill(self.params, self.cache, tokens, positions, slots, pt,
-                                       seq_lens, last_idx, *sub.args(), cfg=self.cfg,
-                                       backend=self.backend, all_greedy=None, tp=self.tp,
-                                       state_slots=self._state_slots(
-                                           [c[3] if len(c) > 3 else 0 for c in part], b))
+            out, self.cache = self._call(steps.prefill, (
+                self.params, self.cache, tokens, positions, slots, pt, seq_lens, last_idx,
+                *sub.args()), dict(cfg=self.cfg, backend=self.backend, all_greedy=None,
+                                   tp=self.tp, state_slots=self._state_slots(
+                                       [c[3] if len(c) > 3 else 0 for c in part], b)))
             parts.append((len(part), out))
         return parts
 
@@ -313,12 +367,12 @@ class ModelRunner:
         tokens = tokens if input_tokens is None else input_tokens
         if self.tp is not None:  # one input placement, whether host- or device-made
             tokens = self.tp.replicate(tokens)
-        toks, self.cache = self._decode(self.params, self.cache, tokens, positions, pt, limits,
-                                   *sampling.padded(b).args(), cfg=self.cfg,
-                                   backend=self.backend, all_greedy=self._mode(all_greedy),
-                                   tp=self.tp, num_steps=num_steps,
-                                   state_slots=self._state_slots(
-                                       [r[4] if len(r) > 4 else 0 for r in rows], b))
+        toks, self.cache = self._call(self._decode, (
+            self.params, self.cache, tokens, positions, pt, limits,
+            *sampling.padded(b).args()), dict(
+                cfg=self.cfg, backend=self.backend, all_greedy=self._mode(all_greedy),
+                tp=self.tp, num_steps=num_steps, state_slots=self._state_slots(
+                    [r[4] if len(r) > 4 else 0 for r in rows], b)))
         return toks
 
     def nll(self, ids, targets, start: int, pages, state_slot: int = 0):

@@ -9,7 +9,7 @@ or penalties (their sampler state has another structure) and prompt scoring (``e
 
 from __future__ import annotations
 
-import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,15 +22,24 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
-def default_policy_server(tiny_model_dir, tmp_path_factory, request):
-    jax_cache = (os.environ.get("JAX_COMPILATION_CACHE_DIR")
-                 or request.config.cache.mkdir("jfp8kv-jax-compilation-cache"))
+def jax_cache(tmp_path_factory):
+    """A compilation cache of this module's own: the first server starts cold (compiles,
+    stores the step executables), the second warm (loads them without tracing)."""
+    return tmp_path_factory.mktemp("ready-compiles-jax-cache")
+
+
+@pytest.fixture(scope="module", params=["cold", "warm"])
+def default_policy_server(tiny_model_dir, tmp_path_factory, jax_cache, request):
     log = tmp_path_factory.mktemp("ready-compiles") / "server.log"
-    srv = ServerProcess(tiny_model_dir, log, jax_cache, "--max-model-len", str(MAX_MODEL_LEN))
+    srv = ServerProcess(tiny_model_dir, log, jax_cache, "--max-model-len", str(MAX_MODEL_LEN),
+                        "--log-level", "info")  # the precompile line says what loaded
     try:
         yield srv.wait_ready()
     finally:
         srv.stop()
+    loaded = re.search(r"\((\d+) executables loaded from", log.read_text())
+    assert loaded, "no precompile line in the server log"
+    assert (int(loaded.group(1)) > 0) == (request.param == "warm")
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
