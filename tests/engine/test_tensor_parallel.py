@@ -75,14 +75,11 @@ def test_on_four_virtual_devices():
     """Run the ``four_devices`` tests of this file in a child pytest with 4 CPU devices."""
     if jax.device_count() >= DEVICES:
         pytest.skip("this process has the devices: the tests run directly")
-    # The child's ~40 engines are all compile (each runs a few tokens through a tiny or
-    # 4-layer model): LLVM at -O0 compiles them ~30% faster. It changes no number: XLA's CPU
-    # backend keeps IEEE semantics at every LLVM level (no fast math, no contraction), the
-    # matmuls are library calls, and every TP size is compared with TP 1 in that same child.
+    # The child's ~40 engines are all compile: it inherits tests/conftest.py's XLA_FLAGS
+    # (LLVM at -O0), and every TP size is compared with TP 1 in that same child.
     flags = os.environ.get("XLA_FLAGS", "")
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES} "
-                         "--xla_backend_optimization_level=0".strip())
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip())
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
            str(Path(__file__).relative_to(REPO_ROOT))]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
