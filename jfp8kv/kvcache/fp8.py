@@ -17,6 +17,8 @@ Numerics contract
   one float32 multiply per element, is reproducible everywhere; kernels must do exactly
   that (call ``reciprocal``, or ``div_rn``; never a plain ``/``).
 * NaN stays NaN (``clip`` propagates it) and is counted by the store.
+* The store counts an element saturated when the clip changes its value: |x * fl(1/s)|
+  beyond ``SATURATES_ABOVE`` (464 for e4m3), not merely an ulp above fmax.
 * Dynamic scales are ``amax * fl(1/fmax)`` floored at a tiny positive value (an all-zero
   row quantizes to zeros instead of 0/0), rounded up to the scale dtype and nudged one
   step up where ``amax * fl(1/s)`` would still exceed fmax: dynamic modes never saturate
@@ -45,6 +47,12 @@ _KV_DTYPE_ALIASES = {
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # Largest finite value of each format.
 FMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# Saturation is counted past these magnitudes (see saturation_count): the midpoint between
+# fmax and the next power of the format, above which round-to-nearest-even leaves the range
+# (464 for e4m3, whose tie rounds down to 448; 61440 for e5m2, whose tie rounds up to 65536).
+# A float32 value a few ulps above fmax rounds to fmax anyway: the clip changes nothing there.
+SATURATES_ABOVE = {"float8_e4m3fn": 464.0,
+                   "float8_e5m2": float(np.nextafter(np.float32(61440.0), np.float32(0)))}
 # fl(1 / fmax) in float32: dynamic scales multiply by it (see dynamic_scale).
 INV_FMAX = {k: float(np.float32(1.0) / np.float32(v)) for k, v in FMAX.items()}
 # Floor of dynamic scales: keeps x / s finite for all-zero rows.
@@ -143,8 +151,7 @@ def quantize_counted(x, scale, dtype, *, reciprocal=reciprocal, cast=saturating_
     """
     x = jnp.asarray(x).astype(jnp.float32)
     y = x * reciprocal(scale)
-    sat = jnp.sum(((jnp.abs(y) > fmax(dtype)) & jnp.isfinite(x)).astype(jnp.float32))
-    return cast(y, dtype), sat
+    return cast(y, dtype), _count_saturated(x, y, dtype)
 
 
 def dequantize(q, scale, out_dtype=jnp.float32):
@@ -304,9 +311,17 @@ def kernel_cast(name: str):
 
 
 def saturation_count(x, scale, dtype):
-    """Number of finite elements whose scaled magnitude exceeds fmax (would be clipped)."""
-    y = scaled(x, scale)
-    return jnp.sum((jnp.abs(y) > fmax(dtype)) & jnp.isfinite(x)).astype(jnp.float32)
+    """Number of finite elements the clip changes: their scaled magnitude rounds past fmax
+    (``SATURATES_ABOVE``). Values between fmax and that bound round to fmax with or without
+    the clip, so the count does not depend on the last float32 bit of ``x * fl(1/s)``: XLA
+    may compute a fused row twice (once for its amax, once for the multiply) with different
+    float32 rounding, and a dynamic scale's own amax then lands an ulp above fmax."""
+    return _count_saturated(x, scaled(x, scale), dtype)
+
+
+def _count_saturated(x, y, dtype):
+    limit = SATURATES_ABOVE[jnp.dtype(dtype).name]
+    return jnp.sum(((jnp.abs(y) > limit) & jnp.isfinite(x)).astype(jnp.float32))
 
 
 def warn_unit_scale(k_or_v: str = "K/V") -> None:

@@ -289,8 +289,16 @@ def test_dynamic_scale_edge_rows(name):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_saturation_count_matches_clip(name):
-    """Counted = finite elements the clip changes; NaN and +-inf are not counted."""
+    """Counted = finite elements the clip changes (their RNE rounds past fmax); values a
+    hair above fmax round to it anyway and are not counted; NaN and +-inf are not counted."""
     m = fp8.FMAX[name]
+    lim = fp8.SATURATES_ABOVE[name]
     s = np.float32(0.5)
-    x = np.array([m / 2, m / 2 * 1.0001, -m, np.inf, -np.inf, np.nan, 0.0, 1e30], np.float32)
-    assert float(fp8.saturation_count(x, s, name)) == 3.0  # m/2*1.0001, -m, 1e30
+    x = np.array([m / 2, m / 2 * 1.0001, -m, np.inf, -np.inf, np.nan, 0.0, 1e30, lim / 2,
+                  np.nextafter(np.float32(lim), np.float32(np.inf)) / 2], np.float32)
+    assert float(fp8.saturation_count(x, s, name)) == 3.0  # -m, 1e30, just past the limit
+    # the limit is where ml_dtypes' unclipped RNE cast first leaves the format (NaN or inf)
+    dt = getattr(ml_dtypes, name)
+    assert np.float32(lim).astype(dt).astype(np.float32) == m
+    assert not np.isfinite(np.nextafter(np.float32(lim), np.float32(np.inf)).astype(dt)
+                           .astype(np.float32))
