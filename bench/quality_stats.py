@@ -218,7 +218,8 @@ def decide(docs: list[dict], costs: dict | None = None, models_required: int = 3
     order, that meets every target (``evaluate``: text and passkey) on every model and, when
     ``costs`` ({config: {"decode_step_pct": x, "capacity_pct": y}} against the reference,
     positive = worse) are given, costs at most 3% in each. None meeting: the reference stays,
-    and ``closest`` names the candidate with the fewest missed checks. Fewer than
+    and ``closest`` names the candidate with the fewest missed checks among those measured
+    (text and passkey) on every model. Fewer than
     ``models_required`` models with issue-36 runs (bf16 and the reference with block sums):
     no winner, the result says which are missing."""
     per_model, missing = {}, []
@@ -240,7 +241,7 @@ def decide(docs: list[dict], costs: dict | None = None, models_required: int = 3
             for r in x["contexts"]:
                 checks += 2
                 if not r["nll_met"]:
-                    missed.append(f"{model} {r['context']}: NLL +{r['nll_increase_pct']:.3f}"
+                    missed.append(f"{model} {r['context']}: NLL {r['nll_increase_pct']:+.3f}"
                                   f" +- {r['nll_increase_pct_se']:.3f}%")
                 if not r["kl_met"]:
                     missed.append(f"{model} {r['context']}: KL x{r['kl_ratio']:.3f} +- "
@@ -264,7 +265,9 @@ def decide(docs: list[dict], costs: dict | None = None, models_required: int = 3
         rows.append({"config": c, "checks": checks, "missed": missed, "met": not missed})
     complete = not missing and len(per_model) >= models_required
     winner = next((r["config"] for r in rows if r["met"]), None) if complete else None
-    closest = min(rows, key=lambda r: len(r["missed"]))["config"] if rows else None
+    measured = [r for r in rows if not any("not measured" in m or "not run" in m
+                                           for m in r["missed"])]
+    closest = min(measured, key=lambda r: len(r["missed"]))["config"] if measured else None
     return {"models": sorted(per_model), "incomplete_models": missing,
             "costs_checked": costs is not None, "candidates": rows,
             "winner": winner, "default": winner or REFERENCE,
