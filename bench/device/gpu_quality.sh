@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call 2 of 2 for issue #6: fp8 KV quality on SmolLM2-135M-Instruct (bench/quality.py).
+# fp8 KV quality on the GPU (bench/quality.py): issue 36's decision run over three models (the
+# stages below, docs/quality.md section 7), and issue 6's / 14's runs (device call 2 of 2 for SmolLM2).
 #
 # The model's GGUF (98 MB) is larger than one call may carry (64 MiB), so bench/device/split_gguf.sh
 # cuts it in two: call 1 carries .carry (part 1) and stores it outside the repo while the machine
@@ -44,6 +45,130 @@ fatal() { echo "FATAL: $*" >&2; exit 3; }  # inside the setup block: its log get
 STAGES=${STAGES:-quality}
 ROTATION_MODELS=${ROTATION_MODELS:-smollm2 qwen}
 has_stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+
+# ---- issue 36: the decision run (STAGES among: setup part start status wait decide) --------
+# Three models' GGUFs (SmolLM2 98 MB, Qwen2.5-Coder-0.5B 491 MB, Qwen2.5-Coder-1.5B 1.12 GB)
+# travel in 60 MB parts, one per device call (python -m bench.second_model split MODEL writes
+# .carry/MODEL-NN/); a background worker (setsid: it outlives the call) joins each model as
+# its last part lands and runs `bench.quality --decide` on it, models one after another,
+# while later calls bring the next model's parts. docs/quality.md section 7 has the calls.
+#   setup   install the carried wheels (.whl: gguf) into /tmp/site, print the GPU
+#   part    copy every carried .carry/*/ part (and its SHA256SUMS, .target) into $PARTS_DIR,
+#           checking each part's sha256
+#   start   copy bench/ and jfp8kv/ to $SRC_DIR and start the worker there, unless running
+#   status  parts present, the worker's progress
+#   wait    wait up to WAIT_S (default 500) for the worker to finish, then copy the results
+#           (quality-MODEL.json, MODEL.log, worker.log) into $OUT
+#   decide  python -m bench.quality --decide-from the three results -> $OUT/quality-decision.json
+# Env: QUEUE_MODELS (default "smollm2 qwen qwen-1.5b"), DEADLINE_S (worker seconds for all
+# models, default 1200: each model's run gets what is left as --time-budget), PRUNE (default
+# 1: the last model runs only bf16, the reference and the configs meeting the text targets on
+# the models before it), PARTS_DIR (/tmp/gguf-parts), Q36_DIR (/tmp/q36), SRC_DIR (/tmp/src36),
+# QUALITY_ARGS (more bench.quality arguments for the worker's runs), COSTS (decide: a costs JSON).
+I36=0
+for s36 in $STAGES; do case $s36 in setup|part|start|status|wait|decide|worker) I36=1;; esac; done
+if [ "$I36" = 1 ]; then
+  PARTS_DIR=${PARTS_DIR:-/tmp/gguf-parts}; Q36=${Q36_DIR:-/tmp/q36}; SRC=${SRC_DIR:-/tmp/src36}
+  QUEUE_MODELS=${QUEUE_MODELS:-smollm2 qwen qwen-1.5b}
+  mkdir -p "$PARTS_DIR" "$Q36" "$JFP8KV_CACHE"
+  export PYTHONPATH=/tmp/site:$PWD
+  join_model() {  # $1: model -> 0 when $JFP8KV_CACHE holds its checked file
+    local m=$1 want size name got tgt
+    [ -f "$PARTS_DIR/$m.target" ] || return 1
+    read -r want size name < "$PARTS_DIR/$m.target"
+    tgt=$JFP8KV_CACHE/$name
+    if [ -f "$tgt" ] && [ "$(stat -c %s "$tgt")" = "$size" ]; then return 0; fi
+    local n; n=$(wc -l < "$PARTS_DIR/$m.SHA256SUMS")
+    [ "$(ls "$PARTS_DIR"/"$m".part* 2>/dev/null | wc -l)" = "$n" ] || return 1
+    cat $(ls "$PARTS_DIR"/"$m".part* | sort) > "$tgt.tmp$$"
+    got=$(sha256sum < "$tgt.tmp$$" | cut -d' ' -f1)
+    if [ "$got" != "$want" ]; then rm -f "$tgt.tmp$$"; echo "join $m: sha256 $got, want $want"; return 2; fi
+    mv "$tgt.tmp$$" "$tgt"; rm -f "$PARTS_DIR"/"$m".part*; echo "joined $m -> $tgt ($size bytes, sha256 ok)"
+  }
+  progress() {  # one line per model: configs done, the log's last line
+    local m f
+    for m in $QUEUE_MODELS; do
+      f=$Q36/quality-$m.json
+      [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open('$f')); t=d.get('targets') or {}; print('$m:', len(d['configs']), 'configs done, skipped', [x['config'] for x in d['skipped']], 'errors', [x['config'] for x in d['errors']], 'text met by', t.get('text_met_by'), 'met by', t.get('met_by'))"
+      [ -f "$Q36/$m.log" ] && echo "  $m.log: $(tail -n 1 "$Q36/$m.log")"
+    done
+    [ -f "$Q36/worker.log" ] && tail -n 3 "$Q36/worker.log"
+  }
+  for s36 in $STAGES; do case $s36 in
+  setup)
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || fatal "pip install of .whl/*.whl failed"
+    fi
+    python3 -c "import gguf, jax; print('gguf', gguf.__file__, 'jax', jax.__version__, jax.devices())" || fatal "gguf or jax missing (carry .whl with the gguf wheel)";;
+  part)
+    for f in .carry/*/*.part[0-9]*; do
+      [ -f "$f" ] || continue
+      b=$(basename "$f"); m=${b%.part*}; d=$(dirname "$f")
+      cp "$d/$m.SHA256SUMS" "$d/$m.target" "$PARTS_DIR/" || fatal "$d lacks $m.SHA256SUMS/.target"
+      if [ -f "$JFP8KV_CACHE/$(cut -d' ' -f3 "$d/$m.target")" ]; then echo "part $b: $m already joined"; continue; fi
+      if [ -f "$PARTS_DIR/$b" ]; then echo "part $b: already here"; continue; fi
+      want=$(awk -v b="$b" '$2 == b {print $1}' "$d/$m.SHA256SUMS")
+      got=$(sha256sum < "$f" | cut -d' ' -f1)
+      [ "$want" = "$got" ] || fatal "part $f: sha256 $got, want $want"
+      cp "$f" "$PARTS_DIR/$b.tmp" && mv "$PARTS_DIR/$b.tmp" "$PARTS_DIR/$b" && echo "part $b: ok ($(stat -c %s "$f") bytes)"
+    done
+    for m in $QUEUE_MODELS; do
+      [ -f "$PARTS_DIR/$m.SHA256SUMS" ] || continue
+      if [ -f "$JFP8KV_CACHE/$(cut -d' ' -f3 "$PARTS_DIR/$m.target")" ]; then echo "$m: joined"
+      else echo "$m: $(ls "$PARTS_DIR"/"$m".part* 2>/dev/null | wc -l) of $(wc -l < "$PARTS_DIR/$m.SHA256SUMS") parts here"; fi
+    done;;
+  start)
+    if [ -f "$Q36/worker.pid" ] && kill -0 "$(cat "$Q36/worker.pid")" 2>/dev/null; then
+      echo "worker already running (pid $(cat "$Q36/worker.pid"))"
+    else
+      rm -rf "$SRC" && mkdir -p "$SRC" && cp -r bench jfp8kv pyproject.toml "$SRC/"
+      rm -f "$Q36/worker.done"
+      # exec: nothing but the worker (its own session, output in the log) outlives the call
+      ( cd "$SRC" && PYTHONPATH=/tmp/site:$SRC STAGES=worker QUEUE_MODELS="$QUEUE_MODELS" \
+          exec setsid nohup bash bench/device/gpu_quality.sh > "$Q36/worker.log" 2>&1 < /dev/null ) &
+      echo $! > "$Q36/worker.pid"
+      sleep 2; echo "worker started (pid $(cat "$Q36/worker.pid")), log $Q36/worker.log"; cat "$Q36/worker.log"
+    fi;;
+  worker)
+    t0=$SECONDS
+    for m in $QUEUE_MODELS; do
+      while :; do
+        join_model "$m"; rc=$?
+        [ "$rc" = 1 ] || break  # 0 joined, 2 bad sha256: either way stop waiting
+        if (( SECONDS - t0 > ${DEADLINE_S:-1200} )); then echo "$m: its parts never all came (deadline)"; break; fi
+        sleep 5
+      done
+      [ "$rc" = 0 ] || { echo "=== $m: no model file (join rc $rc), next model"; continue; }
+      budget=$(( ${DEADLINE_S:-1200} - (SECONDS - t0) ))
+      extra=()
+      if [ "${PRUNE:-1}" = 1 ] && [ "$m" = "${QUEUE_MODELS##* }" ] && [ "$m" != "${QUEUE_MODELS%% *}" ]; then
+        prev=""; for p in $QUEUE_MODELS; do [ "$p" = "$m" ] || prev="$prev${prev:+,}$Q36/quality-$p.json"; done
+        extra=(--survivors-of "$prev")
+      fi
+      echo "=== $m: bench.quality --decide (budget ${budget}s) ${extra[*]} [$((SECONDS - t0))s]"
+      # QUALITY_ARGS: extra bench.quality arguments (the CPU check of this script uses tiny ones)
+      python3 -m bench.quality --decide --model "$m" --resume --time-budget "$budget" \
+        --out "$Q36/quality-$m.json" "${extra[@]}" ${QUALITY_ARGS:-} > "$Q36/$m.log" 2>&1
+      echo "=== $m rc=$? [$((SECONDS - t0))s]"; tail -n 12 "$Q36/$m.log"
+    done
+    echo finished >> "$Q36/worker.done";;
+  status) ls -la "$PARTS_DIR" "$JFP8KV_CACHE" 2>/dev/null | grep -v '^total'; progress;;
+  wait)
+    t1=$SECONDS
+    until grep -q finished "$Q36/worker.done" 2>/dev/null || (( SECONDS - t1 > ${WAIT_S:-500} )); do
+      sleep 30; echo "--- [$((SECONDS - t1))s]"; progress
+    done
+    grep -q finished "$Q36/worker.done" 2>/dev/null && echo "worker finished" || echo "worker still running"
+    progress
+    cp "$Q36"/quality-*.json "$Q36"/*.log "$OUT/" 2>/dev/null; ls -la "$OUT";;
+  decide)
+    ins=""; for m in $QUEUE_MODELS; do ins="$ins${ins:+,}$Q36/quality-$m.json"; done
+    python3 -m bench.quality --decide-from "$ins" ${COSTS:+--costs "$COSTS"} --out "$OUT/quality-decision.json";;
+  esac; done
+  echo "=== issue-36 stages '$STAGES' done in $((SECONDS - T0))s"
+  exit 0
+fi
 NEED_SMOLLM2=1
 if ! has_stage quality && { ! has_stage rotation || [[ " $ROTATION_MODELS " != *" smollm2 "* ]]; }; then
   NEED_SMOLLM2=0
