@@ -178,6 +178,28 @@ def test_engine_equals_fake_quantization_float64(qwen2_pair, name, mode):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
 
 
+def test_calibrated_shift_is_the_fake_quantizations_mean_float64(qwen2_pair):
+    """The engine's smoothing shift (``engine.calibrate.measure_amax``: chunks, pages, sums
+    over several texts) is the mean of post-RoPE K that ``fakequant.MeanRecorder`` takes in
+    transformers over the same token lists, pooled over all their tokens. (The float64
+    comparison above feeds the engine's own shift to the fake quantization, so it cannot
+    see a wrong mean.)"""
+    from jfp8kv.engine.calibrate import measure_amax
+
+    loaded, hf = qwen2_pair
+    rng = np.random.default_rng()
+    texts = [rng.integers(3, 300, n).tolist() for n in (70, 45)]  # unequal: pooled, not averaged
+    with x64():
+        got = measure_amax(loaded.config, loaded.params, texts, chunk=32,
+                           kv_rotation="smooth").k_mean
+    rec = fq.MeanRecorder()
+    for ids in texts:
+        hf_logprobs(hf, ids, rec)
+    want = rec.mean()
+    assert np.abs(want).max() > 1.0  # qwen2's K biases: a shift far from zero
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
 # -- errors and bookkeeping ----------------------------------------------------------------------
 def test_bad_values_are_clear_errors(tmp_path, tiny_hf_checkpoint):
     with pytest.raises(ValueError, match="kv_rotation"):
