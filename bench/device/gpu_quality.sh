@@ -63,7 +63,10 @@ has_stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 # Env: QUEUE_MODELS (default "smollm2 qwen qwen-1.5b"), DEADLINE_S (worker seconds for all
 # models, default 1200: each model's run gets what is left as --time-budget), PRUNE (default
 # 1: the last model runs only bf16, the reference and the configs meeting the text targets on
-# the models before it), PARTS_DIR (/tmp/gguf-parts), Q36_DIR (/tmp/q36), SRC_DIR (/tmp/src36),
+# the models before it, or the models in PRUNE_BY, whose quality-MODEL.json an earlier session
+# left: carry them in a .carry/ folder, the part stage copies them into $Q36_DIR),
+# DECIDE_MODELS (default "smollm2 qwen qwen-1.5b"), PARTS_DIR (/tmp/gguf-parts), Q36_DIR
+# (/tmp/q36), SRC_DIR (/tmp/src36),
 # QUALITY_ARGS (more bench.quality arguments for the worker's runs), COSTS (decide: a costs JSON).
 I36=0
 for s36 in $STAGES; do case $s36 in setup|part|start|status|wait|decide|worker) I36=1;; esac; done
@@ -102,6 +105,9 @@ if [ "$I36" = 1 ]; then
     fi
     python3 -c "import gguf, jax; print('gguf', gguf.__file__, 'jax', jax.__version__, jax.devices())" || fatal "gguf or jax missing (carry .whl with the gguf wheel)";;
   part)
+    for f in .carry/*/quality-*.json; do  # earlier sessions' results (PRUNE_BY, decide)
+      [ -f "$f" ] && cp "$f" "$Q36/" && echo "result $(basename "$f"): copied into $Q36"
+    done
     for f in .carry/*/*.part[0-9]*; do
       [ -f "$f" ] || continue
       b=$(basename "$f"); m=${b%.part*}; d=$(dirname "$f")
@@ -142,8 +148,12 @@ if [ "$I36" = 1 ]; then
       [ "$rc" = 0 ] || { echo "=== $m: no model file (join rc $rc), next model"; continue; }
       budget=$(( ${DEADLINE_S:-1200} - (SECONDS - t0) ))
       extra=()
-      if [ "${PRUNE:-1}" = 1 ] && [ "$m" = "${QUEUE_MODELS##* }" ] && [ "$m" != "${QUEUE_MODELS%% *}" ]; then
-        prev=""; for p in $QUEUE_MODELS; do [ "$p" = "$m" ] || prev="$prev${prev:+,}$Q36/quality-$p.json"; done
+      by=${PRUNE_BY:-}
+      if [ -z "$by" ] && [ "$m" != "${QUEUE_MODELS%% *}" ]; then
+        for p in $QUEUE_MODELS; do [ "$p" = "$m" ] || by="$by $p"; done
+      fi
+      if [ "${PRUNE:-1}" = 1 ] && [ "$m" = "${QUEUE_MODELS##* }" ] && [ -n "${by// /}" ]; then
+        prev=""; for p in $by; do prev="$prev${prev:+,}$Q36/quality-$p.json"; done
         extra=(--survivors-of "$prev")
       fi
       echo "=== $m: bench.quality --decide (budget ${budget}s) ${extra[*]} [$((SECONDS - t0))s]"
@@ -163,7 +173,10 @@ if [ "$I36" = 1 ]; then
     progress
     cp "$Q36"/quality-*.json "$Q36"/*.log "$OUT/" 2>/dev/null; ls -la "$OUT";;
   decide)
-    ins=""; for m in $QUEUE_MODELS; do ins="$ins${ins:+,}$Q36/quality-$m.json"; done
+    ins=""; for m in ${DECIDE_MODELS:-smollm2 qwen qwen-1.5b}; do
+      if [ -f "$Q36/quality-$m.json" ]; then ins="$ins${ins:+,}$Q36/quality-$m.json"; else echo "decide: no result for $m"; fi
+    done
+    [ -n "$ins" ] || { echo "decide: no results at all"; continue; }
     python3 -m bench.quality --decide-from "$ins" ${COSTS:+--costs "$COSTS"} --out "$OUT/quality-decision.json";;
   esac; done
   echo "=== issue-36 stages '$STAGES' done in $((SECONDS - T0))s"
