@@ -166,7 +166,7 @@ if [ "$I36" = 1 ]; then
   status) ls -la "$PARTS_DIR" "$JFP8KV_CACHE" 2>/dev/null | grep -v '^total'; progress;;
   wait)
     t1=$SECONDS
-    until grep -q finished "$Q36/worker.done" 2>/dev/null || (( SECONDS - t1 > ${WAIT_S:-500} )); do
+    until grep -q finished "$Q36/worker.done" 2>/dev/null || (( SECONDS - t1 >= ${WAIT_S:-500} )); do
       sleep 30; echo "--- [$((SECONDS - t1))s]"; progress
     done
     grep -q finished "$Q36/worker.done" 2>/dev/null && echo "worker finished" || echo "worker still running"
