@@ -11,7 +11,7 @@ shorter; no block spans two windows), and every mean is a ratio of block sums,
 (the linearization of r around its value; for y_k = block sizes it is the batch-means
 standard error of a mean). Per-token values are correlated along a text (the same quantized
 K/V rows feed every later query of a window), so per-token standard errors would be too small;
-blocks of 1,024 positions are long next to that correlation and give >= 62 blocks per context
+blocks of 1,024 positions are long next to that correlation and give >= 63 blocks per context
 at 64k scored tokens. Every quantity comparing two configurations is computed **paired**, on
 the same blocks of the same text: the NLL increase is sum(nll_config - nll_bf16) /
 sum(nll_bf16) per block, the KL ratio is sum(kl_config) / sum(kl_reference), so the
