@@ -10,6 +10,8 @@ timed over full batches whose pages hold random data (never zeros).
 
 ``--decode-one-wave off`` times it with the decode kernel's splits chosen as before the
 one-wave rule (``pallas_decode.ONE_WAVE``), for an A/B in one call.
+A config ``fp8_e4m3:block+smooth`` times a K transform (``kv_rotation``) beside the others
+(issue 36 point 4: the cost of a default candidate against ``token``).
 ``--decode-variant pagepf+asm+vmask`` times the step with another decode kernel variant for
 fp8 pages (``jfp8kv.kernels.tiles.Variant``) in place of the default.
 """
@@ -40,10 +42,10 @@ def profile_dispatch(llm, rows, steps) -> dict:
 
 
 def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, page_size=16,
-            gemm_autotune=None):
+            gemm_autotune=None, rotation="none"):
     max_len = context + steps + page_size
     probe = dict(model=model, dtype=dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
-                 kv_scales=0.05 if mode in ("tensor", "channel") else None,
+                 kv_scales=0.05 if mode in ("tensor", "channel") else None, kv_rotation=rotation,
                  max_model_len=max_len, max_num_seqs=batch, decode_steps=steps,
                  page_size=page_size,
                  **({"decode_gemm_autotune": gemm_autotune} if gemm_autotune else {}))
@@ -72,7 +74,8 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, 
     autotune = llm.engine_config.decode_gemm_autotune
     del llm, loaded
     gc.collect()
-    return dict(kv_cache_dtype=kv, kv_scale_mode=mode, batch=batch, context=context,
+    return dict(kv_cache_dtype=kv, kv_scale_mode=mode, kv_rotation=rotation, batch=batch,
+                context=context,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),
                 bytes_per_token=bpt, decode_steps=steps, reps=reps, page_size=page_size,
                 decode_gemm_autotune=autotune,
@@ -89,8 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--configs", default="bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor",
-                   help="comma-separated kv_cache_dtype:scale_mode[:page_size] (page size "
-                        "default 16), e.g. fp8_e4m3:token:32")
+                   help="comma-separated kv_cache_dtype:scale_mode[+kv_rotation][:page_size] "
+                        "(page size default 16), e.g. fp8_e4m3:token:32, fp8_e4m3:block+smooth "
+                        "(smooth calibrates its K means at start-up)")
     p.add_argument("--profile", action="store_true",
                    help="also trace one dispatch and summarize its kernels per decode step "
                         "(count, busy vs span, by kind, costliest: bench.profile_trace)")
@@ -112,9 +116,10 @@ def main(argv=None) -> int:
     records = []
     for item in args.configs.split(","):
         kv, mode, *page = item.split(":")
+        mode, _, rotation = mode.partition("+")
         r = measure(args.model, kv, mode or None, args.batch, args.context, args.steps,
                     args.reps, args.dtype, args.profile, int(page[0]) if page else 16,
-                    args.decode_gemm_autotune)
+                    args.decode_gemm_autotune, rotation or "none")
         r["model_shape"] = args.model
         r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
         r["decode_one_wave"] = args.decode_one_wave
@@ -122,7 +127,8 @@ def main(argv=None) -> int:
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
         records.append(r)
-        print(f"{args.model} {kv:9s} {mode or '-':7s} S={r['page_size']} B={args.batch} "
+        print(f"{args.model} {kv:9s} {mode or '-':7s} {rotation or '-':15s} "
+              f"S={r['page_size']} B={args.batch} "
               f"ctx={args.context}: "
               f"step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "
               f"({r['step_over_floor']:.2f}x)", flush=True)
