@@ -198,8 +198,10 @@ def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales, tp=None):
         if kv_scales == 1.0:
             fp8.warn_unit_scale()
         s = np.full(shape, kv_scales, np.float32)
-        shift = _measured(loaded, ccfg, None, tp).k_mean if smooth else None
+        shift = _measured_shift(loaded, ccfg, None, tp) if smooth else None
         return s, s, shift, f"constant {kv_scales}"
+    if not static:  # a dynamic mode that smooths: the K mean is all it needs
+        return None, None, _measured_shift(loaded, ccfg, kv_scales, tp), None
     if static and kv_scales is None and ccfg.kv_rotation == "none" and (
             loaded.kv_scales is not None):
         k, v = (np.broadcast_to(np.asarray(loaded.kv_scales[n], np.float32)[:, None, None],
@@ -223,15 +225,35 @@ def _measured(loaded, ccfg: CacheConfig, path: str | None, tp) -> calibrate.KVAm
                 f"stores K with kv_rotation={rot!r}; run `python -m jfp8kv.calibrate --model "
                 f"<this model> --kv-rotation {rot} --out scales.json`")
         return amax
-    from jfp8kv.engine.calibrate import calibrate_on_text
+    from jfp8kv.engine.calibrate import measure_amax
 
+    _warn_builtin_calibration(rot)
+    return measure_amax(loaded.config, loaded.params, _builtin_tokens(loaded),
+                        page_size=ccfg.page_size, tp=tp, kv_rotation=rot)
+
+
+def _measured_shift(loaded, ccfg: CacheConfig, path: str | None, tp) -> np.ndarray:
+    """A smoothing ``ccfg.kv_rotation``'s K mean: from a scales JSON, else one calibration
+    pass over the built-in text (no amax pass: nothing static is scaled by it)."""
+    if path is not None:
+        return _measured(loaded, ccfg, path, tp).k_mean
+    from jfp8kv.engine.calibrate import measure_k_mean
+
+    _warn_builtin_calibration(ccfg.kv_rotation)
+    return measure_k_mean(loaded.config, loaded.params, _builtin_tokens(loaded),
+                          page_size=ccfg.page_size, tp=tp)
+
+
+def _builtin_tokens(loaded) -> list[list[int]]:
+    return [loaded.tokenizer.encode(calibrate.BUILTIN_TEXT)]
+
+
+def _warn_builtin_calibration(rot: str) -> None:
     why = ("K transform kv_rotation=%s (checkpoint k_scale/v_scale describe unrotated K)"
            % rot if rot != "none" else "static scales")
     log.warning("fp8 KV with %s and no kv_scales file: calibrating at start-up on the "
                 "built-in text (pass a scales JSON from `python -m jfp8kv.calibrate` for "
                 "numbers measured on your own data)", why)
-    return calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size,
-                             tp=tp, kv_rotation=rot)
 
 
 def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backend: str,
