@@ -196,7 +196,7 @@ def test_calibrated_shift_is_the_fake_quantizations_mean_float64(qwen2_pair):
     for ids in texts:
         hf_logprobs(hf, ids, rec)
     want = rec.mean()
-    assert np.abs(want).max() > 1.0  # qwen2's K biases: a shift far from zero
+    assert np.abs(want).max() > 0.1  # qwen2's K biases: a shift well away from zero
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
