@@ -15,7 +15,9 @@ tokens; ``engine32:N`` / ``engine16:N``: ``engine.calibrate.measure_amax`` with 
 bfloat16 weights; ``N``x``K``: N * K held-out tokens as K sequences of N, so positions
 0..N-1 only), and every path runs every (mode, means) pair. Per run: mean-NLL increase
 over the path's own baseline (pooled and per window), mean KL(baseline || run) per position,
-greedy agreement.
+greedy agreement. With means, the JSON also gets ``rope_pairs``: per RoPE channel pair,
+its wavelength and the size of each source's mean and of their differences
+(``rope_pair_stats``); ``--means-only`` stops there.
 
     python -m bench.smooth_cpu --windows cpu:3 --paths fake32,engine32,engine16 \\
         --means fake32:1024,engine16:2048 --configs fp8_e4m3:token,fp8_e4m3:block
@@ -226,6 +228,25 @@ def mean_stats(means: dict) -> dict:
     return out
 
 
+def rope_pair_stats(means: dict, rope_theta: float) -> list[dict]:
+    """Per RoPE pair (channels i and i + D/2, rotated together at frequency
+    theta^(-2i/D)): its wavelength in tokens, each source's RMS over layers and heads of the
+    pair's mean vector, and the RMS of each two sources' difference. A pre-RoPE constant in a
+    pair turns by 2 pi per wavelength, so its post-RoPE mean depends on the positions
+    averaged over where the wavelength is not far longer than the calibration text."""
+    m = {n: x.astype(np.float64) for n, x in means.items()}
+    d = next(iter(m.values())).shape[-1]
+    h = d // 2
+    norm = lambda x: np.sqrt((x[..., :h] ** 2 + x[..., h:] ** 2).mean(axis=(0, 1)))  # noqa: E731
+    names = list(m)
+    cols = {n: norm(x) for n, x in m.items()}
+    cols.update({f"{a} - {b}": norm(m[a] - m[b]) for i, a in enumerate(names)
+                 for b in names[i + 1:]})
+    wave = 2 * np.pi * rope_theta ** (np.arange(0, d, 2) / d)
+    return [{"pair": i, "wavelength_tokens": round(float(wave[i]), 1),
+             **{n: round(float(c[i]), 4) for n, c in cols.items()}} for i in range(h)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--windows", default="cpu:3", help="cpu:N or gpu:N (see the docstring)")
@@ -236,6 +257,8 @@ def main(argv=None):
                          "engine16 (where the smoothing means are measured), on N held-out "
                          "tokens (xK: N * K tokens cut into K sequences of N)")
     ap.add_argument("--configs", default="fp8_e4m3:token,fp8_e4m3:block")
+    ap.add_argument("--means-only", action="store_true",
+                    help="measure the means, write their statistics (with rope_pairs), stop")
     ap.add_argument("--no-unsmoothed", action="store_true",
                     help="skip the runs without smoothing (kv_rotation none)")
     ap.add_argument("--topics", default=None,
@@ -293,8 +316,16 @@ def main(argv=None):
                         **text_id()},
                "calibration_from_chars": CALIB_CHARS, "command": command_line(),
                "means": mean_stats(means), "runs": []}
+    if means:
+        setting["rope_pairs"] = rope_pair_stats(
+            means, float(next(iter(engines.values())).loaded.config.rope_theta))
     doc.setdefault("settings", []).append(setting)
     doc.pop("runs", None)
+    if args.means_only:
+        write_result(args.out, doc)
+        for row in setting.get("rope_pairs", []):
+            print(row, flush=True)
+        return
     variants = ([] if args.no_unsmoothed else [None]) + mean_specs
     for path in paths:
         t = time.time()
