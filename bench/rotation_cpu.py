@@ -50,6 +50,14 @@ TRANSFORMS = {"none": (False, False), "hadamard": (False, True), "smooth": (True
 TARGET_KL_RATIO, TARGET_NLL_PCT = 0.5, 0.10
 
 
+def text_sha256() -> str:
+    """sha256 of ``fakequant.natural_text()``: the pydoc topics differ between Python
+    versions, so equal offsets are equal windows only on equal text."""
+    import hashlib
+
+    return hashlib.sha256(fq.natural_text().encode()).hexdigest()
+
+
 def resolve_gguf(model: str) -> Path:
     if model in ("smollm2", "default"):
         from jfp8kv.models import hub
@@ -198,7 +206,7 @@ def main(argv=None):
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     entry = {"model_file": path.name, "architecture": cfg.model_type,
              "layers": cfg.num_hidden_layers, "kv_heads": heads, "head_dim": head_dim,
-             "tokens_per_window": args.tokens, "offsets": offsets,
+             "tokens_per_window": args.tokens, "offsets": offsets, "text_sha256": text_sha256(),
              "calibration": f"{args.tokens} tokens from character "
                             f"{fq.paragraph_offset(CALIB_CHARS)} (held out), in the stored basis",
              "command": command_line(), "runs": []}
@@ -208,13 +216,17 @@ def main(argv=None):
         with open(args.out) as f:
             doc = json.load(f)
     old = doc["models"].get(name, {})
-    if (old.get("tokens_per_window"), old.get("offsets")) == (args.tokens, offsets):
+    # Same windows: same offsets into the same text (each Python version ships its own topics
+    # text; entries written before the hash was recorded are taken as this text).
+    if (old.get("tokens_per_window"), old.get("offsets"),
+            old.get("text_sha256", entry["text_sha256"])) == (args.tokens, offsets,
+                                                              entry["text_sha256"]):
         entry["runs"] = old.get("runs", [])  # same windows: keep runs not repeated here
         entry["commands"] = old.get("commands", [old["command"]] if "command" in old else [])
     entry["commands"] = entry.get("commands", []) + [command_line()]
     doc["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs"
-    doc["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                       "numpy": np.__version__}
+    doc["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
+                       "transformers": transformers.__version__, "numpy": np.__version__}
     base = run(hf, windows, None)
     entry["baseline_mean_nll"] = float(np.concatenate([b["nll"] for b in base]).mean())
     print(f"{name}: baseline NLL {entry['baseline_mean_nll']:.4f} ({time.time() - t0:.0f}s)",
