@@ -7,7 +7,7 @@ Without ``--url`` it starts ``python -m jfp8kv.serve`` on a free loopback port (
 flags after ``--``) and stops it at the end. Traffic, from ``--clients`` closed-loop clients:
 chat and completions, half streamed, random prompt lengths (some sharing one of three long
 prefixes, for the prefix cache), ``n`` of 1-2, log-probs, stop strings, sampled and greedy;
-10% of streams are dropped by the client after their first chunk, 5% of requests are
+10% of streams are dropped by the client after their first chunk, every 20th request (5%) is
 malformed (bad JSON, wrong types, unknown model, too many stop strings, a prompt past the
 context, a wrong API key when one is set). Every ``--burst-every`` seconds a burst of
 ``--burst-size`` fixed-shape requests arrives at once (above the queue bound: most of it is
@@ -91,6 +91,7 @@ class Soak:
         self.rss: list[tuple[float, int]] = []
         self.burst_windows: list[tuple[float, float]] = []
         self.t0 = 0.0
+        self.sent = 0  # requests the closed-loop clients have started (malformed included)
 
     # -- requests -----------------------------------------------------------------------
     def _prompt(self) -> str:
@@ -165,7 +166,8 @@ class Soak:
 
     async def _client_loop(self, client, end: float):
         while time.monotonic() < end:
-            if self.rng.random() < 0.05:
+            self.sent += 1
+            if self.sent % 20 == 2:  # 5%, from the 2nd request on: a short run has them too
                 path, body, headers = self._malformed()
                 await self._send(client, path, body, "malformed", headers)
                 continue
