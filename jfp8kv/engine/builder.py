@@ -202,14 +202,14 @@ def resolve_static_scales(loaded, ccfg: CacheConfig, kv_scales, tp=None):
         return s, s, shift, f"constant {kv_scales}"
     if not static:  # a dynamic mode that smooths: the K mean is all it needs
         return None, None, _measured_shift(loaded, ccfg, kv_scales, tp), None
-    if static and kv_scales is None and ccfg.kv_rotation == "none" and (
+    if kv_scales is None and ccfg.kv_rotation == "none" and (
             loaded.kv_scales is not None):
         k, v = (np.broadcast_to(np.asarray(loaded.kv_scales[n], np.float32)[:, None, None],
                                 shape) for n in ("k", "v"))
         log.info("fp8 KV: using the checkpoint's k_scale/v_scale tensors")
         return k, v, None, "checkpoint k_scale/v_scale"
     amax = _measured(loaded, ccfg, kv_scales, tp)
-    k, v = amax.scales(ccfg.storage_dtype, ccfg.scale_mode) if static else (None, None)
+    k, v = amax.scales(ccfg.storage_dtype, ccfg.scale_mode)
     return k, v, amax.k_mean if smooth else None, amax.source
 
 
@@ -225,11 +225,11 @@ def _measured(loaded, ccfg: CacheConfig, path: str | None, tp) -> calibrate.KVAm
                 f"stores K with kv_rotation={rot!r}; run `python -m jfp8kv.calibrate --model "
                 f"<this model> --kv-rotation {rot} --out scales.json`")
         return amax
-    from jfp8kv.engine.calibrate import measure_amax
+    from jfp8kv.engine.calibrate import calibrate_on_text
 
     _warn_builtin_calibration(rot)
-    return measure_amax(loaded.config, loaded.params, _builtin_tokens(loaded),
-                        page_size=ccfg.page_size, tp=tp, kv_rotation=rot)
+    return calibrate_on_text(loaded, [calibrate.BUILTIN_TEXT], page_size=ccfg.page_size,
+                             tp=tp, kv_rotation=rot)
 
 
 def _measured_shift(loaded, ccfg: CacheConfig, path: str | None, tp) -> np.ndarray:
@@ -240,12 +240,9 @@ def _measured_shift(loaded, ccfg: CacheConfig, path: str | None, tp) -> np.ndarr
     from jfp8kv.engine.calibrate import measure_k_mean
 
     _warn_builtin_calibration(ccfg.kv_rotation)
-    return measure_k_mean(loaded.config, loaded.params, _builtin_tokens(loaded),
+    return measure_k_mean(loaded.config, loaded.params,
+                          [loaded.tokenizer.encode(calibrate.BUILTIN_TEXT)],
                           page_size=ccfg.page_size, tp=tp)
-
-
-def _builtin_tokens(loaded) -> list[list[int]]:
-    return [loaded.tokenizer.encode(calibrate.BUILTIN_TEXT)]
 
 
 def _warn_builtin_calibration(rot: str) -> None:
