@@ -20,7 +20,8 @@ time to the idle server after the warm-up (``unloaded``); issue 39's target is <
 false: no 5xx for a client mistake, no 5xx but 503 at all, every KV page back in the pool
 (and so every prefix-cache reference released: cached pages all evictable), greedy answers
 of a fixed probe set unchanged from the start, host RSS of the server flat after warm-up
-(growth from the end of ``--warmup`` below max(5%, 64 MiB)). Only loopback addresses are contacted.
+(growth from the first sample after the run's last XLA compile below max(5%, 64 MiB), that
+stretch at least the run's second half). Only loopback addresses are contacted.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.records: list[dict] = []  # kind, status, latency_s, t
-        self.rss: list[tuple[float, int]] = []
+        self.rss: list[tuple[float, int, float]] = []  # (s into the run, RSS, XLA compiles)
         self.burst_windows: list[tuple[float, float]] = []
         self.t0 = 0.0
         self.sent = 0  # requests the closed-loop clients have started (malformed included)
@@ -185,11 +186,17 @@ class Soak:
                                               shape="fixed") for _ in range(self.args.burst_size)))
             self.burst_windows.append((t, time.monotonic()))
 
-    async def _sample_rss(self, end: float):
+    async def _sample_rss(self, client, end: float):
+        """Each second: the server's RSS and its XLA compile count (/metrics; NaN if absent)."""
         while time.monotonic() < end:
             rss = rss_bytes(self.pid)
             if rss is not None:
-                self.rss.append((time.monotonic() - self.t0, rss))
+                try:
+                    compiles = _metric((await client.get("/metrics")).text,
+                                       "jfp8kv_xla_compiles_total")
+                except httpx.HTTPError:
+                    compiles = float("nan")
+                self.rss.append((time.monotonic() - self.t0, rss, compiles))
             await asyncio.sleep(1.0)
 
     # -- phases -------------------------------------------------------------------------
@@ -201,6 +208,20 @@ class Soak:
             ok = r.status_code == 200
             out.append(r.json()["choices"][0]["text"] if ok else f"<{r.status_code}>")
         return out
+
+    async def cover_variants(self, client) -> None:
+        """Before the random warm-up: each executable variant the traffic reaches for sure,
+        log-probs off and on x the shortest and longest prompt x one request alone (one-row
+        batches) and ``burst_size`` at once (the widest batches), so that first uses compile
+        here rather than in the measured run."""
+        longest = f"{max(PREFIXES, key=len)} {' '.join(WORDS[:self.args.max_prompt_words])}"
+        for logprobs in (False, True):
+            for prompt in (WORDS[0], longest):
+                body = {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                        **({"logprobs": 1} if logprobs else {})}
+                await self._send(client, "/v1/completions", body, "request")
+                await asyncio.gather(*(self._send(client, "/v1/completions", body, "request")
+                                       for _ in range(self.args.burst_size)))
 
     async def unloaded(self, client) -> list[float]:
         lat = []
@@ -235,6 +256,7 @@ class Soak:
                                      limits=limits, trust_env=False) as client:
             probes_before = await self.probes(client)
             if a.warmup > 0:  # the same traffic, unrecorded: compiles the shapes it uses
+                await self.cover_variants(client)
                 end = time.monotonic() + a.warmup
                 await asyncio.gather(self._bursts(client, end),
                                      *(self._client_loop(client, end) for _ in range(a.clients)))
@@ -243,7 +265,7 @@ class Soak:
             unloaded = await self.unloaded(client)  # alone, on an idle server, shape compiled
             self.t0 = time.monotonic()
             end = self.t0 + a.duration
-            await asyncio.gather(self._sample_rss(end), self._bursts(client, end),
+            await asyncio.gather(self._sample_rss(client, end), self._bursts(client, end),
                                  *(self._client_loop(client, end) for _ in range(a.clients)))
             soak_s = time.monotonic() - self.t0
             idle = await self.idle_state(client)
@@ -277,7 +299,7 @@ class Soak:
         kinds: dict[str, int] = {}
         for r in recs:
             kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-        rss = [s for _, s in self.rss]
+        rss = [s for _, s, _ in self.rss]
         return {
             "duration_s": round(soak_s, 1), "requests_total": len(recs),
             "requests_served": len(served), "by_kind": kinds, "by_status": by_status,
@@ -298,16 +320,33 @@ class Soak:
                         "mid": rss[len(rss) // 2] / 2**20 if rss else None,
                         "last": rss[-1] / 2**20 if rss else None, "samples": len(rss),
                         "deciles": [round(rss[min(len(rss) - 1, i * len(rss) // 10)] / 2**20)
-                                    for i in range(11)] if rss else None},
+                                    for i in range(11)] if rss else None,
+                        "flat_from_s": self._flat_from()},
             "checks": checks, "passed": all(checks.values()),
         }
 
+    def _flat_from(self) -> float | None:
+        """Seconds into the run of the first RSS sample after the run's last XLA compile
+        (a first use of a variant the warm-up's random traffic missed, e.g. log-probs at
+        one batch bucket: each executable adds to the RSS once, which is not a leak)."""
+        if not self.rss:
+            return None
+        last = self.rss[-1][2]
+        if last != last:  # no compile counter: from the first sample
+            return self.rss[0][0]
+        return next(t for t, _, c in self.rss if c == last)
+
     def _rss_flat(self) -> bool | None:
-        """Growth over the measured run (after ``--warmup``) below max(5%, 64 MiB); None
-        without samples (no pid)."""
+        """RSS growth from the first sample after the run's last compile to the end below
+        max(5%, 64 MiB), that stretch covering at least the run's second half (compiles
+        later than that: False, too short to tell); None without samples (no pid)."""
         if len(self.rss) < 2:
             return None
-        first, last = self.rss[0][1], self.rss[-1][1]
+        t0 = self._flat_from()
+        if t0 > self.rss[-1][0] / 2:
+            return False
+        first = next(s for t, s, _ in self.rss if t == t0)
+        last = self.rss[-1][1]
         return last - first <= max(0.05 * first, 64 * 2**20)
 
 
