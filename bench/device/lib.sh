@@ -5,7 +5,7 @@
 #                             prefix before the first or last "-"); log in $OUT/NAME.log
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 JFP8KV_CACHE=/tmp/jfp8kv-cache
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92} JFP8KV_CACHE=/tmp/jfp8kv-cache
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
