@@ -39,6 +39,10 @@ def stream_once(url: str, body: dict, timeout: float) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             msg = json.loads(line[6:])
+            if msg.get("error"):  # the server's in-stream error event (status stays 200)
+                return {"status": 200, "error": msg["error"], "ttft_s": ttft,
+                        "total_s": time.perf_counter() - t0, "text": text,
+                        "text_chunks": chunks, "usage": usage}
             if msg.get("choices") and msg["choices"][0].get("text"):
                 if ttft is None:
                     ttft = time.perf_counter() - t0

@@ -1,0 +1,42 @@
+"""bench.long_request reads a stream as a client would: an in-stream error event (the server
+keeps status 200 once streaming started) is recorded and the request does not count as
+served; a normal stream gives its text, first-token time and usage."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from bench import long_request
+
+
+def _sse(*events) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def _patch(monkeypatch, payload: bytes):
+    transport = httpx.MockTransport(lambda req: httpx.Response(
+        200, content=payload, headers={"content-type": "text/event-stream"}))
+    client = httpx.Client(transport=transport)
+    monkeypatch.setattr(long_request.httpx, "stream",
+                        lambda method, url, **kw: client.stream(
+                            method, url, **{k: v for k, v in kw.items() if k != "trust_env"}))
+
+
+def test_error_event_is_recorded(monkeypatch):
+    err = {"message": "engine step failed: RESOURCE_EXHAUSTED", "type": "server_error",
+           "param": None, "code": "internal_error"}
+    _patch(monkeypatch, _sse({"error": err}))
+    rec = long_request.stream_once("http://x", {"prompt": [1]}, 5.0)
+    assert rec["status"] == 200 and rec["error"] == err and rec["text_chunks"] == 0
+    assert rec["usage"] is None  # so main() reports served = False
+
+
+def test_normal_stream(monkeypatch):
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    _patch(monkeypatch, _sse({"choices": [{"text": " a"}]}, {"choices": [{"text": " b"}]},
+                             {"choices": [], "usage": usage}))
+    rec = long_request.stream_once("http://x", {"prompt": [1]}, 5.0)
+    assert rec["text"] == " a b" and rec["text_chunks"] == 2 and rec["usage"] == usage
+    assert "error" not in rec and rec["ttft_s"] is not None
