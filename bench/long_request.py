@@ -27,9 +27,10 @@ from bench.soak import start_server
 
 
 def stream_once(url: str, body: dict, timeout: float) -> dict:
-    """POST one streamed completion; (status, ttft_s, total_s, text, chunks)."""
+    """POST one streamed completion; (status, ttft_s, total_s, text, chunks[, error]: the
+    server's in-stream error event, which ends the stream)."""
     t0 = time.perf_counter()
-    ttft, text, chunks, usage = None, "", 0, None
+    ttft, text, chunks, usage, error = None, "", 0, None, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout,
                       trust_env=False) as r:
         if r.status_code != 200:
@@ -40,9 +41,8 @@ def stream_once(url: str, body: dict, timeout: float) -> dict:
                 continue
             msg = json.loads(line[6:])
             if msg.get("error"):  # the server's in-stream error event (status stays 200)
-                return {"status": 200, "error": msg["error"], "ttft_s": ttft,
-                        "total_s": time.perf_counter() - t0, "text": text,
-                        "text_chunks": chunks, "usage": usage}
+                error = msg["error"]
+                break
             if msg.get("choices") and msg["choices"][0].get("text"):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
@@ -50,7 +50,8 @@ def stream_once(url: str, body: dict, timeout: float) -> dict:
                 chunks += 1
             usage = msg.get("usage") or usage
     return {"status": 200, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
-            "text": text, "text_chunks": chunks, "usage": usage}
+            "text": text, "text_chunks": chunks, "usage": usage,
+            **({"error": error} if error else {})}
 
 
 def kv_metrics(url: str) -> list[str]:

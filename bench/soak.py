@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -214,7 +215,8 @@ class Soak:
         log-probs off and on x the shortest and longest prompt x one request alone (one-row
         batches) and ``burst_size`` at once (the widest batches), so that first uses compile
         here rather than in the measured run."""
-        longest = f"{max(PREFIXES, key=len)} {' '.join(WORDS[:self.args.max_prompt_words])}"
+        n = self.args.max_prompt_words
+        longest = f"{max(PREFIXES, key=len)} {' '.join((WORDS * (n // len(WORDS) + 1))[:n])}"
         for logprobs in (False, True):
             for prompt in (WORDS[0], longest):
                 body = {"prompt": prompt, "max_tokens": 4, "temperature": 0,
@@ -325,16 +327,19 @@ class Soak:
             "checks": checks, "passed": all(checks.values()),
         }
 
-    def _flat_from(self) -> float | None:
-        """Seconds into the run of the first RSS sample after the run's last XLA compile
-        (a first use of a variant the warm-up's random traffic missed, e.g. log-probs at
-        one batch bucket: each executable adds to the RSS once, which is not a leak)."""
+    def _flat_start(self) -> int | None:
+        """Index of the first RSS sample after the run's last XLA compile (a first use of a
+        variant the warm-up missed: each executable adds to the RSS once, which is not a
+        leak); 0 without a compile counter, None without samples."""
         if not self.rss:
             return None
         last = self.rss[-1][2]
-        if last != last:  # no compile counter: from the first sample
-            return self.rss[0][0]
-        return next(t for t, _, c in self.rss if c == last)
+        return 0 if math.isnan(last) else next(i for i, (_, _, c) in enumerate(self.rss)
+                                               if c == last)
+
+    def _flat_from(self) -> float | None:
+        i = self._flat_start()
+        return None if i is None else self.rss[i][0]
 
     def _rss_flat(self) -> bool | None:
         """RSS growth from the first sample after the run's last compile to the end below
@@ -342,12 +347,8 @@ class Soak:
         later than that: False, too short to tell); None without samples (no pid)."""
         if len(self.rss) < 2:
             return None
-        t0 = self._flat_from()
-        if t0 > self.rss[-1][0] / 2:
-            return False
-        first = next(s for t, s, _ in self.rss if t == t0)
-        last = self.rss[-1][1]
-        return last - first <= max(0.05 * first, 64 * 2**20)
+        (t0, first, _), (t_end, last, _) = self.rss[self._flat_start()], self.rss[-1]
+        return t0 <= t_end / 2 and last - first <= max(0.05 * first, 64 * 2**20)
 
 
 def free_port() -> int:
