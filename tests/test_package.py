@@ -60,3 +60,22 @@ def test_python_m_jfp8kv_lists_commands_and_refuses_unknown_ones():
     bad = subprocess.run([sys.executable, "-m", "jfp8kv", "genrate"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'genrate'" in bad.stderr
+
+
+def test_package_files_and_functions_stay_small():
+    """Issue 38: no file in jfp8kv/ over 400 lines, no function over 80 (docstring
+    included)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "jfp8kv"
+    long_files, long_functions = [], []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            long_files.append(f"{path.relative_to(root)}: {text.count(chr(10))}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 80:
+                    long_functions.append(f"{path.relative_to(root)}:{node.name}: {n}")
+    assert not long_files and not long_functions, (long_files, long_functions)

@@ -1,10 +1,14 @@
 """The device's shape and memory policy: what ``build_engine`` fills in for the knobs a user
-left ``None`` (decode buckets and steps, prefill chunk and batch tokens), and the KV pool's
-byte budget (a fraction of free GPU memory; a bounded default on CPU)."""
+left ``None`` (decode buckets and steps, prefill chunk and batch tokens), the KV pool's
+byte budget (a fraction of free GPU memory; a bounded default on CPU), and the CPU's float32
+matmul weights."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+import jax.numpy as jnp
 
 from jfp8kv.config import EngineConfig
 
@@ -53,3 +57,22 @@ def cache_memory(device, requested: int | None, bpt: int, max_model_len: int, se
     if requested is not None or free > 0:
         return requested or int(free * GPU_CACHE_FRACTION)
     return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, seqs // 4)))
+
+
+def cpu_float32_weights(params):
+    """params with every bf16/f16 matmul weight as float32 (the embedding table stays as it
+    is: its dtype is the activation dtype; a tied LM head gets its own float32 [V, D] copy).
+    XLA's CPU backend has no low-precision dot: it would convert those weights on every
+    call, which costs more than the matmuls; activations keep the compute dtype, and the
+    products are exact in float32 either way."""
+    def up(x):
+        return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+    out = dict(params)
+    out["layers"] = [jax.tree.map(up, lp) for lp in params["layers"]]
+    out["final_norm"] = up(params["final_norm"])
+    if params.get("lm_head") is not None:
+        out["lm_head"] = up(params["lm_head"])
+    elif params["embed"].dtype in (jnp.bfloat16, jnp.float16):
+        out["lm_head"] = up(params["embed"]).T
+    return out

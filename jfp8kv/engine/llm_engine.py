@@ -18,7 +18,7 @@ from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.overlap import InFlight, feed
 from jfp8kv.engine.overlap import host_outputs as _host, host_parts, pick_logprob as _pick
 from jfp8kv.engine.runner import ModelRunner, bucket
-from jfp8kv.engine.sampler import PenaltyArrays, SamplingArrays, SamplingExtras, top_logprobs
+from jfp8kv.engine.sampler import STOP_ID_WIDTH, PenaltyArrays, SamplingArrays, SamplingExtras
 from jfp8kv.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from jfp8kv.engine.stats import StepStats
 from jfp8kv.engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
@@ -234,7 +234,7 @@ class LLMEngine:
         stops = [sorted(set(s.params.stop_token_ids)
                         | (set() if s.params.ignore_eos else self.eos_token_ids))
                  if s.params.min_tokens > 0 else [] for s in seqs]
-        stop_ids = np.full((len(seqs), bucket(max(map(len, stops)), 8)), -1, np.int32)
+        stop_ids = np.full((len(seqs), bucket(max(map(len, stops)), STOP_ID_WIDTH)), -1, np.int32)
         for i, s in enumerate(seqs):  # (rows with tokens in flight use no penalty)
             t = s.tokens
             history[i, :len(t)] = t
@@ -319,11 +319,13 @@ class LLMEngine:
         self._prompt_logprobs.pop(seq.request_id, None)
 
     # -- teacher-forced scoring ---------------------------------------------------------
-    def nll_chunks(self, token_ids, chunk_size: int | None = None):
+    def nll_chunks(self, token_ids, chunk_size: int | None = None, step=None):
         """Teacher-forced NLL through the paged cache: a list of (nll [t], logits [t, V], n)
         device arrays per chunk of ``chunk_size`` (default max_num_batched_tokens), valid in
         their first n rows; nll[i] = -log p(ids[s+i+1] | ids[:s+i+1]). Takes pages for the
-        whole sequence from the allocator (it must have them free) and gives them back."""
+        whole sequence from the allocator (it must have them free) and gives them back.
+        ``step``: the ``ModelRunner`` method run on each chunk (default ``nll``; ``score``:
+        prompt scoring, (log-probs, top values, top ids, n) per chunk)."""
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ValueError("nll needs at least 2 tokens")
@@ -337,8 +339,8 @@ class LLMEngine:
             for s in range(0, len(ids) - 1, chunk_size):
                 part = ids[s:min(s + chunk_size, len(ids) - 1)]
                 tgt = ids[s + 1:s + 1 + len(part)]
-                out.append((*self.runner.nll(part, tgt, s, pages, sched.scratch_state_slot),
-                            len(part)))
+                out.append((*(step or self.runner.nll)(part, tgt, s, pages,
+                                                       sched.scratch_state_slot), len(part)))
         finally:
             sched.allocator.free(pages)
         return out
@@ -367,12 +369,11 @@ class LLMEngine:
         out: list[TokenLogprob | None] = [None]
         if len(ids) < 2:
             return out
-        for nll, logits, n in self.nll_chunks(ids):
-            nll = np.asarray(nll[:n])
-            vals, tops = (np.asarray(x[:n]) for x in top_logprobs(logits)) if k else (None, None)
+        for lp, vals, tops, n in self.nll_chunks(ids, step=self.runner.score):
+            lp, vals, tops = (np.asarray(x)[0, :n] for x in (lp, vals, tops))  # on the host
             for i in range(n):
                 top = tuple(zip(tops[i, :k].tolist(), vals[i, :k].tolist())) if k else ()
-                out.append(TokenLogprob(ids[len(out)], -float(nll[i]), top))
+                out.append(TokenLogprob(ids[len(out)], float(lp[i]), top))
         return out
 
     # -- introspection ----------------------------------------------------------------

@@ -7,24 +7,18 @@ dispatch, each a jitted pure function (``steps``) compiled once per bucket:
   the last real position (used only by rows whose chunk completes their prompt).
 * ``decode``: ``num_steps`` decode steps in one dispatch (a ``lax.scan``), sampling on
   device and feeding each token back; slots are computed on device from the page tables.
-* ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
+* ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``
+  (``score``: the log-prob of each next prompt token, through a prefill dispatch).
 
 Buckets: batch sizes and chunk lengths are padded to powers of two (or the given decode
 buckets). A prefill dispatch is at most ``prefill_area`` padded tokens (the bucket of one
 full-budget chunk): a step's chunks are cut into consecutive groups that fit
-(``prefill_groups``), so the (batch, chunk) shapes are finite and ``warmup_shapes`` lists them
-all; prefill takes the sampler's greedy/sampled branch on the device (one executable per
-shape), decode compiles one per mode. The decode page-table width is fixed (max_model_len /
-page_size) unless ``page_widths`` is given: then it is the smallest of those widths that holds every row's
-pages, so a short sequence attends over a short table whatever max_model_len is (the
-reference backend reads every page in the table; the Pallas decode kernel stops at each
-row's length and keeps the fixed width). ``warmup_shapes`` lists every shape the engine can
-dispatch, so nothing compiles after ``warmup``.
-
-On CPU, XLA converts bf16/f16 matmul weights to float32 on every call (it has no
-low-precision dot), which costs more than the matmuls themselves; the runner therefore holds
-float32 copies of the matmul weights there (``cpu_float32_weights``). The activations keep
-the compute dtype, and the products are exact in float32 either way.
+(``prefill_groups``). The decode page-table width is fixed (max_model_len / page_size)
+unless ``page_widths`` is given: then it is the smallest of those that holds every row's
+pages, so a short sequence attends over a short table (the reference backend reads every
+page in the table; the Pallas decode kernel stops at each row's length). So the shapes are
+finite: ``warmup_shapes`` lists them all, and nothing compiles after ``warmup``. On CPU the
+runner holds float32 copies of the matmul weights (``device_policy.cpu_float32_weights``).
 
 Tensor parallelism: ``tp`` (a ``models.sharding.TensorParallel``; None on one device) is
 passed to the steps; params and cache arrive already placed on the mesh, host arrays are
@@ -34,30 +28,14 @@ replicated by jit.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
 from jfp8kv.engine import steps
 from jfp8kv.engine.compile_cache import compile_fresh
-from jfp8kv.engine.sampler import SamplingArrays
+from jfp8kv.engine.device_policy import cpu_float32_weights
+from jfp8kv.engine.sampler import SamplingArrays, Scoring
 from jfp8kv.kvcache.cache import KVCache
-
-
-def cpu_float32_weights(params):
-    """params with every bf16/f16 matmul weight as float32 (the embedding table stays as it
-    is: its dtype is the activation dtype; a tied LM head gets its own float32 [V, D] copy)."""
-    def up(x):
-        return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
-
-    out = dict(params)
-    out["layers"] = [jax.tree.map(up, lp) for lp in params["layers"]]
-    out["final_norm"] = up(params["final_norm"])
-    if params.get("lm_head") is not None:
-        out["lm_head"] = up(params["lm_head"])
-    elif params["embed"].dtype in (jnp.bfloat16, jnp.float16):
-        out["lm_head"] = up(params["embed"]).T
-    return out
 
 
 _STATIC = ("cfg", "backend", "tp", "all_greedy", "num_steps")  # the steps' static arguments
@@ -66,8 +44,6 @@ _STATIC = ("cfg", "backend", "tp", "all_greedy", "num_steps")  # the steps' stat
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
     return b if maximum is None else min(b, max(maximum, n))
-
-
 
 
 class ModelRunner:
@@ -85,8 +61,9 @@ class ModelRunner:
         prefill chunk alone (batch 1), so prefill compiles once per chunk bucket.
         ``chunk_factor``: chunk buckets grow by this factor from ``min_chunk``, capped at
         the bucket of ``max_chunk``. On a CPU device the matmul weights are held in float32
-        (see the module docstring), and one executable per shape serves greedy and sampled
-        batches alike (the branch is taken on the device: ``sampler.sample``). ``tp``: the
+        and one executable per shape serves every request mix, where a compile costs more
+        than a branch on the device: greedy or sampled (``sampler.sample``), with or without
+        log-probs, penalties, prompt scoring (``switched``). ``tp``: the
         ``models.sharding.TensorParallel`` that params and cache are placed on, or None.
         ``decode_gemm_autotune``: which of ``steps.DECODE_JITS`` runs the decode steps."""
         self.cfg = model_cfg
@@ -105,6 +82,7 @@ class ModelRunner:
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
         self.greedy_modes = (None,) if on_cpu else (True, False)  # decode's all_greedy values
+        self.switched = on_cpu  # features switched on the device (else compiled per mix)
         # Rows carry state slots: hybrid models' DeltaNet state, DeepSeek-V4's window
         # ring and compressor state.
         self.hybrid = model_cfg.hybrid is not None or model_cfg.v4 is not None
@@ -190,14 +168,29 @@ class ModelRunner:
         z = np.zeros(b, np.int32)
         pt = np.zeros((b, w), np.int32)
         zz = np.zeros((b, t), np.int32)
-        sampling = SamplingArrays.empty(b).args()
+        sampling = self._sampler(SamplingArrays.empty(b), b).args()
         if kind == "decode":
             return self._decode, (self.params, cache, z, z, pt, z, *sampling), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp,
                 state_slots=self._state_slots([], b))
-        return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling), dict(
+        return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling,
+                               self._scoring(zz, False)), dict(
             cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp,
             state_slots=self._state_slots([], b))
+
+    def _sampler(self, sampling: SamplingArrays, b: int) -> SamplingArrays:
+        """A batch's sampling rows padded to ``b``; with ``switched`` in the one structure
+        every feature mix shares (``SamplingArrays.switched``)."""
+        padded = sampling.padded(b)
+        return padded.switched(self.max_pages_per_seq * self.page_size) if self.switched else padded
+
+    def _scoring(self, targets, scored: bool):
+        """``steps.prefill``'s ``scoring`` argument: with ``switched`` always there, switched
+        on the device (one executable whether a dispatch scores or not); else only when
+        ``scored`` (its own executable)."""
+        if self.switched:
+            return Scoring(targets, np.bool_(scored))
+        return Scoring(targets) if scored else None
 
     def _state_slots(self, slots: list[int], b: int):
         """int32[b] state slots of a hybrid or V4 model's rows (0: the padding slot), or
@@ -338,17 +331,23 @@ class ModelRunner:
         parts = []
         for start, end in self.prefill_groups([len(c[0]) for c in chunks]):
             part = chunks[start:end]
-            b = bucket(len(part))
             t = self.chunk_bucket(max(len(c[0]) for c in part))
-            tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(part, b, t)
-            sub = sampling.rows(start, end).padded(b)
-            out, self.cache = self._call(steps.prefill, (
-                self.params, self.cache, tokens, positions, slots, pt, seq_lens, last_idx,
-                *sub.args()), dict(cfg=self.cfg, backend=self.backend, all_greedy=None,
-                                   tp=self.tp, state_slots=self._state_slots(
-                                       [c[3] if len(c) > 3 else 0 for c in part], b)))
-            parts.append((len(part), out))
+            parts.append((len(part), self._prefill_call(part, bucket(len(part)), t,
+                                                        sampling.rows(start, end))))
         return parts
+
+    def _prefill_call(self, chunks, b: int, t: int, sampling: SamplingArrays, targets=None):
+        """One ``steps.prefill`` dispatch of ``chunks`` padded to [b, t] -> its output; with
+        ``targets`` (int32[b, t], prompt scoring) (output, scores)."""
+        tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
+        scored = targets is not None
+        scoring = self._scoring(targets if scored else np.zeros_like(tokens), scored)
+        out, self.cache = self._call(steps.prefill, (
+            self.params, self.cache, tokens, positions, slots, pt, seq_lens, last_idx,
+            *self._sampler(sampling, b).args(), scoring), dict(
+                cfg=self.cfg, backend=self.backend, all_greedy=None, tp=self.tp,
+                state_slots=self._state_slots([c[3] if len(c) > 3 else 0 for c in chunks], b)))
+        return out if scored or scoring is None else out[0]
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
                input_tokens=None):
@@ -369,11 +368,21 @@ class ModelRunner:
             tokens = self.tp.replicate(tokens)
         toks, self.cache = self._call(self._decode, (
             self.params, self.cache, tokens, positions, pt, limits,
-            *sampling.padded(b).args()), dict(
+            *self._sampler(sampling, b).args()), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=self._mode(all_greedy),
                 tp=self.tp, num_steps=num_steps, state_slots=self._state_slots(
                     [r[4] if len(r) > 4 else 0 for r in rows], b)))
         return toks
+
+    def score(self, ids, targets, start: int, pages, state_slot: int = 0):
+        """One prompt chunk through a one-row prefill dispatch, scored: device arrays
+        (log-prob [1, t] of each target, top values [1, t, K], top ids [1, t, K]), t >=
+        len(ids) (a chunk bucket); only the first len(ids) positions are real."""
+        t = self.chunk_bucket(len(ids))
+        tgt = np.zeros((1, t), np.int32)
+        tgt[0, :len(targets)] = targets
+        return self._prefill_call([(ids, start, pages, state_slot)], 1, t,
+                                  SamplingArrays.empty(1), tgt)[1]
 
     def nll(self, ids, targets, start: int, pages, state_slot: int = 0):
         """One teacher-forced chunk -> device arrays (nll [t], logits [t, V]), t >= len(ids)

@@ -53,8 +53,20 @@ def _sampled(logits, temperature, top_k, top_p, seeds, counters, greedy):
 
 
 # -- optional per-row features: penalties, min_tokens, log-probs ---------------------------
-# They are compiled in only when a batch row asks (``SamplingExtras`` present, its fields set);
-# the default path above is untouched.
+# On a GPU they are compiled in only when a batch row asks (``SamplingExtras`` present, its
+# fields set) and the default path above is untouched. On a CPU, where a compile costs more
+# than a branch, every batch carries them in one structure (``SamplingArrays.switched``) and
+# switches on the device pick what runs, so no request mix compiles another executable.
+
+STOP_ID_WIDTH = 8  # min_tokens' masked ids per row: the least width (a power of two) of the array
+
+
+def branch(switch, fn, otherwise, *args):
+    """``fn(*args)``; with a ``switch`` (a bool[] device scalar) a branch on the device that
+    runs ``fn`` when it is set and ``otherwise`` (same output shapes) when not."""
+    if switch is None:
+        return fn(*args)
+    return jax.lax.cond(switch, fn, otherwise, *args)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -89,19 +101,31 @@ class PenaltyArrays:
                              grow(self.repetition, 1), grow(self.min_tokens, 0),
                              grow(self.stop_ids, -1))
 
+    @classmethod
+    def neutral(cls, b: int, width: int) -> "PenaltyArrays":
+        """b rows with no history and no penalty (history ``width`` tokens)."""
+        return cls(np.zeros((0, width), np.int32), np.zeros(0, np.int32),
+                   np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.float32),
+                   np.zeros(0, np.int32), np.zeros((0, STOP_ID_WIDTH), np.int32)).pad(b)
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["penalty"],
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["penalty", "switches"],
                    meta_fields=["logprobs"])
 @dataclasses.dataclass
 class SamplingExtras:
     """``penalty``: PenaltyArrays or None (compiled out). ``logprobs`` (static): also return
-    each sampled token's log-prob and the top MAX_LOGPROBS log-probs of the raw logits."""
+    each sampled token's log-prob and the top MAX_LOGPROBS log-probs of the raw logits.
+    ``switches``: None, or bool[2] (``SamplingArrays.switched``): whether the penalties /
+    the log-probs are computed is decided on the device (else the logits pass unchanged /
+    the log-probs are zeros)."""
 
     penalty: PenaltyArrays | None = None
     logprobs: bool = False
+    switches: np.ndarray | None = None
 
     def pad(self, b: int) -> "SamplingExtras":
-        return SamplingExtras(None if self.penalty is None else self.penalty.pad(b), self.logprobs)
+        return SamplingExtras(None if self.penalty is None else self.penalty.pad(b), self.logprobs,
+                              self.switches)
 
     def rows(self, start: int, end: int) -> "SamplingExtras":
         """Rows [start, end)."""
@@ -109,7 +133,8 @@ class SamplingExtras:
             return self
         p = self.penalty
         return SamplingExtras(PenaltyArrays(*(getattr(p, f.name)[start:end]
-                                              for f in dataclasses.fields(p))), self.logprobs)
+                                              for f in dataclasses.fields(p))), self.logprobs,
+                              self.switches)
 
 
 @dataclasses.dataclass
@@ -150,6 +175,17 @@ class SamplingArrays:
         pad.extras = None if self.extras is None else self.extras.pad(b)
         return pad
 
+    def switched(self, history_width: int) -> "SamplingArrays":
+        """The same rows in the one structure every request mix shares: penalty arrays always
+        (neutral rows where none was asked; ``history_width`` tokens of history) and log-prob
+        outputs always, each computed only where its device switch says."""
+        e = self.extras or SamplingExtras()
+        penalty = e.penalty
+        if penalty is None:
+            penalty = PenaltyArrays.neutral(len(self.temperature), history_width)
+        switches = np.array([e.penalty is not None, e.logprobs])
+        return dataclasses.replace(self, extras=SamplingExtras(penalty, True, switches))
+
 
 def history_counts(history, num_prompt, vocab: int):
     """-> (counts int32[B, V]: occurrences in the generated part; seen bool[B, V]: in the
@@ -180,26 +216,43 @@ def mask_stop_ids(logits, stop_ids, num_generated, min_tokens):
 
 
 def token_logprobs(logits, tokens):
-    """Raw logits [B, V], tokens [B] -> (logprob [B], top values [B, K], top ids [B, K])."""
+    """Raw logits [..., V], tokens [...] -> (logprob [...], top values [..., K], top ids
+    [..., K]), K = MAX_LOGPROBS (or V if smaller)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    tok = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    tok = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     vals, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
     return tok, vals, ids.astype(jnp.int32)
 
 
-@jax.jit
-def top_logprobs(logits):
-    """Logits [..., V] -> (top values, top ids) [..., K] of log_softmax (prompt scoring)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    vals, ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
-    return vals, ids.astype(jnp.int32)
+def zero_logprobs(tokens, vocab: int):
+    """``token_logprobs``' outputs for ``tokens`` [...], zeros (a switched-off branch)."""
+    k = min(MAX_LOGPROBS, vocab)
+    return (jnp.zeros(tokens.shape, jnp.float32), jnp.zeros(tokens.shape + (k,), jnp.float32),
+            jnp.zeros(tokens.shape + (k,), jnp.int32))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["targets", "switch"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class Scoring:
+    """Prompt scoring on a prefill dispatch (``steps.prefill``): ``targets`` int32[B, T], the
+    next token at each position; ``switch``: None (scored), or a bool[] deciding on the
+    device (the CPU's one structure: every prefill carries it, most switched off)."""
+
+    targets: np.ndarray
+    switch: np.ndarray | None = None
 
 
 def init_state(extras: SamplingExtras | None, vocab: int):
-    """The scan-carried token-count state: None, or (counts, seen) from the history."""
+    """The scan-carried token-count state: None, or (counts, seen) from the history (zeros
+    where the penalty switch is off)."""
     if extras is None or extras.penalty is None:
         return None
-    return history_counts(extras.penalty.history, extras.penalty.num_prompt, vocab)
+    b = extras.penalty.history.shape[0]
+    return branch(None if extras.switches is None else extras.switches[0],
+                   functools.partial(history_counts, vocab=vocab),
+                   lambda *_: (jnp.zeros((b, vocab), jnp.int32), jnp.zeros((b, vocab), bool)),
+                   extras.penalty.history, extras.penalty.num_prompt)
 
 
 def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras, *,
@@ -207,14 +260,22 @@ def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extra
     """``sample`` with the optional features. ``counters`` is also the number of tokens
     generated so far (min_tokens). Returns (tokens, new state, log-probs or None)."""
     raw = logits
+    switches = None if extras is None else extras.switches
     if state is not None:
         p = extras.penalty
-        counts, seen = state
-        logits = apply_penalties(logits, counts, seen, p.presence, p.frequency, p.repetition)
-        logits = mask_stop_ids(logits, p.stop_ids, counters, p.min_tokens)
+
+        def penalized(logits):
+            logits = apply_penalties(logits, *state, p.presence, p.frequency, p.repetition)
+            return mask_stop_ids(logits, p.stop_ids, counters, p.min_tokens)
+
+        logits = branch(None if switches is None else switches[0], penalized, lambda x: x,
+                         logits)
     toks = sample(logits, temperature, top_k, top_p, seeds, counters, all_greedy=all_greedy)
     if state is not None:
         rows = jnp.arange(toks.shape[0])
         state = (state[0].at[rows, toks].add(1), state[1].at[rows, toks].set(True))
-    lp = token_logprobs(raw, toks) if extras is not None and extras.logprobs else None
+    lp = None
+    if extras is not None and extras.logprobs:
+        lp = branch(None if switches is None else switches[1], token_logprobs,
+                    lambda x, t: zero_logprobs(t, x.shape[-1]), raw, toks)
     return toks, state, lp

@@ -3,7 +3,8 @@ static configuration with the cache donated. ``ModelRunner`` (``runner.py``) pad
 batches into their buckets and calls these.
 
 * ``prefill``: a padded batch of new-token chunks [B, T]; one sampled token per row from
-  its last real position.
+  its last real position (and, given ``Scoring``, each position's log-prob of its target:
+  prompt scoring).
 * ``DECODE_JITS[...]``: ``num_steps`` decode steps in one ``lax.scan``, sampling on device
   and feeding each token back; one jit per ``EngineConfig.decode_gemm_autotune`` value
   ("exhaustive" has XLA time every Triton tiling of the small-batch GEMMs:
@@ -21,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jfp8kv.engine.sampler import init_state, sample_step
+from jfp8kv.engine.sampler import branch, init_state, sample_step, token_logprobs, zero_logprobs
 from jfp8kv.kvcache.state_pool import HybridCache
 from jfp8kv.models import qwen3_hybrid, transformer, v4_paged
 
@@ -54,11 +55,13 @@ def _forward(params, cache, tokens, positions, slots, page_tables, seq_lens, sta
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "tp"),
                    donate_argnames=("cache",))
 def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
-            temperature, top_k, top_p, seeds, counters, extras=None, *, cfg, backend,
-            all_greedy, tp=None, state_slots=None):
-    """Static: cfg, backend, all_greedy, tp (and extras' structure). Donated: cache. Returns
-    (int32[B], cache), or ((int32[B], log-probs), cache) when extras.logprobs.
-    ``state_slots`` int32[B]: hybrid models' DeltaNet slots (None otherwise)."""
+            temperature, top_k, top_p, seeds, counters, extras=None, scoring=None, *, cfg,
+            backend, all_greedy, tp=None, state_slots=None):
+    """Static: cfg, backend, all_greedy, tp (and the structure of extras and scoring).
+    Donated: cache. Returns (out, cache): out int32[B], or (int32[B], log-probs) when
+    extras.logprobs; with ``scoring`` (a ``sampler.Scoring``) (out, (log-prob [B, T] of each
+    target, top values [B, T, K], top ids [B, T, K])). ``state_slots`` int32[B]: hybrid
+    models' DeltaNet slots (None otherwise)."""
     hidden, cache = _forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
                              state_slots, cfg=cfg, backend=backend, tp=tp)
     last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
@@ -66,7 +69,13 @@ def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last
     state = init_state(extras, logits.shape[-1])
     toks, _, lp = sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras,
                               all_greedy=all_greedy)
-    return (toks if lp is None else (toks, lp)), _placed(cache, tp)
+    out = toks if lp is None else (toks, lp)
+    if scoring is not None:
+        scores = branch(scoring.switch,
+                        lambda h, t: token_logprobs(transformer.logits(params, h), t),
+                        lambda h, t: zero_logprobs(t, cfg.vocab_size), hidden, scoring.targets)
+        out = (out, scores)
+    return out, _placed(cache, tp)
 
 
 def _decode_steps(params, cache, tokens, positions, page_tables, limits, temperature, top_k,

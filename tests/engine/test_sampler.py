@@ -1,5 +1,6 @@
 """The sampler's optional features against numpy references of their formulas."""
 
+import functools
 from collections import Counter
 
 import jax
@@ -109,3 +110,42 @@ def test_device_side_greedy_switch_equals_the_static_paths():
         np.testing.assert_array_equal(run(logits, temps, *rest, all_greedy=None), want)
     np.testing.assert_array_equal(run(logits, jnp.zeros(4), *rest, all_greedy=None),
                                   np.asarray(logits).argmax(-1))
+
+
+def test_switched_structure_equals_each_static_one():
+    """``SamplingArrays.switched`` (the CPU's one executable for every feature mix) samples the
+    tokens and returns the log-probs of the structure compiled for that mix; a switched-off
+    feature changes nothing (penalties) or returns zeros (log-probs). One jitted function
+    serves all four mixes below without a retrace."""
+    rng = np.random.default_rng()
+    _, _, pen = _rows(rng)
+    logits = jnp.asarray(rng.normal(0, 3, (3, V)).astype(np.float32))
+    traces = []
+
+    def step(logits, *args, all_greedy):
+        toks, _, lp = sampler.sample_step(logits, sampler.init_state(args[-1], V), *args,
+                                          all_greedy=all_greedy)
+        return toks, lp
+
+    @jax.jit
+    def run(logits, *args):
+        traces.append(1)
+        return step(logits, *args, all_greedy=None)
+
+    for penalty in (None, pen):
+        for logprobs in (False, True):
+            arrays = sampler.SamplingArrays(
+                np.array([0.0, 0.9, 1.2], np.float32), np.array([0, 7, 0], np.int32),
+                np.array([1.0, 0.8, 0.95], np.float32),
+                rng.integers(0, 2**31, 3).astype(np.uint32), np.array([4, 0, 2], np.int32),
+                None if (penalty, logprobs) == (None, False) else SamplingExtras(penalty, logprobs))
+            want_toks, want_lp = jax.jit(functools.partial(step, all_greedy=False))(
+                logits, *arrays.args())
+            toks, lp = run(logits, *arrays.switched(pen.history.shape[1]).args())
+            np.testing.assert_array_equal(toks, want_toks)
+            if logprobs:
+                for got, want in zip(lp, want_lp):
+                    np.testing.assert_array_equal(got, want)
+            else:
+                assert want_lp is None and not any(np.asarray(x).any() for x in lp)
+    assert len(traces) == 1

@@ -32,7 +32,8 @@ def test_prompt_logprobs_equal_minus_nll(llm):
     assert out.token_ids == [] and out.finish_reason == "length"
     plp = out.prompt_logprobs
     assert plp[0] is None and [e.token_id for e in plp[1:]] == ids[1:]
-    np.testing.assert_array_equal([e.logprob for e in plp[1:]], -llm.nll(ids))
+    # the prefill executable scores, llm.nll is its own: float32 rounding apart
+    np.testing.assert_allclose([e.logprob for e in plp[1:]], -llm.nll(ids), rtol=1e-6, atol=1e-6)
     assert all(len(e.top) == 3 and e.top[0][1] >= e.logprob - 1e-6 for e in plp[1:])
     assert llm.engine.scheduler.allocator.num_used == 0
     # prompt scoring followed by generation: same tokens as without scoring
@@ -91,6 +92,40 @@ def test_min_tokens_and_stop_token_ids(llm):
     assert stop not in held.token_ids[:5] and len(held.token_ids) >= 5
     if stop in held.token_ids:
         assert held.token_ids[-1] == stop and held.finish_reason == "stop"
+
+
+def test_per_mix_structure_equals_the_switched_one(llm):
+    """The runner's two ways to carry the features (``ModelRunner.switched``): one structure
+    switched on the device (the CPU's) and one compiled per feature mix (the GPU's) give the
+    same tokens, log-probs and prompt scores for a batch mixing plain, log-prob, penalized
+    and prompt-scored requests."""
+    rng = np.random.default_rng()
+    prompts = [_prompt(llm, n) for n in (5, 11, 8, 20)]
+    params = [dataclasses.replace(GREEDY, temperature=0.9, seed=int(rng.integers(1 << 30))),
+              dataclasses.replace(GREEDY, logprobs=4),
+              dataclasses.replace(GREEDY, presence_penalty=1.0, repetition_penalty=1.4,
+                                  min_tokens=3),
+              dataclasses.replace(GREEDY, prompt_logprobs=2, logprobs=0)]
+    runner = llm.engine.runner
+    default = runner.switched  # the CPU's True, a GPU's False
+    try:
+        outs = {}
+        for switched in (True, False):
+            runner.switched = switched
+            outs[switched] = llm.generate(prompts, params)
+    finally:
+        runner.switched = default
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        for mine, theirs in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (mine is None) == (theirs is None)
+            for x, y in zip(mine or (), theirs or ()):
+                assert (x is None) == (y is None)
+                if x is not None:
+                    assert x.token_id == y.token_id
+                    assert [t for t, _ in x.top] == [t for t, _ in y.top]
+                    np.testing.assert_allclose([x.logprob] + [v for _, v in x.top],
+                                               [y.logprob] + [v for _, v in y.top], atol=1e-5)
 
 
 def test_new_fields_are_validated():

@@ -2,10 +2,9 @@
 policy (only --max-model-len and the tiny model given) compiles every bucket before /health,
 then serves a matrix of prompt lengths (each side of every chunk bucket, past a page-table
 width, chunked prefill), batch sizes (each decode bucket), greedy and sampled, streamed and
-not, completions and chat, while its ``jfp8kv_xla_compiles`` counter stays flat.
-
-Not covered (they still compile on first use, docs/cpu-serving.md): requests with log-probs
-or penalties (their sampler state has another structure) and prompt scoring (``echo``)."""
+not, completions and chat, with and without log-probs, penalties, min_tokens and prompt
+scoring (``echo``, as lm-evaluation-harness's loglikelihood asks), alone and mixed in one
+batch, while its ``jfp8kv_xla_compiles`` counter stays flat."""
 
 from __future__ import annotations
 
@@ -58,11 +57,15 @@ def test_nothing_compiles_after_health(default_policy_server, tiny_tokenizer):
     lengths = [(1, 4), (15, 3), (16, 3), (17, 3), (63, 2), (64, 2), (65, 2), (255, 8),
                (256, 3), (257, 3), (600, 5), (1000, 24)]
 
+    # request i asks for FEATURES[i % 5]; concurrent batches mix them
+    features = [{}, {"logprobs": 3}, {"presence_penalty": 0.5, "frequency_penalty": 0.2},
+                {"repetition_penalty": 1.3, "min_tokens": 2}, {"echo": True, "logprobs": 2}]
+
     def completion(i: int, plen: int, max_tokens: int, stream: bool = False) -> None:
         ids = rng.integers(3, vocab, plen).tolist()
         r = post(url, "/v1/completions", dict(
             prompt=ids, max_tokens=max_tokens, ignore_eos=True, stream=stream,
-            temperature=0 if i % 2 else 0.8, seed=i))
+            temperature=0 if i % 2 else 0.8, seed=i, **features[i % len(features)]))
         if not stream:
             assert r.json()["usage"]["completion_tokens"] == max_tokens
 
@@ -72,7 +75,13 @@ def test_nothing_compiles_after_health(default_policy_server, tiny_tokenizer):
         with ThreadPoolExecutor(width) as ex:
             list(ex.map(lambda a: completion(a[0], *a[1], stream=a[0] % 3 == 0),
                         enumerate(lengths[-width:])))
-    post(url, "/v1/chat/completions", dict(
-        messages=[{"role": "user", "content": "Say something about pages."}], max_tokens=6))
+    for extra in ({}, {"logprobs": True, "top_logprobs": 2}):
+        post(url, "/v1/chat/completions", dict(
+            messages=[{"role": "user", "content": "Say something about pages."}], max_tokens=6,
+            **extra))
+    for plen in (5, 70, 600):  # prompt scoring alone: one chunk, and chunked past 256 tokens
+        scored = post(url, "/v1/completions", dict(
+            prompt=rng.integers(3, vocab, plen).tolist(), max_tokens=0, echo=True, logprobs=1))
+        assert len(scored.json()["choices"][0]["logprobs"]["token_logprobs"]) == plen
     wait_idle(url)
     assert metric_values(url)["jfp8kv_xla_compiles_total"] == before
