@@ -9,9 +9,12 @@ setting the server's default).
 
 Starts ``python -m jfp8kv.serve --kv-cache-dtype ... --max-model-len ...`` twice against a
 fresh JAX compilation-cache directory: "cold" (empty: everything compiles) and "warm" (the
-entries the cold run wrote). Each run records seconds from launch to /health, the latency
+entries the cold run wrote). Each run records seconds from launch to /health (and the
+server's CPU seconds by then, which a shared machine's load does not inflate), the latency
 of the first chat request after /health (greedy, ``--tokens`` tokens, ignore_eos), the rate
-of a second identical request, and /proc/loadavg (the machine may be shared).
+of a second identical request, then the latency and XLA compiles of the first request with
+log-probs, with penalties, with prompt scoring (``echo``) and a chat with log-probs
+(``first_feature_requests``), and /proc/loadavg (the machine may be shared).
 
 ``--fresh-venv`` first times the README's install as a new user runs it: a new virtual
 environment, ``pip install --no-cache-dir -e .`` (no extras, nothing from pip's cache), then
@@ -60,6 +63,46 @@ def chat(url: str, tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
 
 
+FEATURES = {  # the first request of each kind after /health: (path, body beyond the model)
+    "logprobs": ("/v1/completions", dict(prompt="The lighthouse keeper", max_tokens=16,
+                                         logprobs=5)),
+    "penalties": ("/v1/completions", dict(prompt="The lighthouse keeper", max_tokens=16,
+                                          presence_penalty=0.5, frequency_penalty=0.3,
+                                          repetition_penalty=1.2)),
+    "prompt_scoring": ("/v1/completions", dict(prompt="The lighthouse keeper climbed the stairs",
+                                               max_tokens=0, echo=True, logprobs=1)),
+    "chat_logprobs": ("/v1/chat/completions", dict(
+        messages=[{"role": "user", "content": "Name a lighthouse."}], max_tokens=16,
+        logprobs=True, top_logprobs=3)),
+}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its reaped children (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def compiles(url: str) -> float:
+    """The server's ``jfp8kv_xla_compiles_total``."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("jfp8kv_xla_compiles_total")))
+
+
+def first_features(url: str) -> dict:
+    """Each FEATURES request once, in order: latency and XLA compiles it caused."""
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    out = {}
+    for name, (path, body) in FEATURES.items():
+        before = compiles(url)
+        t0 = time.perf_counter()
+        r = httpx.post(url + path, json=dict(model=model, **body), timeout=900)
+        r.raise_for_status()
+        out[name] = dict(seconds=time.perf_counter() - t0, compiles=compiles(url) - before)
+    return out
+
+
 def fresh_install(root: str) -> tuple[str, float]:
     """A new venv under ``root`` with ``pip install --no-cache-dir -e .``; (python, seconds)."""
     t0 = time.perf_counter()
@@ -86,15 +129,19 @@ def run_once(args, cache_dir: str, label: str, python: str = sys.executable,
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         health_s = wait_health(url, proc, args.limit_s)
+        cpu_health = cpu_seconds(proc.pid)  # the load-independent part of the start
         la_health = loadavg()
         first_s, n1 = chat(url, args.tokens)
         second_s, n2 = chat(url, args.tokens)
+        features = first_features(url)
     finally:
         proc.terminate()
         proc.wait(60)
     return dict(run=label, command=" ".join(cmd[1:]), health_s=health_s,
+                cpu_s_at_health=cpu_health,
                 first_chat_s=first_s, first_chat_tokens=n1, second_chat_s=second_s,
                 second_chat_tokens=n2, second_chat_tok_per_s=n2 / second_s,
+                first_feature_requests=features,
                 total_s=time.perf_counter() - t_start, loadavg_start=la0,
                 loadavg_at_health=la_health, loadavg_end=loadavg())
 
