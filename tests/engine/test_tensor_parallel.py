@@ -69,24 +69,52 @@ CACHES = [("bfloat16", None, None), ("fp8_e4m3", "tensor", 0.05), ("fp8_e4m3", "
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
 SCORED = [int(t) for t in np.random.default_rng(0).integers(3, 300, 30)]
 NLL_TOL = 1e-5
+# The checkpoint x cache matrix below runs each (checkpoint, mode class) once by default.
+# Under TP the cache modes take two paths only (models/sharding.py): unscaled pools, and
+# scaled ones, whose scales are sharded on the KV-head axis like the pages and whose mode
+# math runs per device as on one (store_and_attend on the local heads). Within the scaled
+# path, static scales (tensor, channel) arrive from the host, expanded to the replicated
+# heads, and dynamic ones (token, block) are computed per device. So kv4 (sharded heads)
+# runs bf16, tensor and token, kv3 (replicated heads) bf16, channel (per-head scales that
+# the replication must copy) and block; every mode still runs under TP here and on
+# SmolLM2's real layers at TP 3 below. The other four cases, each a mode of a class its
+# checkpoint already runs, are ``slow`` (~90 s of CPU with the child's start-up):
+# ``pytest -m slow tests/engine/test_tensor_parallel.py``.
+SLOW_MATRIX = {("kv4", "channel"), ("kv4", "block"), ("kv3", "tensor"), ("kv3", "token")}
+
+
+def _run_child(*args: str) -> str:
+    """This file in a child pytest with 4 CPU devices (``args`` added); its stdout."""
+    # The child's ~30 engines are all compile: it inherits tests/conftest.py's XLA_FLAGS
+    # (LLVM at -O0), and every TP size is compared with TP 1 in that same child.
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip())
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args,
+           str(Path(__file__).relative_to(REPO_ROOT))]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, f"child pytest failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
 
 def test_on_four_virtual_devices():
     """Run the ``four_devices`` tests of this file in a child pytest with 4 CPU devices."""
     if jax.device_count() >= DEVICES:
         pytest.skip("this process has the devices: the tests run directly")
-    # The child's ~40 engines are all compile: it inherits tests/conftest.py's XLA_FLAGS
-    # (LLVM at -O0), and every TP size is compared with TP 1 in that same child.
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip())
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           str(Path(__file__).relative_to(REPO_ROOT))]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, f"child pytest failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-3000:]}"
-    # Only this test may skip there (the child has the devices).
-    assert " passed" in proc.stdout and "1 skipped" in proc.stdout.splitlines()[-1]
+    out = _run_child()
+    # Only the two parents (the child has the devices) and the slow matrix cases skip there.
+    assert " passed" in out and f"{2 + len(SLOW_MATRIX)} skipped" in out.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_slow_cases_on_four_virtual_devices():
+    """``pytest -m slow``: the matrix cases the default run leaves out (``SLOW_MATRIX``), in
+    the child."""
+    if jax.device_count() >= DEVICES:
+        pytest.skip("this process has the devices: the tests run directly")
+    out = _run_child("-m", "slow")
+    assert f"{len(SLOW_MATRIX)} passed, 1 skipped" in out.splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +175,10 @@ def assert_same_as_one_device(results: dict):
 
 
 @four_devices
-@pytest.mark.parametrize("cache", CACHES, ids=lambda c: c[1] or c[0])
-@pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("ckpt, cache", [
+    pytest.param(ckpt, cache, id=f"{ckpt}-{cache[1] or cache[0]}",
+                 marks=[pytest.mark.slow] if (ckpt, cache[1]) in SLOW_MATRIX else [])
+    for ckpt in sorted(CHECKPOINTS) for cache in CACHES])
 def test_tp_sizes_agree_with_one_device(engine, ckpt, cache):
     """TP 1, 2, 4: identical greedy tokens, NLL within 1e-5, the same K/V statistics, in
     float64 (in float32 an all-reduce ordering difference flips whole fp8/bf16 steps:
@@ -255,7 +285,8 @@ def test_invalid_sizes_each_raise_one_clear_error(checkpoints, smollm2_gguf_path
 
 # ---------------------------------------------------------------------- SmolLM2
 
-SMOLLM2_LAYERS = 4  # the first layers of the real model, for the all-modes matrix
+SMOLLM2_LAYERS = 2  # the first layers of the real model, for the all-modes matrix: more than
+# one layer's cache and scales; the TP layout is the same in every layer (4 until 2026-12-06)
 SMOLLM2_PROMPTS = ["The capital of France is", "Two plus two is"]  # one prefill bucket
 SMOLLM2_TEXT = "The old lighthouse stood at the end of a narrow spit of land."
 
