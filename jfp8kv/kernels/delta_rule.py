@@ -90,8 +90,7 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
     kk = jnp.einsum("...td,...sd->...ts", k, k)
     lower = jnp.where(jnp.tril(causal, -1), beta[..., :, None] * kk * decay, 0.0)
     system = lower + jnp.eye(chunk, dtype=k.dtype)
-    solve = jax.vmap(lambda a, rhs: jax.scipy.linalg.solve_triangular(
-        a, rhs, lower=True, unit_diagonal=True))
+    solve = jax.vmap(_unit_lower_solve)
     flat = (-1, chunk, chunk)
     rhs_v = (beta[..., None] * v).reshape(-1, chunk, dv)
     rhs_k = (beta[..., None] * jnp.exp(cum)[..., None] * k).reshape(-1, chunk, dk)
@@ -113,6 +112,19 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
     state, out = jax.lax.scan(step, state.astype(q.dtype), xs)  # out [n, B, H, C, Dv]
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.swapaxes(out, 1, 2).astype(out_dtype), state
+
+
+def _unit_lower_solve(a, rhs):
+    """x with a x = rhs, a [C, C] unit lower triangular, rhs [C, D]. The triangular solve,
+    except when tracing for a CPU backend: there forward substitution in a loop, because
+    jaxlib's LAPACK solve splits a batch over the thread pool its callers run on, and two
+    at once can wait on each other forever (seen under pytest-xdist on 2 cores, 2026-12-06).
+    Decided in Python, so a GPU's program is exactly the solve it always was."""
+    if jax.default_backend() != "cpu":
+        return jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+    # row i once rows < i are known (the later rows are still 0)
+    return jax.lax.fori_loop(0, a.shape[0], lambda i, x: x.at[i].set(rhs[i] - a[i] @ x),
+                             jnp.zeros_like(rhs))
 
 
 def causal_conv(x, conv_state, weight, n_valid):

@@ -5,6 +5,7 @@ over the paged cache plus DeltaNet state slots against transformers' logits (one
 chunked and token-by-token decode, unequal batch with padding rows)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,22 @@ def test_delta_rule_forms_equal_a_float64_reference():
         outs.append(np.asarray(o))
     np.testing.assert_allclose(np.concatenate(outs, 1), want, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(s), want_s, rtol=2e-4, atol=2e-4)
+
+
+def test_unit_lower_solve_without_lapack_on_the_cpu():
+    """The chunk system's solve: forward substitution on the CPU (jaxlib's LAPACK solve can
+    deadlock two concurrent callers on a 2-thread pool) equals the triangular solve, and the
+    compiled chunked rule calls no LAPACK."""
+    rng = np.random.default_rng()
+    a = np.tril(rng.uniform(-1, 1, (3, 16, 16)), -1) + np.eye(16)
+    rhs = rng.standard_normal((3, 16, 5))
+    got = jax.jit(jax.vmap(delta_rule._unit_lower_solve))(jnp.asarray(a), jnp.asarray(rhs))
+    want = np.linalg.solve(a, rhs)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    args = [jnp.asarray(x, jnp.float32) for x in _inputs(rng)]
+    hlo = jax.jit(functools.partial(delta_rule.chunked, chunk=8)).lower(*args).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]*)"', hlo)
+    assert not [t for t in targets if "lapack" in t.lower()], targets
 
 
 def test_delta_rule_matches_transformers_torch_functions():
