@@ -174,7 +174,7 @@ class ModelRunner:
                 cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp,
                 state_slots=self._state_slots([], b))
         return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling,
-                               self._scoring(zz, False)), dict(
+                               self._scoring(b, t)), dict(
             cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp,
             state_slots=self._state_slots([], b))
 
@@ -184,13 +184,14 @@ class ModelRunner:
         padded = sampling.padded(b)
         return padded.switched(self.max_pages_per_seq * self.page_size) if self.switched else padded
 
-    def _scoring(self, targets, scored: bool):
-        """``steps.prefill``'s ``scoring`` argument: with ``switched`` always there, switched
-        on the device (one executable whether a dispatch scores or not); else only when
-        ``scored`` (its own executable)."""
+    def _scoring(self, b: int, t: int, targets=None):
+        """``steps.prefill``'s ``scoring`` argument for a [b, t] dispatch: with ``switched``
+        always there, switched on the device by whether ``targets`` (int32[b, t]) are given
+        (one executable either way); else only with ``targets`` (its own executable)."""
         if self.switched:
-            return Scoring(targets, np.bool_(scored))
-        return Scoring(targets) if scored else None
+            scored = targets is not None
+            return Scoring(targets if scored else np.zeros((b, t), np.int32), np.bool_(scored))
+        return None if targets is None else Scoring(targets)
 
     def _state_slots(self, slots: list[int], b: int):
         """int32[b] state slots of a hybrid or V4 model's rows (0: the padding slot), or
@@ -340,14 +341,13 @@ class ModelRunner:
         """One ``steps.prefill`` dispatch of ``chunks`` padded to [b, t] -> its output; with
         ``targets`` (int32[b, t], prompt scoring) (output, scores)."""
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
-        scored = targets is not None
-        scoring = self._scoring(targets if scored else np.zeros_like(tokens), scored)
+        scoring = self._scoring(b, t, targets)
         out, self.cache = self._call(steps.prefill, (
             self.params, self.cache, tokens, positions, slots, pt, seq_lens, last_idx,
             *self._sampler(sampling, b).args(), scoring), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=None, tp=self.tp,
                 state_slots=self._state_slots([c[3] if len(c) > 3 else 0 for c in chunks], b)))
-        return out if scored or scoring is None else out[0]
+        return out if targets is not None or scoring is None else out[0]
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
                input_tokens=None):

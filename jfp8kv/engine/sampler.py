@@ -123,6 +123,10 @@ class SamplingExtras:
     logprobs: bool = False
     switches: np.ndarray | None = None
 
+    def switch(self, i: int):
+        """switches[i] (0: penalties, 1: log-probs), or None without switches."""
+        return None if self.switches is None else self.switches[i]
+
     def pad(self, b: int) -> "SamplingExtras":
         return SamplingExtras(None if self.penalty is None else self.penalty.pad(b), self.logprobs,
                               self.switches)
@@ -249,10 +253,9 @@ def init_state(extras: SamplingExtras | None, vocab: int):
     if extras is None or extras.penalty is None:
         return None
     b = extras.penalty.history.shape[0]
-    return branch(None if extras.switches is None else extras.switches[0],
-                   functools.partial(history_counts, vocab=vocab),
-                   lambda *_: (jnp.zeros((b, vocab), jnp.int32), jnp.zeros((b, vocab), bool)),
-                   extras.penalty.history, extras.penalty.num_prompt)
+    return branch(extras.switch(0), functools.partial(history_counts, vocab=vocab),
+                  lambda *_: (jnp.zeros((b, vocab), jnp.int32), jnp.zeros((b, vocab), bool)),
+                  extras.penalty.history, extras.penalty.num_prompt)
 
 
 def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extras, *,
@@ -260,7 +263,6 @@ def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extra
     """``sample`` with the optional features. ``counters`` is also the number of tokens
     generated so far (min_tokens). Returns (tokens, new state, log-probs or None)."""
     raw = logits
-    switches = None if extras is None else extras.switches
     if state is not None:
         p = extras.penalty
 
@@ -268,14 +270,13 @@ def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extra
             logits = apply_penalties(logits, *state, p.presence, p.frequency, p.repetition)
             return mask_stop_ids(logits, p.stop_ids, counters, p.min_tokens)
 
-        logits = branch(None if switches is None else switches[0], penalized, lambda x: x,
-                         logits)
+        logits = branch(extras.switch(0), penalized, lambda x: x, logits)
     toks = sample(logits, temperature, top_k, top_p, seeds, counters, all_greedy=all_greedy)
     if state is not None:
         rows = jnp.arange(toks.shape[0])
         state = (state[0].at[rows, toks].add(1), state[1].at[rows, toks].set(True))
     lp = None
     if extras is not None and extras.logprobs:
-        lp = branch(None if switches is None else switches[1], token_logprobs,
+        lp = branch(extras.switch(1), token_logprobs,
                     lambda x, t: zero_logprobs(t, x.shape[-1]), raw, toks)
     return toks, state, lp

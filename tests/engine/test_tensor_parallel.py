@@ -285,8 +285,7 @@ def test_invalid_sizes_each_raise_one_clear_error(checkpoints, smollm2_gguf_path
 
 # ---------------------------------------------------------------------- SmolLM2
 
-SMOLLM2_LAYERS = 2  # the first layers of the real model, for the all-modes matrix: more than
-# one layer's cache and scales; the TP layout is the same in every layer (4 until 2026-12-06)
+SMOLLM2_LAYERS = 4  # the first layers of the real model, for the all-modes matrix
 SMOLLM2_PROMPTS = ["The capital of France is", "Two plus two is"]  # one prefill bucket
 SMOLLM2_TEXT = "The old lighthouse stood at the end of a narrow spit of land."
 
