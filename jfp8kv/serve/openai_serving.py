@@ -365,6 +365,9 @@ async def _collect_all(streams: list[RequestStream], request: Request,
         watch.cancel()
         if not finals.done():
             finals.cancel()
+            # A cancelled gather ends with CancelledError set as its exception; retrieve
+            # it, or asyncio logs "exception was never retrieved" at ERROR per request.
+            finals.add_done_callback(lambda f: f.cancelled() or f.exception())
         for s in streams:
             s.close()
     if not finals.done() or finals.cancelled():
