@@ -66,8 +66,18 @@ def _children_jax_cache() -> str:
     return root
 
 
+# The pytest processes use the same per-run cache: a module's engines compile mostly what an
+# earlier module's (same tiny models, same shapes) compiled, and the second compile becomes a
+# load (tests/engine test_llm + test_prefix_cache_llm + test_overlap under -n 2: 534 -> 380
+# CPU-s; docs/testing.md has the suite's numbers). It was off from 06e11c6 to
+# this change after crashes loading cached executables, whose cause turned out to be
+# vm.max_map_count (b39aae2, fixed by ``_release_executables`` below).
+# ``JFP8KV_TEST_INPROCESS_CACHE=0`` turns it off for these processes.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _children_jax_cache()
-jax.config.update("jax_enable_compilation_cache", False)
+if os.environ.get("JFP8KV_TEST_INPROCESS_CACHE", "1") == "0":
+    jax.config.update("jax_enable_compilation_cache", False)
+else:  # jax read JAX_COMPILATION_CACHE_DIR when imported, above: set it here too
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 @pytest.fixture(scope="module", autouse=True)
