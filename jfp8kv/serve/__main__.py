@@ -63,7 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     net.add_argument("--request-timeout", type=float, default=None,
                      help="seconds from arrival after which a request is aborted, its KV "
                           "pages freed, and answered 408 (default: no deadline)")
+    net.add_argument("--timeout-keep-alive", type=float, default=75.0,
+                     help="seconds an idle HTTP connection stays open; keep it above the "
+                          "idle expiry of the clients' and proxies' pools (httpx 5, aiohttp "
+                          "15, nginx and cloud load balancers 60), or a request sent just "
+                          "as the server closes the connection fails with a reset "
+                          "(default: %(default)s)")
     args = p.parse_args(argv)
+    if not args.timeout_keep_alive > 0:
+        p.error(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.max_queue_len is None:
         args.max_queue_len = args.max_num_seqs
     return args
@@ -131,6 +139,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings from the parsed flags. The keep-alive outlasts the clients' pools:
+    at uvicorn's 5 s (httpx's expiry too) a pooled connection reused just as the server's
+    timer closes it ends in a reset, which the H100 soak saw as ReadErrors (docs/serving.md)."""
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_keep_alive=args.timeout_keep_alive)
+
+
 def check_chat_template(chat_prompt) -> None:
     """Render a probe conversation once at start-up. A missing template dependency stops the
     server with the import error (it names the package); a model without a usable chat
@@ -164,9 +180,7 @@ def main(argv=None) -> None:
                     tokenizer=llm.tokenizer, chat_prompt=llm.chat_prompt,
                     max_model_len=engine.max_model_len,
                     vocab_size=llm.config.vocab_size, limits=limits)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_keep_alive=5)
-    server = DrainingServer(config, async_engine, args.drain_timeout)
+    server = DrainingServer(uvicorn_config(app, args), async_engine, args.drain_timeout)
     server.run(sockets=[sock])
 
 
