@@ -26,3 +26,20 @@ def test_runs_on_a_tiny_model(tmp_path):
         assert r["step_ms"] > 0 and r["flops"] > r["ideal_ms"] > 0 and r["ideal_ms"] > 0
         assert r["kernels"]["kernels"] == 0  # no device trace on a CPU
     assert doc["command"].startswith("python -m bench")
+
+
+def test_runs_on_deepseek_v4_pools(tmp_path):
+    """V4's window and compressed pools have no random fill: a first chunk (prefix 0) reads
+    only what it writes, and a prefix is refused by name."""
+    import pytest
+
+    out = tmp_path / "v4.json"
+    assert prefill_profile.main(["--model", "random:deepseek-v4-tiny", "--rows", "1", "--chunk",
+                                 "32", "--reps", "1", "--configs", "fp8_e4m3:",
+                                 "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["records"]
+    assert r["kv_cache_dtype"] == "fp8_e4m3" and r["step_ms"] > 0 and r["flops"] > 0
+    with pytest.raises(ValueError, match="--prefix needs a dense paged cache"):
+        prefill_profile.main(["--model", "random:deepseek-v4-tiny", "--rows", "1", "--chunk",
+                              "32", "--prefix", "16", "--reps", "1", "--configs", "bfloat16:",
+                              "--out", str(out)])
