@@ -49,6 +49,8 @@ def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
     elif args.prefix:  # V4's pools and the hybrid's states hold no random-fill path
         raise ValueError(f"--prefix needs a dense paged cache; {args.model} has "
                          f"{type(llm.engine.runner.cache).__name__}: use --prefix 0")
+    ps = llm.cache_config.page_size  # V4's pools may round the page up (compression ratio)
+    pages = math.ceil(total / ps)
     rng = np.random.default_rng(0)
     chunks = [(rng.integers(3, cfg.vocab_size, args.chunk).tolist(), args.prefix,
                list(range(1 + i * pages, 1 + (i + 1) * pages))) for i in range(rows)]
