@@ -16,19 +16,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import random
-import shlex
 import socket
-import sys
 import threading
 import time
 
 import httpx
 import uvicorn
 
+from bench.common import command_line, machine_info, write_result
 from jfp8kv.serve.__main__ import parse_args, uvicorn_config
+
+
+def serve_in_thread(app, argv: list[str]) -> tuple[uvicorn.Server, int]:
+    """``app`` under uvicorn with the settings the server's flags ``argv`` give
+    (``uvicorn_config``), on a free loopback port in a daemon thread, once it has started;
+    returns (server, port). Set ``server.should_exit`` to stop it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn_config(app, parse_args(argv + ["--log-level", "error"])))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise TimeoutError("uvicorn did not start in 20 s")
+        time.sleep(0.02)
+    return server, sock.getsockname()[1]
 
 
 def _busy_app(busy_s: float):
@@ -74,16 +87,10 @@ async def _drive(port: int, a) -> dict:
 
 
 def run_one(keep_alive: float, a) -> dict:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    flags = parse_args(["--timeout-keep-alive", str(keep_alive), "--log-level", "error"])
-    server = uvicorn.Server(uvicorn_config(_busy_app(a.busy_ms / 1e3), flags))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.02)
+    server, port = serve_in_thread(_busy_app(a.busy_ms / 1e3),
+                                   ["--timeout-keep-alive", str(keep_alive)])
     try:
-        return {"timeout_keep_alive_s": keep_alive,
-                **asyncio.run(_drive(sock.getsockname()[1], a))}
+        return {"timeout_keep_alive_s": keep_alive, **asyncio.run(_drive(port, a))}
     finally:
         server.should_exit = True
 
@@ -103,15 +110,11 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"keep-alive {r['timeout_keep_alive_s']:g} s: {r['ok']} ok, "
               f"{r['failed']} transport errors {r['transport_errors']}")
-    record = {"bench": "keepalive", "rows": rows, "args": vars(a),
-              "machine": {"host": platform.node(), "python": platform.python_version(),
-                          "versions": {"uvicorn": uvicorn.__version__,
-                                       "httpx": httpx.__version__}},
-              "command": "python -m bench.keepalive " + shlex.join(sys.argv[1:] if argv is None
-                                                                    else argv)}
-    with open(a.out, "w") as f:
-        json.dump(record, f, indent=1)
-
+    machine = machine_info()
+    machine["versions"].update(uvicorn=uvicorn.__version__, httpx=httpx.__version__)
+    command = command_line("bench.keepalive", argv) if argv is not None else command_line()
+    write_result(a.out, {"bench": "keepalive", "rows": rows, "args": vars(a),
+                         "machine": machine, "command": command})
 
 if __name__ == "__main__":
     main()

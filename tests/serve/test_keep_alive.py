@@ -1,19 +1,19 @@
 """The server's idle keep-alive (``--timeout-keep-alive``) on a real uvicorn socket, with the
-settings ``python -m jfp8kv.serve`` builds (``uvicorn_config``) around a stub app: an idle
+settings ``python -m jfp8kv.serve`` builds (``uvicorn_config``, through
+``bench.keepalive.serve_in_thread``) around a stub app: an idle
 connection outlives httpx's 5 s pool expiry by default (at uvicorn's 5 s a request on a pooled
-connection can meet the server's close: the H100 soak's ReadErrors), the flag sets it, and a
+connection can meet the server's close: likely the H100 soak's ReadErrors), the flag sets it, and a
 value that cannot work is refused by name."""
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 
-from jfp8kv.serve.__main__ import parse_args, uvicorn_config
+from bench.keepalive import serve_in_thread
+from jfp8kv.serve.__main__ import parse_args
 
 REQUEST = b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n"
 
@@ -27,19 +27,6 @@ async def _ok_app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def _serve(argv):
-    """A uvicorn server with the flags' settings on a free port; returns (server, port)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn_config(_ok_app, parse_args(argv + ["--log-level", "error"])))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    return server, sock.getsockname()[1]
-
-
 def _response(conn: socket.socket) -> bytes:
     data = b""
     while not data.endswith(b"ok"):
@@ -51,7 +38,7 @@ def _response(conn: socket.socket) -> bytes:
 
 
 def _idle_then_request(argv, idle_s: float) -> tuple[bytes, bytes]:
-    server, port = _serve(argv)
+    server, port = serve_in_thread(_ok_app, argv)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
             conn.sendall(REQUEST)
