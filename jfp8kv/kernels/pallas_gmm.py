@@ -11,9 +11,11 @@ XLA on NVIDIA GPUs lowers ``ragged_dot`` to a dense dot over every expert for ev
   nothing. Rows past ``sum(group_sizes)`` form one extra segment (id E) whose tiles write
   zeros, as ``ragged_dot`` gives for them, so the kernel writes every output row and no
   jnp pass over the output follows.
-* Grid ``(T, cdiv(N, tn))``: a program loads its tile's group id and rows, gathers the lhs
-  rows, loops over K in chunks of ``tk`` reading ``rhs[g, k0:k0+tk, n0:n0+tn]``, accumulates
-  in f32 (IEEE f32 dots for f32 operands) and scatters the ``[tm, tn]`` tile to its rows.
+* Grid ``(T, cdiv(N, tn))`` (``columns_inner``: ``(cdiv(N, tn), T)``, so the column
+  programs of one row tile launch side by side): a program loads its tile's group id and
+  rows, gathers the lhs rows, loops over K in chunks of ``tk`` reading
+  ``rhs[g, k0:k0+tk, n0:n0+tn]``, accumulates in f32 (IEEE f32 dots for f32 operands) and
+  scatters the ``[tm, tn]`` tile to its rows.
 * K and N need not be multiples of ``tk`` / ``tn``: the edge chunks are masked (loads
   give 0 past K; stores skip columns past N). ``tm``, ``tn``, ``tk`` are powers of two
   >= 16 (Triton's dot); a padding row reads row 0 and is never stored.
@@ -44,17 +46,28 @@ from jfp8kv.kernels.tiles import Launch, check_dot_tile, dot_nn, next_pow2
 @dataclasses.dataclass(frozen=True)
 class GmmTuning(Launch):
     """The launch knobs plus the tile: ``tm`` rows (0: from the rows per group), ``tn``
-    output columns, ``tk`` reduction steps."""
+    output columns, ``tk`` reduction steps. ``columns_inner``: the grid's fast axis walks
+    the output columns, so the programs running at once read whole rows of one expert's
+    weights and share its gathered lhs rows (else it walks the row tiles, i.e. experts)."""
 
     tm: int = 0
     tn: int = 128
     tk: int = 64
+    columns_inner: bool = False
 
 
 def choose_tm(m: int, num_groups: int) -> int:
     """16 rows for decode-sized batches (little padding), up to 64 for prefill."""
     per_group = max(1, -(-m // max(1, num_groups)))
     return min(64, max(16, next_pow2(per_group)))
+
+
+def choose_tuning(m: int, num_groups: int, k: int, n: int) -> GmmTuning:
+    """The tuning ``gmm`` runs without one: the defaults, rows per tile from ``choose_tm``.
+    Takes the whole shape so a rule measured per shape (``bench.gmm_tuning``) can replace
+    it; ``k`` and ``n`` do not change the choice yet."""
+    del k, n
+    return GmmTuning(tm=choose_tm(m, num_groups))
 
 
 def num_tiles(m: int, num_groups: int, tm: int) -> int:
@@ -88,10 +101,12 @@ def tile_maps(group_sizes, m: int, tm: int):
 
 
 def _gmm_kernel(group_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, tm, tn, tk, num_groups,
-                spill):
+                spill, columns_inner):
     # group_ref int32[T]; rows_ref int32[T * tm]; lhs_ref [M, K]; rhs_ref [E, K, N];
     # out_ref [M (+ tm spill rows in interpret mode), N]
     t, j = pl.program_id(0), pl.program_id(1)
+    if columns_inner:
+        t, j = j, t
     k_total, n_total = rhs_ref.shape[1], rhs_ref.shape[2]
     g = group_ref[t]
     rows = rows_ref[pl.ds(t * tm, tm)]
@@ -133,12 +148,12 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None,
         tuning: GmmTuning | None = None, interpret: bool = False):
     """lhs [M, K] x rhs [E, K, N] grouped by ``group_sizes`` int32[E] -> [M, N]
     (``jax.lax.ragged_dot``'s meaning; see the module docstring). Static: the dtype,
-    tuning and interpret."""
-    tuning = tuning or GmmTuning()
+    tuning (None: ``choose_tuning`` of the shape) and interpret."""
     (m, k), (e, k2, n) = lhs.shape, rhs.shape
     if k != k2 or group_sizes.shape != (e,):
         raise ValueError(f"gmm needs lhs [M, K], rhs [E, K, N], group_sizes [E]; got "
                          f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+    tuning = tuning or choose_tuning(m, e, k, n)
     dtype = jnp.result_type(lhs.dtype, rhs.dtype)
     out_dtype = jnp.dtype(preferred_element_type or dtype)
     if min(m, n, k, e) == 0:
@@ -149,10 +164,11 @@ def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None,
     tile_group, rows = tile_maps(group_sizes, m, tm)
     spill = m if interpret else 0
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tuning.tn, tk=tuning.tk,
-                               num_groups=e, spill=spill)
+                               num_groups=e, spill=spill, columns_inner=tuning.columns_inner)
+    grid = (tile_group.shape[0], pl.cdiv(n, tuning.tn))
     out = pl.pallas_call(
         kernel,
-        grid=(tile_group.shape[0], pl.cdiv(n, tuning.tn)),
+        grid=grid[::-1] if tuning.columns_inner else grid,
         out_shape=jax.ShapeDtypeStruct((m + (tm if interpret else 0), n), out_dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,

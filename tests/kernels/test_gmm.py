@@ -2,7 +2,8 @@
 
 Fresh random operands and group sizes per run (empty groups, one group owning every row,
 fewer rows than a tile, one group, 64/128 groups, rows past the groups' sum), K and N off
-the tile grid (masked edges); the interpret mode pre-fills the output with NaN, so a row
+the tile grid (masked edges), both grid orders (``columns_inner``) and the wider tiles
+``bench.gmm_tuning`` sweeps; the interpret mode pre-fills the output with NaN, so a row
 or column the kernel does not write fails the finiteness check. f32 operands must match to
 f32 summation order; bf16 operands with an f32 result likewise (exact products, f32 sums);
 a bf16 result within one bf16 rounding. Then random:qwen3-moe-tiny and
@@ -24,21 +25,35 @@ from jfp8kv.kernels import grouped_matmul, pallas_gmm
 
 from .cases import assert_close, make_cfg, on_cpu, on_exec, prefill_layout, sweep
 
-# (M, K, N, E, dtype, result dtype, sizes kind, tm, tn, tk)
+T = pallas_gmm.GmmTuning
+# (M, K, N, E, dtype, result dtype, sizes kind, tuning)
 CASES = [
-    (70, 48, 40, 6, "float32", "float32", "with-empty", 16, 32, 32),
-    (5, 32, 32, 3, "bfloat16", "float32", "random", 16, 32, 32),  # M < tm
-    (90, 64, 64, 4, "bfloat16", "bfloat16", "one-group", 32, 32, 32),
-    (33, 40, 24, 1, "float32", "float32", "all", 16, 16, 16),  # E = 1, K/N masked
-    (200, 32, 32, 64, "bfloat16", "float32", "random", 16, 32, 32),
-    (300, 32, 48, 128, "float32", "float32", "short-sum", 16, 32, 32),  # zero tail
-    (128, 64, 64, 8, "float32", "float32", "random", 0, 128, 64),  # default tuning
+    (70, 48, 40, 6, "float32", "float32", "with-empty", T(tm=16, tn=32, tk=32)),
+    (5, 32, 32, 3, "bfloat16", "float32", "random", T(tm=16, tn=32, tk=32)),  # M < tm
+    (90, 64, 64, 4, "bfloat16", "bfloat16", "one-group", T(tm=32, tn=32, tk=32)),
+    (33, 40, 24, 1, "float32", "float32", "all", T(tm=16, tn=16, tk=16)),  # E = 1, K/N masked
+    (200, 32, 32, 64, "bfloat16", "float32", "random", T(tm=16, tn=32, tk=32)),
+    (300, 32, 48, 128, "float32", "float32", "short-sum", T(tm=16, tn=32, tk=32)),  # zero tail
+    (128, 64, 64, 8, "float32", "float32", "random", T()),  # default tuning
+    # the column-inner grid (zero tail, empty groups) and bench.gmm_tuning's wider tiles:
+    (300, 32, 48, 128, "float32", "float32", "short-sum",
+     T(tm=16, tn=16, tk=16, columns_inner=True)),
+    (70, 48, 40, 6, "bfloat16", "float32", "with-empty",
+     T(tm=32, tn=16, tk=32, columns_inner=True)),
+    (100, 136, 72, 8, "bfloat16", "float32", "random", T(tm=32, tn=256, tk=128, num_warps=8)),
     # GPU only:
-    (4096, 2048, 1408, 64, "bfloat16", "float32", "random", 0, 128, 64),
-    (384, 2048, 768, 128, "bfloat16", "float32", "with-empty", 16, 128, 64),
-    (3000, 200, 136, 16, "float32", "float32", "short-sum", 64, 64, 32),
+    (4096, 2048, 1408, 64, "bfloat16", "float32", "random", T()),
+    (384, 2048, 768, 128, "bfloat16", "float32", "with-empty", T(tm=16, tn=128, tk=64)),
+    (3000, 200, 136, 16, "float32", "float32", "short-sum", T(tm=64, tn=64, tk=32)),
+    # few rows per expert (DeepSeek-V4's prefill regime at a CPU-checkable size):
+    (768, 1024, 512, 64, "bfloat16", "float32", "random", T(tm=32, columns_inner=True)),
+    (768, 1024, 512, 64, "bfloat16", "float32", "random", T(tn=256, num_warps=8)),
+    (768, 1024, 512, 64, "bfloat16", "float32", "random", T(tk=128, num_warps=8)),
+    (3072, 1024, 512, 64, "bfloat16", "float32", "random", T(tn=256, num_warps=8,
+                                                              columns_inner=True)),
 ]
-IDS = [f"M{c[0]}-K{c[1]}-N{c[2]}-E{c[3]}-{c[4]}->{c[5]}-{c[6]}-tm{c[7]}-tn{c[8]}-tk{c[9]}"
+IDS = [f"M{c[0]}-K{c[1]}-N{c[2]}-E{c[3]}-{c[4]}->{c[5]}-{c[6]}-tm{c[7].tm}-tn{c[7].tn}"
+       f"-tk{c[7].tk}-w{c[7].num_warps}" + ("-cols" if c[7].columns_inner else "")
        for c in CASES]
 
 
@@ -59,14 +74,13 @@ def draw_sizes(rng, m: int, e: int, kind: str) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(7)))
+@pytest.mark.parametrize("case,exec_mode", sweep(CASES, IDS, cpu_subset=range(10)))
 def test_gmm_matches_ragged_dot(case, exec_mode):
-    m, k, n, e, dtype, out_dtype, kind, tm, tn, tk = case
+    m, k, n, e, dtype, out_dtype, kind, tuning = case
     rng = np.random.default_rng()
     lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
     rhs = jnp.asarray(rng.standard_normal((e, k, n)), dtype)
     sizes = jnp.asarray(draw_sizes(rng, m, e, kind))
-    tuning = pallas_gmm.GmmTuning(tm=tm, tn=tn, tk=tk)
     got = on_exec(exec_mode, functools.partial(
         pallas_gmm.gmm, preferred_element_type=jnp.dtype(out_dtype), tuning=tuning),
         lhs, rhs, sizes)
