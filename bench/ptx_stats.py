@@ -3,6 +3,7 @@
     pip install --no-deps --target /tmp/tritonpkg triton==3.6.0   # once (~170 MB)
     PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels prefill
     PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels store,decode
+    PYTHONPATH=/tmp/tritonpkg python -m bench.ptx_stats --kernels gmm   # DeepSeek-V4's experts
 
 Each configuration (storage x scale mode x tile shape x warps x upcast variant) is lowered
 by Pallas for CUDA on this machine (``jit(...).trace(...).lower(lowering_platforms=
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kernels import cache_cfg, prologue_inputs
-from jfp8kv.kernels import pallas_decode, pallas_prefill, pallas_store
+from jfp8kv.kernels import pallas_decode, pallas_gmm, pallas_prefill, pallas_store
 from jfp8kv.kvcache.cache import KVCache
 
 
@@ -282,7 +283,77 @@ def decode_jobs(quick: bool):
     return jobs
 
 
-JOBS = {"prefill": prefill_jobs, "store": store_jobs, "decode": decode_jobs}
+SM90_SMEM = 227 * 1024  # shared memory one sm_90 SM gives its programs
+SM90_REGS = 65536
+
+
+def occupancy(regs: int, smem: int, num_warps: int) -> int:
+    """Programs resident per sm_90 SM, from registers (allocated per warp in units of 256),
+    shared memory (+1 KiB the runtime reserves per program), threads (2,048) and the 32-block
+    cap."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(SM90_REGS // (per_warp * num_warps), SM90_SMEM // (smem + 1024),
+               2048 // (32 * num_warps), 32)
+
+
+def gmm_record(m, k, n, e, tuning: "pallas_gmm.GmmTuning"):
+    """Static statistics of the grouped matmul's K loop for bf16 lhs [m, k] x rhs [e, k, n]
+    (f32 out): registers, spills, shared memory, the pipelined loads (16-byte cp.async vs
+    plain ld.global), the matrix instruction (wgmma or mma.sync), programs per SM and the
+    weight bytes each SM has in flight (programs x prefetched stages x the rhs tile)."""
+    t = tuning
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((e,), jnp.int32))
+    f = functools.partial(pallas_gmm.gmm, preferred_element_type=jnp.float32, tuning=t)
+    rec = dict(kernel="gmm", M=m, K=k, N=n, E=e, tm=t.tm or pallas_gmm.choose_tm(m, e),
+               tn=t.tn, tk=t.tk, num_warps=t.num_warps, num_stages=t.num_stages,
+               columns_inner=t.columns_inner)
+    try:
+        (ttir,) = capture_ttir(lambda *a: f(*a), *args)
+        ptx, info, shared, cubin = compile_ptx(ttir, t.num_warps, t.num_stages)
+        rec.update(loop_stats(ptx, info), shared_bytes=shared, **sass_stats(cubin))
+        rec.update({name: len(re.findall(pat, ptx)) for name, pat in (
+            ("cp_async_16B", r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10"),
+            ("cp_async_all", r"cp\.async\.c[ag]\.shared"), ("ld_global", r"ld\.global"),
+            ("wgmma", r"wgmma\.mma_async"), ("mma_sync", r"mma\.sync"),
+            ("wait_group", r"cp\.async\.wait_group"))})
+        rec["programs_per_sm"] = occupancy(rec["regs"], shared, t.num_warps)
+        rec["rhs_tile_bytes"] = t.tk * t.tn * 2
+        rec["rhs_bytes_in_flight_per_sm"] = (rec["programs_per_sm"]
+                                             * max(1, t.num_stages - 1) * t.tk * t.tn * 2)
+    except Exception as e:  # noqa: BLE001 - a failed config is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return rec
+
+
+# DeepSeek-V4-Flash's routed experts as its prefill runs them (v4_paged.SUB_CHUNK = 512
+# tokens x 6 routes = 3,072 rows per call; 12,288 for a whole 2,048-token chunk).
+GMM_SHAPES = {"gate_up": (3072, 4096, 2048, 256), "down": (3072, 2048, 4096, 256)}
+
+
+def gmm_jobs(quick: bool):
+    """On the gate/up shape: tm 16/32 x tn 128/256 x tk 64/128 plus a tn 64, a tk 32 and
+    three tm 64 tiles (those at the whole-chunk M), each x warps 4/8 x stages 3/4/5; three
+    on the down shape, one with the column-inner grid."""
+    tiles = [(tm, tn, tk) for tm in (16, 32) for tn in (128, 256) for tk in (64, 128)]
+    tiles += [(16, 64, 64), (16, 128, 32), (64, 128, 64), (64, 256, 64), (64, 128, 128)]
+    grid = [(tm, tn, tk, nw, ns) for tm, tn, tk in tiles for nw in (4, 8) for ns in (3, 4, 5)]
+    if quick:
+        grid = [(16, 128, 64, 4, 3), (16, 256, 64, 8, 4)]
+    m, k, n, e = GMM_SHAPES["gate_up"]
+    jobs = [functools.partial(gmm_record, m if tm < 64 else 4 * m, k, n, e,
+                              pallas_gmm.GmmTuning(tm=tm, tn=tn, tk=tk, num_warps=nw,
+                                                   num_stages=ns))
+            for tm, tn, tk, nw, ns in grid]
+    m, k, n, e = GMM_SHAPES["down"]
+    jobs += [functools.partial(gmm_record, m, k, n, e,
+                               pallas_gmm.GmmTuning(tm=16, tn=tn, tk=64, num_warps=nw, num_stages=3,
+                                                    columns_inner=ci))
+             for tn, nw, ci in ((128, 4, False), (128, 4, True), (256, 8, False))]
+    return jobs
+
+
+JOBS = {"prefill": prefill_jobs, "store": store_jobs, "decode": decode_jobs, "gmm": gmm_jobs}
 
 
 def main():
