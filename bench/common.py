@@ -142,3 +142,25 @@ def override_split_loop(on: bool | None) -> None:
                                                                       split_loop=on))
 
         mod.default_tuning = tuning
+
+
+def override_gmm_tuning(sweep_path: str | None) -> list[dict]:
+    """For this process, make ``pallas_gmm.gmm``'s tuning (it asks ``choose_tuning`` when it
+    traces) the fastest one ``bench.gmm_tuning`` measured for the same (M, K, N, E): the
+    ``best`` list of its result file at ``sweep_path``; other shapes keep the default. None
+    changes nothing. Returns the entries it applies."""
+    if not sweep_path:
+        return []
+    from jfp8kv.kernels import pallas_gmm
+
+    with open(sweep_path) as f:
+        best = json.load(f).get("best", [])
+    table = {(b["M"], b["K"], b["N"], b["E"]): pallas_gmm.GmmTuning(**b["tuning"])
+             for b in best}
+    default = pallas_gmm.choose_tuning
+
+    def tuning(m, num_groups, k, n):
+        return table.get((m, k, n, num_groups)) or default(m, num_groups, k, n)
+
+    pallas_gmm.choose_tuning = tuning
+    return best

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from bench import internals, profile_trace
-from bench.common import command_line, machine_info, matmul_tflops, write_result
+from bench.common import (command_line, machine_info, matmul_tflops, override_gmm_tuning,
+                          write_result)
 from bench.offline import model_terms, prefill_flops
 from jfp8kv.engine.stats import causal_pairs
 
@@ -89,7 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--configs", default="bfloat16:,fp8_e4m3:token")
     p.add_argument("--out", default="bench/results/prefill-profile-h200.json")
+    p.add_argument("--gmm-tuning", default=None, metavar="SWEEP_JSON",
+                   help="run the MoE grouped matmul with the fastest tunings a "
+                        "bench.gmm_tuning result measured for its shapes")
     args = p.parse_args(argv)
+    gmm_tuning = override_gmm_tuning(args.gmm_tuning)
     rate = matmul_tflops()
     records = []
     for item in args.configs.split(","):
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
                                    for n, v in k["by_kind"].items()), flush=True)
     command = command_line("bench.prefill_profile", argv) if argv is not None else command_line()
     write_result(args.out, dict(machine=machine_info(), command=command,
-                                matmul_tflops=rate, records=records))
+                                matmul_tflops=rate, gmm_tuning=gmm_tuning, records=records))
     return 0
 
 

@@ -1,0 +1,57 @@
+"""bench.gmm_tuning: its padded reference equals ragged_dot, --preset smoke writes checked
+records, the best per case and a step estimate (interpret mode: a plumbing test, no timing
+is asserted), and bench.common.override_gmm_tuning hands gmm the measured tuning for the
+measured shapes only."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import gmm_tuning
+from bench.common import override_gmm_tuning
+from jfp8kv.kernels import pallas_gmm
+
+
+def test_padded_reference_matches_ragged_dot():
+    rng = np.random.default_rng()
+    sizes = np.array([5, 0, 9, 1, 0, 4], np.int32)  # an empty group; 3 rows past the sum
+    lhs = jnp.asarray(rng.standard_normal((22, 24)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((6, 24, 40)), jnp.bfloat16)
+    got = gmm_tuning.padded_reference(lhs, rhs, sizes)
+    want = jax.lax.ragged_dot(lhs, rhs, jnp.asarray(sizes), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert (np.asarray(got)[int(sizes.sum()):] == 0).all()
+
+
+def test_smoke_preset(tmp_path):
+    out = tmp_path / "g.json"
+    gmm_tuning.main(["--preset", "smoke", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    cases = gmm_tuning.PRESETS["smoke"]["cases"]
+    assert len(doc["records"]) == 2 * sum(len(t) for t in cases.values()) and not doc["skipped"]
+    for r in doc["records"]:
+        assert "error" not in r and r["ok"] and r["finite"] and r["ms"] > 0, r
+    assert {(b["projection"], b["M"]) for b in doc["best"]} == {
+        (p, t * gmm_tuning.PRESETS["smoke"]["k"]) for p in gmm_tuning.PROJECTIONS for t in cases}
+    assert all(b["default_ms"] is not None for b in doc["best"])
+    assert set(doc["step_estimate_ms"]) == {f"{t}_tokens_per_pass_{w}" for t in cases
+                                            for w in ("default", "best")}
+    assert doc["command"].startswith("python -m bench.gmm_tuning")
+
+
+def test_override_gmm_tuning(tmp_path, monkeypatch):
+    monkeypatch.setattr(pallas_gmm, "choose_tuning", pallas_gmm.choose_tuning)  # restored
+    default = pallas_gmm.choose_tuning(3072, 256, 4096, 2048)
+    assert default == pallas_gmm.GmmTuning(tm=16)
+    assert override_gmm_tuning(None) == [] and pallas_gmm.choose_tuning(3072, 256, 4096,
+                                                                        2048) == default
+    win = pallas_gmm.GmmTuning(tm=32, tn=256, num_warps=8, columns_inner=True)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"best": [dict(projection="gate_up", M=3072, K=4096, N=2048,
+                                              E=256, tuning=dataclasses.asdict(win))]}))
+    assert len(override_gmm_tuning(str(path))) == 1
+    assert pallas_gmm.choose_tuning(3072, 256, 4096, 2048) == win
+    assert pallas_gmm.choose_tuning(3072, 256, 2048, 4096) == default  # another shape
