@@ -147,8 +147,8 @@ def override_split_loop(on: bool | None) -> None:
 def override_gmm_tuning(sweep_path: str | None) -> list[dict]:
     """For this process, make ``pallas_gmm.gmm``'s tuning (it asks ``choose_tuning`` when it
     traces) the fastest one ``bench.gmm_tuning`` measured for the same (M, K, N, E): the
-    ``best`` list of its result file at ``sweep_path``; other shapes keep the default. None
-    changes nothing. Returns the entries it applies."""
+    ``best`` list of its result file at ``sweep_path``; other shapes keep the default. Each
+    trace prints what it picked. None changes nothing. Returns the sweep's entries."""
     if not sweep_path:
         return []
     from jfp8kv.kernels import pallas_gmm
@@ -160,7 +160,10 @@ def override_gmm_tuning(sweep_path: str | None) -> list[dict]:
     default = pallas_gmm.choose_tuning
 
     def tuning(m, num_groups, k, n):
-        return table.get((m, k, n, num_groups)) or default(m, num_groups, k, n)
+        hit = table.get((m, k, n, num_groups))
+        print(f"gmm tuning for M={m} K={k} N={n} E={num_groups}: "
+              f"{hit or 'default (not in the sweep)'}", flush=True)  # once per trace
+        return hit or default(m, num_groups, k, n)
 
     pallas_gmm.choose_tuning = tuning
     return best
