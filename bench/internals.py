@@ -13,14 +13,20 @@ to follow. What each needs and why:
   named (records and server command lines name it explicitly);
 * ``weight_bytes``: the parameters' bytes on the device;
 * ``kv_bytes_per_token``: the pool's bytes per token for a KV dtype and scale mode (to size
-  a pool to what a benchmark needs).
+  a pool to what a benchmark needs);
+* ``eos_after``: requests that end early as if EOS were sampled (random weights never sample
+  it), for workloads such as chat where outputs stop far below max_tokens
+  (``bench.offline --eos-after``);
+* ``admission_state``: the admission policy's learned ratio and floor.
 
 (Nothing here changes an engine's settings at run time: knobs such as the minimum prefill
-chunk are ``EngineConfig`` fields, given when the ``LLM`` is built.)
+chunk are ``EngineConfig`` fields, given when the ``LLM`` is built. ``eos_after`` changes
+sampled tokens, inside its block only.)
 """
 
 from __future__ import annotations
 
+import contextlib
 
 
 def default_fp8_scale_mode() -> str:
@@ -95,3 +101,50 @@ def kv_bytes_per_token(cfg, kv_cache_dtype: str, mode: str | None, dtype: str = 
     storage = storage_dtype_name(kv_cache_dtype, dtype)
     return bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, storage,
                            mode if storage.startswith("float8") else None)
+
+
+@contextlib.contextmanager
+def eos_after(llm, counts):
+    """Within the block, the i-th request added to ``llm``'s engine gets the engine's EOS id
+    in place of its ``counts[i]``-th sampled token (if it is still running then), so the
+    engine's own stop rule ends it there: finish reason "stop", the EOS kept in token_ids
+    and left out of the text, pages freed, the admission policy told of the finish, exactly
+    as for a sampled EOS. Nothing else learns the count: scheduling and admission see only
+    the request's SamplingParams (max_tokens). Requests must not set ignore_eos. Yields
+    {request_id: count}. Wraps the engine's ``add_request`` and ``_take`` (the post-processing
+    of a row's sampled tokens) for the block only."""
+    import numpy as np
+
+    engine = llm.engine
+    if not engine.eos_token_ids:
+        raise ValueError(f"{engine.model_name} has no EOS token id to end requests with")
+    eos = min(engine.eos_token_ids)
+    todo, stop_at = iter(counts), {}
+    add, take = engine.add_request, engine._take
+
+    def add_request(request_id, prompt, params=None):
+        if params is None or params.ignore_eos:
+            raise ValueError("eos_after needs SamplingParams with ignore_eos=False")
+        add(request_id, prompt, params)
+        stop_at[request_id] = int(next(todo))
+
+    def take_until_eos(seq, toks, *rest):
+        j = stop_at.get(seq.request_id, 0) - 1 - len(seq.output_ids)  # index of token N
+        if 0 <= j < len(toks):
+            toks = np.array(toks)
+            toks[j] = eos
+        return take(seq, toks, *rest)
+
+    engine.add_request, engine._take = add_request, take_until_eos
+    try:
+        yield stop_at
+    finally:
+        del engine.add_request, engine._take  # the class's methods again
+
+
+def admission_state(llm) -> dict:
+    """The admission policy and its learned state (``jfp8kv.engine.admission``): the ratio
+    of each request's output budget it reserves now and the learned floor (None: no finish
+    seen yet)."""
+    a = llm.engine.scheduler.admission
+    return dict(policy=a.policy, ratio=a.ratio, used=a.used)

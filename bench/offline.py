@@ -5,6 +5,8 @@ plus a model of what the hardware could do).
         --output-len 128 --kv-cache-dtype bfloat16,fp8 [--kv-cache-memory 16e9] [--plot]
     python -m bench.offline --model random:qwen3-tiny --num-prompts 4 --input-len 32 \\
         --output-len 8 --out /tmp/offline.json          # CPU smoke test
+    python -m bench.offline --model random:qwen3-8b --num-prompts 200 --input-len 64 \\
+        --output-len 256 --eos-after 8:24 --admission greedy,reserve   # early stops, A/B
     python -m bench.offline --plot-only bench/results/offline-h200.json
 
 Workload: ``--num-prompts`` prompts of random token ids (or the lines of ``--dataset``, a
@@ -17,6 +19,15 @@ measurement. ``--kv-cache-memory`` (bytes) caps the KV pool, making a run capaci
 One invocation runs every ``--kv-cache-dtype`` of a comma list on the same prompts and the
 same loaded weights, and for each every ``--admission`` policy of a comma list (an A/B of
 ``EngineConfig.admission``: reserve, greedy; default: the engine's).
+
+``--eos-after LO:HI`` makes requests stop early, as chat does: each still asks for its output
+length as max_tokens (what admission and the scheduler see), but ends with EOS as its N-th
+token, N drawn per request uniformly from [LO, HI] (``--seed``). Random weights never sample
+EOS, so ``bench.internals.eos_after`` puts the EOS id in place of the N-th sampled token and
+the engine's own stop rule ends the request (finish reason "stop"). The record gives the
+drawn and the realized output lengths, the finish reasons and the admission state when the
+timed run starts (``--warmup full`` runs other draws of the same distribution first, so
+``reserve`` has learned how far outputs run, as a server has after its first requests).
 
 Warm-up (``--warmup``): ``full`` (default) runs the whole workload once first with other
 random tokens of the same lengths (so a prefix cache cannot help the timed run), which
@@ -69,6 +80,7 @@ added to an existing file): machine, versions, exact command, the two rates, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -131,6 +143,22 @@ def make_prompts(args, vocab: int, tokenizer, seed: int) -> tuple[list[list[int]
     else:
         prompts = [rng.integers(0, vocab, int(t)).tolist() for t in in_lens]
     return prompts, [int(x) for x in out_lens]
+
+
+def eos_counts(args, n: int, seed: int) -> list[int] | None:
+    """``--eos-after LO:HI``: the generated token each of n requests ends with EOS at, drawn
+    uniformly from [LO, HI] (``seed`` as make_prompts'); None without the option."""
+    if args.eos_after is None:
+        return None
+    lo, hi = args.eos_after
+    return np.random.default_rng([args.seed, seed, 1]).integers(lo, hi + 1, n).tolist()
+
+
+def length_counts(lengths) -> dict:
+    """min, median, mean, max and {length: requests} of a list of output lengths."""
+    xs = sorted(int(x) for x in lengths)
+    return dict(min=xs[0], median=statistics.median(xs), mean=statistics.fmean(xs), max=xs[-1],
+                counts={str(k): xs.count(k) for k in sorted(set(xs))})
 
 
 def attention_params(cfg) -> int:
@@ -297,26 +325,31 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
     return dict(batch=batch, prefill_s=pf / rate, decode_s=db / bw, ideal_s=pf / rate + db / bw)
 
 
-def timed_generate(llm, prompts, out_lens) -> dict:
-    """One pass of ``generate_stream``; wall time, per-request TTFT, tokens, preemptions."""
+def timed_generate(llm, prompts, out_lens, eos_at: list[int] | None = None) -> dict:
+    """One pass of ``generate_stream``; wall time, per-request TTFT, tokens, preemptions.
+    Greedy and ``ignore_eos`` unless ``eos_at`` gives each request's EOS position
+    (``--eos-after``): then EOS ends them there (``internals.eos_after``)."""
     from jfp8kv import SamplingParams
     from jfp8kv.engine.stats import compile_count
 
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=eos_at is None)
+              for n in out_lens]
     first, final = {}, {}
     c0, s0 = compile_count()
     t0 = time.perf_counter()
-    for out in llm.generate_stream(prompts, params):
-        now = time.perf_counter() - t0
-        if out.token_ids and out.request_id not in first:
-            first[out.request_id] = now
-        if out.finished:
-            final[out.request_id] = out
+    with internals.eos_after(llm, eos_at) if eos_at else contextlib.nullcontext({}) as stop_at:
+        for out in llm.generate_stream(prompts, params):
+            now = time.perf_counter() - t0
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                final[out.request_id] = out
     elapsed = time.perf_counter() - t0
     c1, s1 = compile_count()
     ttft = sorted(first.values())
-    return dict(elapsed_s=elapsed, ttft=ttft, outputs=list(final.values()),
-                compiles_in_run=c1 - c0, compile_s_in_run=s1 - s0)
+    outs = list(final.values())
+    return dict(elapsed_s=elapsed, ttft=ttft, outputs=outs, compiles_in_run=c1 - c0,
+                compile_s_in_run=s1 - s0, eos_at=[stop_at.get(o.request_id) for o in outs])
 
 
 def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) -> dict:
@@ -343,14 +376,16 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) ->
     build_s = time.perf_counter() - t
     t = time.perf_counter()
     if args.warmup == "full":
-        timed_generate(llm, *make_prompts(args, cfg.vocab_size, loaded.tokenizer, 1))
+        timed_generate(llm, *make_prompts(args, cfg.vocab_size, loaded.tokenizer, 1),
+                       eos_counts(args, len(prompts), 1))
     elif args.warmup == "buckets":
         llm.warmup(progress=False)
     warmup_s = time.perf_counter() - t
+    admission_at_start = internals.admission_state(llm)
     stats = internals.step_stats(llm)
     stats.reset()
     stats.enable()
-    run = timed_generate(llm, prompts, out_lens)
+    run = timed_generate(llm, prompts, out_lens, eos_counts(args, len(prompts), 0))
     stats.enable(False)
     ec = llm.engine_config
     info = dict(llm.cache_info(), max_num_seqs=ec.max_num_seqs,
@@ -358,10 +393,25 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) ->
     rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
                decode_one_wave=args.decode_one_wave, split_loop=args.split_loop or "default",
-               decode_gemm_autotune=ec.decode_gemm_autotune, admission=ec.admission)
+               decode_gemm_autotune=ec.decode_gemm_autotune, admission=ec.admission,
+               admission_at_start=admission_at_start, **early_stops(args, run))
     del llm
     gc.collect()
     return rec
+
+
+def early_stops(args, run) -> dict:
+    """The record's ``--eos-after`` fields: the option, the drawn and realized output
+    lengths, the requests whose output ended at its drawn length, the finish reasons."""
+    outs = run["outputs"]
+    reasons = [o.finish_reason for o in outs]
+    out = dict(eos_after=None if args.eos_after is None else "%d:%d" % args.eos_after,
+               generated_tokens=length_counts(len(o.token_ids) for o in outs),
+               finish_reasons={r: reasons.count(r) for r in sorted(set(reasons))})
+    if args.eos_after is not None:
+        out.update(eos_drawn=length_counts(run["eos_at"]), ended_as_drawn=sum(
+            len(o.token_ids) == n for o, n in zip(outs, run["eos_at"])))
+    return out
 
 
 def make_record(args, kv, info, run, stats, terms, rates) -> dict:
@@ -449,6 +499,9 @@ def parse_args(argv):
     p.add_argument("--range-ratio", type=float, default=1.0)
     p.add_argument("--dataset", default=None, help="text file: one prompt per non-empty line")
     p.add_argument("--prefill-only", action="store_true", help="output length 1 (TTFT-like)")
+    p.add_argument("--eos-after", default=None, metavar="LO:HI",
+                   help="each request ends with EOS after a drawn N in [LO, HI] generated "
+                        "tokens, max_tokens unchanged (default: ignore_eos, full length)")
     p.add_argument("--kv-cache-memory", default=None, help="KV pool bytes (e.g. 16e9)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -479,10 +532,25 @@ def parse_args(argv):
         p.error("--range-ratio must be in (0, 1]")
     if min(args.num_prompts, args.input_len, args.output_len) < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.eos_after is not None:
+        args.eos_after = parse_range(p, args.eos_after, args.prefill_only)
     bad = set((args.admission or "reserve").split(",")) - set(ADMISSION_POLICIES)
     if bad:
         p.error(f"--admission: unknown {sorted(bad)}; choose from {list(ADMISSION_POLICIES)}")
     return args
+
+
+def parse_range(p, text: str, prefill_only: bool) -> tuple[int, int]:
+    """--eos-after LO:HI -> (LO, HI), 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        p.error(f"--eos-after {text!r}: give LO:HI, two integers (e.g. 8:24)")
+    if not 1 <= lo <= hi:
+        p.error(f"--eos-after {text!r}: need 1 <= LO <= HI")
+    if prefill_only:
+        p.error("--eos-after and --prefill-only: a prefill-only request makes one token")
+    return lo, hi
 
 
 def main(argv=None) -> int:
