@@ -106,6 +106,7 @@ ATTENTION_BACKENDS = ("auto", "pallas", "pallas_triton", "reference")
 GEMM_AUTOTUNE = ("default", "exhaustive")  # EngineConfig.decode_gemm_autotune
 FP8_ATTENTION_COMPUTES = ("dequant", "fp8")  # CacheOptions.fp8_attention_compute
 ADMISSION_POLICIES = ("reserve", "greedy")  # EngineConfig.admission (engine/admission.py)
+FEATURE_EXECUTABLES = ("switched", "per-mix")  # EngineConfig.feature_executables (variants.py)
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Not for serving: float64 compute exists so the fp8 cache can be checked against another
 # float64 implementation without float32 rounding noise (CPU, reference attention, x64 on).
@@ -308,6 +309,12 @@ class EngineConfig:
         "greedy (as soon as its first prefill chunk fits; preempts the newest when decode "
         "runs out of pages; the default until an H200 A/B decides: docs/engine-notes.md)",
         choices=ADMISSION_POLICIES)
+    feature_executables: str = _knob(
+        "switched", "requests with log-probs, penalties, min_tokens or prompt scoring: switched "
+        "(one executable per shape, the features switched on the device, compiled before "
+        "/health; a GPU keeps plain decode's own executables) or per-mix (each feature mix "
+        "compiles its own executable on first use: the former GPU way, for an A/B)",
+        choices=FEATURE_EXECUTABLES)
 
     def __post_init__(self):
         ps = self.page_size
@@ -320,7 +327,8 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         check_choices(self, attention_backend=ATTENTION_BACKENDS,
-                      decode_gemm_autotune=GEMM_AUTOTUNE, admission=ADMISSION_POLICIES)
+                      decode_gemm_autotune=GEMM_AUTOTUNE, admission=ADMISSION_POLICIES,
+                      feature_executables=FEATURE_EXECUTABLES)
         if self.decode_buckets is not None:
             if not self.decode_buckets or any(b < 1 for b in self.decode_buckets):
                 raise ValueError(f"decode_buckets must be positive batch sizes, got "

@@ -16,6 +16,7 @@ from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
     ({"attention_backend": "triton"}, "choose one of"),
     ({"decode_gemm_autotune": "fast"}, r"decode_gemm_autotune 'fast'; choose one of"),
     ({"decode_buckets": (8, 0)}, "decode_buckets must be positive"),
+    ({"feature_executables": "lazy"}, r"feature_executables 'lazy'; choose one of.*per-mix"),
 ])
 def test_engine_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -278,7 +278,8 @@ def assemble_engine(loaded, plan: CapacityPlan, engine_cfg: EngineConfig, backen
                          prefill_one_row=not on_gpu or loaded.config.v4 is not None,
                          chunk_factor=2 if on_gpu else 4,
                          max_chunk=engine_cfg.max_num_batched_tokens, tp=tp,
-                         decode_gemm_autotune=engine_cfg.decode_gemm_autotune)
+                         decode_gemm_autotune=engine_cfg.decode_gemm_autotune,
+                         feature_executables=engine_cfg.feature_executables)
     # Pages are reused only under the settings that produced their numbers.
     namespace = (loaded.name, ccfg.storage_dtype, ccfg.scale_mode,
                  None if k_scale is None else hash(np.asarray(k_scale).tobytes()),

@@ -75,8 +75,9 @@ class LLM:
     def warmup(self, progress: bool = True, run: bool | None = None) -> None:
         """Compile every decode and prefill bucket the engine can dispatch (on parallel
         threads) and the overlap scheduler's helpers: the server does this before /health,
-        so no request waits for a compile. Requests with log-probs or penalties, and prompt
-        scoring (``echo``), still compile their variants on first use.
+        so no request waits for a compile: requests with log-probs, penalties or prompt
+        scoring (``echo``) run the switched executables compiled here too (``variants.py``;
+        with ``feature_executables="per-mix"`` they compile on first use).
 
         ``run``: also execute each shape once on zeros (writing only to the sink page).
         Default: on a GPU, where it takes milliseconds and surfaces a temporary buffer that

@@ -34,7 +34,8 @@ from jfp8kv.config import ModelConfig
 from jfp8kv.engine import steps
 from jfp8kv.engine.compile_cache import compile_fresh
 from jfp8kv.engine.device_policy import cpu_float32_weights
-from jfp8kv.engine.sampler import SamplingArrays, Scoring
+from jfp8kv.engine.sampler import SamplingArrays
+from jfp8kv.engine.variants import Variants
 from jfp8kv.kvcache.cache import KVCache
 
 
@@ -53,17 +54,18 @@ class ModelRunner:
                  max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
                  min_chunk: int = 16, page_widths: tuple[int, ...] | None = None,
                  prefill_one_row: bool = False, chunk_factor: int = 2,
-                 max_chunk: int | None = None, tp=None, decode_gemm_autotune: str = "default"):
+                 max_chunk: int | None = None, tp=None, decode_gemm_autotune: str = "default",
+                 feature_executables: str = "switched"):
         """``decode_buckets``: allowed decode batch sizes (None: powers of two). Decode is
         memory-bound, so padding a batch up to a coarse bucket costs little and saves
         compiles. ``min_chunk``: the smallest prefill chunk bucket. ``page_widths``: decode
         page-table widths (None: max_pages_per_seq only). ``prefill_one_row``: dispatch each
         prefill chunk alone (batch 1), so prefill compiles once per chunk bucket.
         ``chunk_factor``: chunk buckets grow by this factor from ``min_chunk``, capped at
-        the bucket of ``max_chunk``. On a CPU device the matmul weights are held in float32
-        and one executable per shape serves every request mix, where a compile costs more
-        than a branch on the device: greedy or sampled (``sampler.sample``), with or without
-        log-probs, penalties, prompt scoring (``switched``). ``tp``: the
+        the bucket of ``max_chunk``. On a CPU device the matmul weights are held in float32.
+        ``feature_executables``: which executables each shape compiles (``variants.Variants``;
+        on a CPU device, where a compile costs more than a branch, plain decode shares the
+        switched one). ``tp``: the
         ``models.sharding.TensorParallel`` that params and cache are placed on, or None.
         ``decode_gemm_autotune``: which of ``steps.DECODE_JITS`` runs the decode steps."""
         self.cfg = model_cfg
@@ -81,8 +83,7 @@ class ModelRunner:
         self.prefill_one_row = prefill_one_row
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
-        self.greedy_modes = (None,) if on_cpu else (True, False)  # decode's all_greedy values
-        self.switched = on_cpu  # features switched on the device (else compiled per mix)
+        self.variants = Variants(feature_executables, on_cpu, max_pages_per_seq * self.page_size)
         # Rows carry state slots: hybrid models' DeltaNet state, DeepSeek-V4's window
         # ring and compressor state.
         self.hybrid = model_cfg.hybrid is not None or model_cfg.v4 is not None
@@ -107,9 +108,6 @@ class ModelRunner:
             t *= self.chunk_factor
         cap = bucket(self.max_chunk, self.min_chunk) if self.max_chunk else None
         return min(t, cap) if cap and n <= cap else max(t, bucket(n, self.min_chunk))
-
-    def _mode(self, all_greedy: bool):
-        return all_greedy if None not in self.greedy_modes else None
 
     def prefill_area(self) -> int | None:
         """The most padded tokens (rows x chunk bucket) one prefill dispatch holds: the
@@ -158,40 +156,23 @@ class ModelRunner:
                 + [("prefill", b, t, self.max_pages_per_seq) for t in lens for b in rows
                    if b == 1 or b * t <= area])
 
-    def modes(self, kind: str):
-        """The ``all_greedy`` values ``kind`` ("decode" or "prefill") compiles for."""
-        return self.greedy_modes if kind == "decode" else (None,)
-
-    def _warm_call(self, kind, b, t, w, greedy, cache):
+    def _warm_call(self, kind, b, t, w, greedy, cache, switched: bool | None = None):
         """(jitted function, args, static kwargs) of one warm-up dispatch on zeros (a decode
-        shape's length ``t`` is its scan length)."""
+        shape's length ``t`` is its scan length); ``switched``: its structure (None: a plain
+        request's, ``Variants.switched``)."""
+        v = self.variants
+        switched = v.switched(kind, False) if switched is None else switched
         z = np.zeros(b, np.int32)
         pt = np.zeros((b, w), np.int32)
         zz = np.zeros((b, t), np.int32)
-        sampling = self._sampler(SamplingArrays.empty(b), b).args()
+        sampling = v.sampling(SamplingArrays.empty(b), b, switched).args()
+        kw = dict(cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp,
+                  state_slots=self._state_slots([], b))
         if kind == "decode":
-            return self._decode, (self.params, cache, z, z, pt, z, *sampling), dict(
-                cfg=self.cfg, backend=self.backend, all_greedy=greedy, num_steps=t, tp=self.tp,
-                state_slots=self._state_slots([], b))
+            return (self._decode, (self.params, cache, z, z, pt, z, *sampling),
+                    dict(kw, num_steps=t))
         return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling,
-                               self._scoring(b, t)), dict(
-            cfg=self.cfg, backend=self.backend, all_greedy=greedy, tp=self.tp,
-            state_slots=self._state_slots([], b))
-
-    def _sampler(self, sampling: SamplingArrays, b: int) -> SamplingArrays:
-        """A batch's sampling rows padded to ``b``; with ``switched`` in the one structure
-        every feature mix shares (``SamplingArrays.switched``)."""
-        padded = sampling.padded(b)
-        return padded.switched(self.max_pages_per_seq * self.page_size) if self.switched else padded
-
-    def _scoring(self, b: int, t: int, targets=None):
-        """``steps.prefill``'s ``scoring`` argument for a [b, t] dispatch: with ``switched``
-        always there, switched on the device by whether ``targets`` (int32[b, t]) are given
-        (one executable either way); else only with ``targets`` (its own executable)."""
-        if self.switched:
-            scored = targets is not None
-            return Scoring(targets if scored else np.zeros((b, t), np.int32), np.bool_(scored))
-        return None if targets is None else Scoring(targets)
+                               v.scoring(b, t, None, switched)), kw
 
     def _state_slots(self, slots: list[int], b: int):
         """int32[b] state slots of a hybrid or V4 model's rows (0: the padding slot), or
@@ -204,12 +185,12 @@ class ModelRunner:
 
     def warmup(self, shapes, progress: bool = True) -> None:
         """Compile (and run once, writing only to the sink page) each shape, in every
-        sampler mode (``greedy_modes``)."""
+        variant (``Variants.of``)."""
         from tqdm import tqdm
 
         for shape in tqdm(shapes, desc="compiling buckets", disable=not progress):
-            for greedy in self.modes(shape[0]):
-                fn, args, kw = self._warm_call(*shape, greedy, self.cache)
+            for greedy, switched in self.variants.of(shape[0]):
+                fn, args, kw = self._warm_call(*shape, greedy, self.cache, switched)
                 toks, self.cache = self._call(fn, args, kw)
             jax.block_until_ready(toks)
 
@@ -254,10 +235,10 @@ class ModelRunner:
         Returns the number of shapes compiled."""
         done = 0
         for shape in shapes:
-            for greedy in self.modes(shape[0]):
+            for greedy, switched in self.variants.of(shape[0]):
                 if stop is not None and stop.is_set():
                     return done
-                fn, args, kw = self._warm_call(*shape, greedy, abstract)
+                fn, args, kw = self._warm_call(*shape, greedy, abstract, switched)
                 key = compiled = None
                 if store is not None and self.tp is None:
                     key = store.key(self._labels[fn], args,
@@ -341,10 +322,12 @@ class ModelRunner:
         """One ``steps.prefill`` dispatch of ``chunks`` padded to [b, t] -> its output; with
         ``targets`` (int32[b, t], prompt scoring) (output, scores)."""
         tokens, positions, slots, pt, seq_lens, last_idx = self._chunk_arrays(chunks, b, t)
-        scoring = self._scoring(b, t, targets)
+        v = self.variants
+        switched = v.switched("prefill", sampling.extras is not None or targets is not None)
+        scoring = v.scoring(b, t, targets, switched)
         out, self.cache = self._call(steps.prefill, (
             self.params, self.cache, tokens, positions, slots, pt, seq_lens, last_idx,
-            *self._sampler(sampling, b).args(), scoring), dict(
+            *v.sampling(sampling, b, switched).args(), scoring), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=None, tp=self.tp,
                 state_slots=self._state_slots([c[3] if len(c) > 3 else 0 for c in chunks], b)))
         return out if targets is not None or scoring is None else out[0]
@@ -366,10 +349,11 @@ class ModelRunner:
         tokens = tokens if input_tokens is None else input_tokens
         if self.tp is not None:  # one input placement, whether host- or device-made
             tokens = self.tp.replicate(tokens)
+        switched = self.variants.switched("decode", sampling.extras is not None)
         toks, self.cache = self._call(self._decode, (
             self.params, self.cache, tokens, positions, pt, limits,
-            *self._sampler(sampling, b).args()), dict(
-                cfg=self.cfg, backend=self.backend, all_greedy=self._mode(all_greedy),
+            *self.variants.sampling(sampling, b, switched).args()), dict(
+                cfg=self.cfg, backend=self.backend, all_greedy=None if switched else all_greedy,
                 tp=self.tp, num_steps=num_steps, state_slots=self._state_slots(
                     [r[4] if len(r) > 4 else 0 for r in rows], b)))
         return toks

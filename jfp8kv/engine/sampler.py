@@ -21,7 +21,7 @@ from jfp8kv.engine.types import MAX_LOGPROBS
 def sample(logits, temperature, top_k, top_p, seeds, counters, *, all_greedy: bool | None):
     """logits float32[B, V]; temperature/top_p float32[B]; top_k int32[B] (<=0: off);
     seeds uint32[B]; counters int32[B]. Static: all_greedy (None: decided on the device per
-    call, one executable for both -- CPU, where compiles cost more than a branch). Returns
+    call, one executable for both: the switched structure, ``variants.py``). Returns
     int32[B]."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if all_greedy:
@@ -53,10 +53,10 @@ def _sampled(logits, temperature, top_k, top_p, seeds, counters, greedy):
 
 
 # -- optional per-row features: penalties, min_tokens, log-probs ---------------------------
-# On a GPU they are compiled in only when a batch row asks (``SamplingExtras`` present, its
-# fields set) and the default path above is untouched. On a CPU, where a compile costs more
-# than a branch, every batch carries them in one structure (``SamplingArrays.switched``) and
-# switches on the device pick what runs, so no request mix compiles another executable.
+# Either compiled in only when a batch row asks (``SamplingExtras`` present, its fields set),
+# the default path above untouched, or carried by every batch in one structure
+# (``SamplingArrays.switched``) where switches on the device pick what runs, so no request mix
+# compiles another executable. Which dispatch does which: ``variants.Variants``.
 
 STOP_ID_WIDTH = 8  # min_tokens' masked ids per row: the least width (a power of two) of the array
 
@@ -241,7 +241,7 @@ def zero_logprobs(tokens, vocab: int):
 class Scoring:
     """Prompt scoring on a prefill dispatch (``steps.prefill``): ``targets`` int32[B, T], the
     next token at each position; ``switch``: None (scored), or a bool[] deciding on the
-    device (the CPU's one structure: every prefill carries it, most switched off)."""
+    device (the switched structure: every prefill carries it, most switched off)."""
 
     targets: np.ndarray
     switch: np.ndarray | None = None

@@ -102,8 +102,8 @@ def test_min_tokens_and_stop_token_ids(llm):
 
 
 def test_per_mix_structure_equals_the_switched_one(llm):
-    """The runner's two ways to carry the features (``ModelRunner.switched``): one structure
-    switched on the device (the CPU's) and one compiled per feature mix (the GPU's) give the
+    """The runner's two ways to carry the features (``variants.Variants``): one structure
+    switched on the device and one compiled per feature mix (the GPU's former way) give the
     same tokens, log-probs and prompt scores for a batch mixing plain, log-prob, penalized
     and prompt-scored requests."""
     rng = np.random.default_rng()
@@ -114,25 +114,32 @@ def test_per_mix_structure_equals_the_switched_one(llm):
                                   min_tokens=3),
               dataclasses.replace(GREEDY, prompt_logprobs=2, logprobs=0)]
     runner = llm.engine.runner
-    default = runner.switched  # the CPU's True, a GPU's False
+    default = runner.variants
     try:
         outs = {}
         for switched in (True, False):
-            runner.switched = switched
+            runner.variants = dataclasses.replace(
+                default, feature_executables="switched" if switched else "per-mix")
             outs[switched] = llm.generate(prompts, params)
     finally:
-        runner.switched = default
+        runner.variants = default
     for a, b in zip(outs[True], outs[False]):
-        assert a.token_ids == b.token_ids
-        for mine, theirs in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
-            assert (mine is None) == (theirs is None)
-            for x, y in zip(mine or (), theirs or ()):
-                assert (x is None) == (y is None)
-                if x is not None:
-                    assert x.token_id == y.token_id
-                    assert [t for t, _ in x.top] == [t for t, _ in y.top]
-                    np.testing.assert_allclose([x.logprob] + [v for _, v in x.top],
-                                               [y.logprob] + [v for _, v in y.top], atol=1e-5)
+        assert_same_outputs(a, b)
+
+
+def assert_same_outputs(a, b):
+    """Two RequestOutputs: the same tokens, log-prob and prompt log-prob entries (ids equal,
+    values within 1e-5)."""
+    assert a.token_ids == b.token_ids
+    for mine, theirs in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+        assert (mine is None) == (theirs is None)
+        for x, y in zip(mine or (), theirs or ()):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.token_id == y.token_id
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+                np.testing.assert_allclose([x.logprob] + [v for _, v in x.top],
+                                           [y.logprob] + [v for _, v in y.top], atol=1e-5)
 
 
 def test_new_fields_are_validated():
