@@ -18,7 +18,13 @@ all prefill (each request's only token is sampled by its last prefill chunk), a 
 measurement. ``--kv-cache-memory`` (bytes) caps the KV pool, making a run capacity-bound.
 One invocation runs every ``--kv-cache-dtype`` of a comma list on the same prompts and the
 same loaded weights, and for each every ``--admission`` policy of a comma list (an A/B of
-``EngineConfig.admission``: reserve, greedy; default: the engine's).
+``EngineConfig.admission``: reserve, greedy; default: the engine's) and every
+``--feature-executables`` policy of a comma list (an A/B of ``EngineConfig.
+feature_executables``: switched, per-mix). ``--logprobs N`` has every request ask for N
+log-probs, so its decode runs the features' executables (with ``switched`` the one switched
+per shape, with ``per-mix`` the log-prob structure): the two side by side time the switched
+decode; without it, plain requests time the two policies' prefill (switched or not; plain
+decode is the same executable under both).
 
 ``--eos-after LO:HI`` makes requests stop early, as chat does: each still asks for its output
 length as max_tokens (what admission and the scheduler see), but ends with EOS as its N-th
@@ -82,6 +88,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -94,7 +101,7 @@ from bench import internals
 from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
                           matmul_tflops, override_decode_tuning, override_split_loop,
                           write_result)
-from jfp8kv.config import ADMISSION_POLICIES, GEMM_AUTOTUNE
+from jfp8kv.config import ADMISSION_POLICIES, FEATURE_EXECUTABLES, GEMM_AUTOTUNE
 
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
@@ -325,14 +332,17 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
     return dict(batch=batch, prefill_s=pf / rate, decode_s=db / bw, ideal_s=pf / rate + db / bw)
 
 
-def timed_generate(llm, prompts, out_lens, eos_at: list[int] | None = None) -> dict:
-    """One pass of ``generate_stream``; wall time, per-request TTFT, tokens, preemptions.
-    Greedy and ``ignore_eos`` unless ``eos_at`` gives each request's EOS position
-    (``--eos-after``): then EOS ends them there (``internals.eos_after``)."""
+def timed_generate(llm, prompts, out_lens, logprobs: int | None = None,
+                   eos_at: list[int] | None = None) -> dict:
+    """One pass of ``generate_stream`` (greedy; ``logprobs`` per token if given); wall time,
+    per-request TTFT, tokens, preemptions. ``ignore_eos`` unless ``eos_at`` gives each
+    request's EOS position (``--eos-after``): then EOS ends them there
+    (``internals.eos_after``)."""
     from jfp8kv import SamplingParams
     from jfp8kv.engine.stats import compile_count
 
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=eos_at is None)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=eos_at is None,
+                             logprobs=logprobs)
               for n in out_lens]
     first, final = {}, {}
     c0, s0 = compile_count()
@@ -352,9 +362,10 @@ def timed_generate(llm, prompts, out_lens, eos_at: list[int] | None = None) -> d
                 compile_s_in_run=s1 - s0, eos_at=[stop_at.get(o.request_id) for o in outs])
 
 
-def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) -> dict:
-    """Build an LLM for one KV dtype (and admission policy, None: the engine's), warm it
-    up, time the workload, and make its record."""
+def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None,
+            features: str | None = None) -> dict:
+    """Build an LLM for one KV dtype (and admission and feature-executables policies, None:
+    the engine's), warm it up, time the workload, and make its record."""
     from jfp8kv import LLM
 
     kw = dict(loaded=loaded, dtype=args.dtype, kv_cache_dtype=kv,
@@ -365,6 +376,8 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) ->
         kw["overlap_scheduling"] = args.overlap_scheduling == "on"
     if admission is not None:
         kw["admission"] = admission
+    if features is not None:
+        kw["feature_executables"] = features
     for name in ("max_num_seqs", "max_num_batched_tokens", "decode_gemm_autotune"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -377,7 +390,7 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) ->
     t = time.perf_counter()
     if args.warmup == "full":
         timed_generate(llm, *make_prompts(args, cfg.vocab_size, loaded.tokenizer, 1),
-                       eos_counts(args, len(prompts), 1))
+                       args.logprobs, eos_counts(args, len(prompts), 1))
     elif args.warmup == "buckets":
         llm.warmup(progress=False)
     warmup_s = time.perf_counter() - t
@@ -385,7 +398,8 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) ->
     stats = internals.step_stats(llm)
     stats.reset()
     stats.enable()
-    run = timed_generate(llm, prompts, out_lens, eos_counts(args, len(prompts), 0))
+    run = timed_generate(llm, prompts, out_lens, args.logprobs,
+                         eos_counts(args, len(prompts), 0))
     stats.enable(False)
     ec = llm.engine_config
     info = dict(llm.cache_info(), max_num_seqs=ec.max_num_seqs,
@@ -394,6 +408,7 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None) ->
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
                decode_one_wave=args.decode_one_wave, split_loop=args.split_loop or "default",
                decode_gemm_autotune=ec.decode_gemm_autotune, admission=ec.admission,
+               feature_executables=ec.feature_executables, logprobs=args.logprobs,
                admission_at_start=admission_at_start, **early_stops(args, run))
     del llm
     gc.collect()
@@ -473,7 +488,9 @@ def versions() -> dict:
 def summary_line(r: dict) -> str:
     a = r["anatomy"]
     padded = a.get("prefill_slots", 0) / max(1, a["prefill_tokens"])  # 0: not recorded
-    return (f"{r['model']} {r['kv_cache_dtype']:9s} {r.get('admission', '')} "
+    features = r.get("feature_executables", "")
+    lp = "" if r.get("logprobs") is None else f" logprobs {r['logprobs']}"
+    return (f"{r['model']} {r['kv_cache_dtype']:9s} {r.get('admission', '')} {features}{lp} "
             f"{r['num_prompts']}x{r['input_len']}/"
             f"{r['output_len']}: {r['output_throughput']:,.0f} out tok/s, "
             f"{r['total_throughput']:,.0f} total tok/s, {r['elapsed_s']:.3f} s = "
@@ -514,6 +531,12 @@ def parse_args(argv):
     p.add_argument("--admission", default=None,
                    help="comma list of EngineConfig.admission policies (reserve, greedy), each "
                         "run per --kv-cache-dtype on the same weights (default: the engine's)")
+    p.add_argument("--feature-executables", default=None,
+                   help="comma list of EngineConfig.feature_executables policies (switched, "
+                        "per-mix), each run per --kv-cache-dtype and --admission on the same "
+                        "weights (default: the engine's)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request asks for N log-probs per token (default: none)")
     p.add_argument("--warmup", choices=("full", "buckets", "off"), default="full")
     p.add_argument("--decode-gemm-autotune", choices=GEMM_AUTOTUNE, default=None,
                    help="XLA's GEMM tiling search for the decode step (default: the engine's)")
@@ -537,6 +560,10 @@ def parse_args(argv):
     bad = set((args.admission or "reserve").split(",")) - set(ADMISSION_POLICIES)
     if bad:
         p.error(f"--admission: unknown {sorted(bad)}; choose from {list(ADMISSION_POLICIES)}")
+    bad = set((args.feature_executables or "switched").split(",")) - set(FEATURE_EXECUTABLES)
+    if bad:
+        p.error(f"--feature-executables: unknown {sorted(bad)}; choose from "
+                f"{list(FEATURE_EXECUTABLES)}")
     return args
 
 
@@ -577,9 +604,11 @@ def main(argv=None) -> int:
     doc["rates"].append(rates)
     loaded = load_model(args.model, args.dtype)
     policies = [a.strip() for a in args.admission.split(",")] if args.admission else [None]
+    features = ([f.strip() for f in args.feature_executables.split(",")]
+                if args.feature_executables else [None])
     for kv in args.kv_cache_dtype.split(","):
-        for admission in policies:
-            rec = run_one(args, loaded, kv.strip(), rates, admission)
+        for admission, feature in itertools.product(policies, features):
+            rec = run_one(args, loaded, kv.strip(), rates, admission, feature)
             rec.update(rates=rates, command=command)
             doc["runs"].append(rec)
             print(summary_line(rec), flush=True)

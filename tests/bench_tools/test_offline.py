@@ -224,3 +224,21 @@ def test_offline_admission_ab_on_one_load(tmp_path):
     assert all(r["total_output_tokens"] == 8 * 32 for r in runs)
     with pytest.raises(SystemExit):
         offline.parse_args(["--admission", "greedy,fifo"])
+
+
+@pytest.mark.timeout(900)
+def test_offline_feature_executables_ab_on_one_load(tmp_path):
+    """``--feature-executables switched,per-mix --logprobs 2`` runs both policies on one load,
+    every request with log-probs (the A/B of the switched decode's cost on a GPU)."""
+    out = tmp_path / "offline.json"
+    assert offline.main(["--model", "random:qwen3-tiny", "--num-prompts", "3", "--input-len",
+                         "24", "--output-len", "5", "--kv-cache-dtype", "bfloat16",
+                         "--feature-executables", "switched,per-mix", "--logprobs", "2",
+                         "--warmup", "off", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["feature_executables"], r["logprobs"]) for r in runs] == [("switched", 2),
+                                                                         ("per-mix", 2)]
+    assert all(r["total_output_tokens"] == 3 * 5 for r in runs)
+    assert "switched logprobs 2" in offline.summary_line(runs[0])
+    with pytest.raises(SystemExit):
+        offline.parse_args(["--feature-executables", "switched,lazy"])
