@@ -6,10 +6,11 @@
 ``v4``: DeepSeek-V4-Flash's routed experts (E 256, top-6, D 4096, I 2048, bf16 operands,
 f32 result as ``moe.grouped_experts`` runs them): the gate/up projection ``[M, 4096] x
 [256, 4096, 2048]`` (gate and up share the shape) and the down projection ``[M, 2048] x
-[256, 2048, 4096]``, at M = 512 x 6 = 3,072 rows (what a V4 prefill runs per call: a
-2,048-token chunk is four ``v4_paged.SUB_CHUNK`` passes of 512 tokens, so every expert's
-weights are read four times per step) and M = 2,048 x 6 = 12,288 (one pass over the whole
-chunk). Rows go to experts by uniform random top-k (k distinct per token).
+[256, 2048, 4096]``, at M = 512 x 6 = 3,072 rows (what a V4 prefill ran per call while
+``v4_paged.forward`` split a 2,048-token chunk into four 512-token passes, every expert's
+weights read four times per step) and M = 2,048 x 6 = 12,288 (what it runs now: each layer
+once over the whole chunk). Rows go to experts by uniform random top-k (k distinct per
+token).
 
 Each candidate (a short list, pruned on the CPU by ``bench.ptx_stats --kernels gmm``: no
 spills, shared memory within an SM, 16-byte pipelined weight loads) is compiled once and

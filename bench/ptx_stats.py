@@ -326,8 +326,8 @@ def gmm_record(m, k, n, e, tuning: "pallas_gmm.GmmTuning"):
     return rec
 
 
-# DeepSeek-V4-Flash's routed experts as its prefill runs them (v4_paged.SUB_CHUNK = 512
-# tokens x 6 routes = 3,072 rows per call; 12,288 for a whole 2,048-token chunk).
+# DeepSeek-V4-Flash's routed experts as its prefill ran them in 512-token passes (512 tokens
+# x 6 routes = 3,072 rows per call; 12,288 for a whole 2,048-token chunk, as it runs now).
 GMM_SHAPES = {"gate_up": (3072, 4096, 2048, 256), "down": (3072, 2048, 4096, 256)}
 
 

@@ -90,21 +90,49 @@ def _window_after(keys, n_new, rows: int):
     return jax.vmap(lambda k, n: jax.lax.dynamic_slice_in_dim(k, n, rows, 0))(keys, n_new)
 
 
+def _compressed(h, q_res, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, freqs,
+                storage, scorer):
+    """A CSA / HCA layer's compressors over the chunk h [B, T, D]: returns (their new
+    states, their pool writes, the entries [B, N, hd] after the chunk, the per-query arrays
+    [B, T, ...] that choose among them, and ``pick``, which maps a query block of those to
+    the bool [B, t, N] entries each query attends: ``va.blocked_attention``'s contract)."""
+    store, store_index = _pooled(storage)
+    pos, eps = positions[:, 0], cfg.rms_norm_eps
+    cp = lp["compressor"]
+    cs, new, ids = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]),
+                                     vb.linear(h, cp["wgate"]), cp, eps, freqs, store, n_new)
+    states, writes = {"compressor": cs}, {"compressor": (new, ids)}
+    if kind == "hca":
+        m = cp["bias"].shape[0]
+        return (states, writes, cs.entries, {},
+                lambda x: va.visible_entries(x["positions"], cs.entries.shape[1], m))
+    ip = lp["indexer"]
+    ist, new, ids = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
+                                      vb.linear(h, ip["wgate"]), ip, eps, freqs, store_index,
+                                      n_new)
+    states["indexer"], writes["indexer"] = ist, (new, ids)
+    iq, iw = va.indexer_queries(h, q_res, positions, ip, cfg, freqs)
+    return (states, writes, cs.entries, {"iq": iq, "iw": iw},
+            lambda x: va.indexer_select(x["iq"], x["iw"], x["positions"], ist.entries, cfg,
+                                        scorer))
+
+
 def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, storage,
-               backend):
+               backend, query_block=None):
     """One layer's attention on h [B, T, D] (normalized), of which the first n_new[b]
     tokens of row b are real (the rest padding: they write nothing); returns (out
     [B, T, D], state, writes). Rows are stored first (rounded as their pools hold them),
     then attended; decode steps take the Pallas kernels unless ``backend`` is "reference".
+    Projections and compressors run over all T tokens; the attention itself in blocks of
+    ``query_block`` queries (``va.blocked_attention``; None: one block).
     ``writes``: what the pools receive, before storage rounding: "kv" [B, T, hd] (the
     window rows) and per compressor (entries [B, K, d], entry indices [B, K], -1: none)."""
     kernel = backend != "reference" and h.shape[1] == 1
     interpret = backend == "pallas_interpret"
     scorer = (functools.partial(v4_sparse.indexer_scores, interpret=interpret)
               if kernel else None)
-    store, store_index = _pooled(storage)
     b, t = h.shape[:2]
-    hd, v4 = cfg.head_dim, cfg.v4
+    hd = cfg.head_dim
     freqs = inv["main" if kind == "window" else "compress"]
     q_res = vb.rms_norm(vb.linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
     q = vb.unweighted_rms_norm(vb.linear(q_res, lp["wq_b"]).reshape(b, t, -1, hd),
@@ -112,51 +140,38 @@ def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, st
     q = vb.rope(q, positions, freqs)
     kv_raw = vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
                      positions, freqs)
-    kv = store(kv_raw)
-    pos = positions[:, 0]  # [B]
+    kv = _pooled(storage)[0](kv_raw)  # as the window pool gives it back
     rows = ls["window"].shape[1]
     keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
-    key_pos = pos[:, None] - rows + jnp.arange(keys.shape[1])[None]
-    mask = va.window_mask(positions, key_pos, v4.sliding_window) & (key_pos >= 0)[:, None]
     new_ls, writes = {"window": _window_after(keys, n_new, rows)}, {"kv": kv_raw}
+    entries, per_query, pick = None, {}, None
     if kind != "window":
-        cp = lp["compressor"]
-        cs, new, ids = va.compress_batch(ls["compressor"], pos, vb.linear(h, cp["wkv"]),
-                                         vb.linear(h, cp["wgate"]), cp, cfg.rms_norm_eps,
-                                         freqs, store, n_new)
-        new_ls["compressor"], writes["compressor"] = cs, (new, ids)
-        m = cp["bias"].shape[0]
-        if kind == "csa":
-            ip = lp["indexer"]
-            ist, new, ids = va.compress_batch(ls["indexer"], pos, vb.linear(h, ip["wkv"]),
-                                              vb.linear(h, ip["wgate"]), ip, cfg.rms_norm_eps,
-                                              freqs, store_index, n_new)
-            new_ls["indexer"], writes["indexer"] = ist, (new, ids)
-            chosen = va.indexer_select(h, q_res, positions, ist.entries, ip, cfg, freqs,
-                                       scorer)
-        else:
-            chosen = va.visible_entries(positions, cs.entries.shape[1], m)
+        states, w, entries, per_query, pick = _compressed(
+            h, q_res, lp, ls, positions, n_new, cfg, kind, freqs, storage, scorer)
+        new_ls.update(states)
+        writes.update(w)
     if kernel:
-        entries = keys[:, :0] if kind == "window" else cs.entries.astype(keys.dtype)
-        out = _decode_kernel(q, keys, keys.shape[1], entries,
-                             None if kind == "window" else chosen, pos, lp["sinks"], cfg, kind,
-                             interpret)
+        chosen = None if pick is None else pick(dict(per_query, positions=positions))
+        out = _decode_kernel(q, keys, keys.shape[1],
+                             keys[:, :0] if entries is None else entries.astype(keys.dtype),
+                             chosen, positions[:, 0], lp["sinks"], cfg, kind, interpret)
     else:
-        if kind != "window":
-            keys = jnp.concatenate([keys, cs.entries.astype(keys.dtype)], 1)
-            mask = jnp.concatenate([mask, chosen], -1)
-        out = va.attend(q, keys, mask, lp["sinks"])
+        out = va.blocked_attention(q, positions, keys, entries, pick, per_query, lp["sinks"],
+                                   cfg.v4.sliding_window, query_block)
     out = vb.rope(out, positions, freqs, inverse=True)
     return vb.grouped_output(out, lp, cfg), new_ls, writes
 
 
 def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage, backend,
-                  moe_backend=None):
+                  moe_backend=None, query_block=None):
     """The layers on tokens [B, T] after ``pos`` [B] tokens, with per-layer states
     ``layers`` (``init_state``'s "layers"); the first n_new[b] tokens of row b are real.
     Returns (final-normed hidden [B, T, D], new layer states, per-layer pool writes:
     ``_attention``'s). ``moe_backend``: None (the reference MoE, expert weights gathered
-    per token) or a ``kernels.grouped_matmul`` backend (grouped by expert)."""
+    per token) or a ``kernels.grouped_matmul`` backend (grouped by expert). Each layer runs
+    once over all T tokens (so the MoE reads each expert's weights once per chunk); only
+    its attention runs in blocks of ``query_block`` queries (None: one block), which
+    bounds the logits held at once."""
     b, t = tokens.shape
     v4 = cfg.v4
     positions = pos[:, None] + jnp.arange(t)[None]
@@ -168,7 +183,8 @@ def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage,
         kind = v4.layer_kind(i)
         col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
         a, ls, w = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
-                              layers[i], positions, n_new, cfg, kind, inv, storage, backend)
+                              layers[i], positions, n_new, cfg, kind, inv, storage, backend,
+                              query_block)
         new_layers.append(ls)
         writes.append(w)
         streams = vb.hc_post(streams, a, post, comb)

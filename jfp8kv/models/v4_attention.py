@@ -168,21 +168,29 @@ def visible_entries(positions, n_entries: int, m: int):
     return jnp.arange(n_entries)[None, None] < ((positions + 1) // m)[..., None]
 
 
-def indexer_select(h, q_res, positions, entries, ip, cfg: ModelConfig, inv_freq,
-                   scores=None):
-    """bool [B, T, N]: the index_topk visible entries of highest lightning-indexer score
-    (fewer when fewer are visible). ``entries`` [B, N, dI]: the indexer's own compressed
-    keys; ``ip``: wq_b [q_lora, nI*dI], w_weights [D, nI]. ``scores``: a decode (T = 1)
-    scorer with ``kernels.v4_sparse.indexer_scores``'s contract, or None (jnp here)."""
+def indexer_queries(h, q_res, positions, ip, cfg: ModelConfig, inv_freq):
+    """The lightning indexer's per-token queries [B, T, nI, dI] (RoPE applied) and head
+    weights [B, T, nI] (its scales folded in) from h [B, T, D] and the query latent q_res.
+    ``ip``: wq_b [q_lora, nI*dI], w_weights [D, nI]."""
     v4 = cfg.v4
     acc = acc_dtype(h.dtype)
     b, t = h.shape[:2]
-    n = entries.shape[1]
     q = rope(linear(q_res, ip["wq_b"]).reshape(b, t, v4.index_n_heads, v4.index_head_dim),
              positions, inv_freq)
     w = jnp.einsum("btd,dh->bth", h.astype(acc), ip["w_weights"].astype(acc))
-    w = w * (v4.index_n_heads * v4.index_head_dim) ** -0.5  # relu(c x) = c relu(x), c > 0
-    if scores is not None and t == 1:
+    return q, w * (v4.index_n_heads * v4.index_head_dim) ** -0.5  # relu(c x) = c relu(x)
+
+
+def indexer_select(q, w, positions, entries, cfg: ModelConfig, scores=None):
+    """bool [B, T, N]: for ``indexer_queries``' q / w of the queries at positions [B, T],
+    the index_topk visible entries of highest lightning-indexer score (fewer when fewer are
+    visible). ``entries`` [B, N, dI]: the indexer's own compressed keys. ``scores``: a
+    decode (T = 1) scorer with ``kernels.v4_sparse.indexer_scores``'s contract, or None
+    (jnp here). Each query's choice depends on its own row of q / w alone."""
+    v4 = cfg.v4
+    acc = acc_dtype(w.dtype)
+    n = entries.shape[1]
+    if scores is not None and q.shape[1] == 1:
         score = scores(q[:, 0], w[:, 0], entries)[:, None]
     else:
         s = jax.nn.relu(jnp.einsum("bthd,bnd->bthn", q.astype(acc), entries.astype(acc)))
@@ -195,6 +203,41 @@ def indexer_select(h, q_res, positions, entries, ip, cfg: ModelConfig, inv_freq,
     bi, ti = jnp.indices(top.shape[:2])  # scatter, not a [B, T, k, N] comparison
     chosen = jnp.zeros(score.shape, bool).at[bi[..., None], ti[..., None], top].set(True)
     return chosen & vis
+
+
+def blocked_attention(q, positions, keys, entries, pick, per_query, sinks, window: int,
+                      block: int | None = None):
+    """Attention of a chunk's queries q [B, T, H, d] at positions [B, T] (row b's from
+    p_b = positions[b, 0] on) over keys [B, R + T, d] (also the values: the R >= window - 1
+    rows before the chunk, then the chunk's; key r at position p_b - R + r; those at
+    negative positions never seen) within the sliding ``window``, and over the compressed
+    ``entries`` [B, N, d] that ``pick`` marks (None: no entries).
+
+    Queries run in blocks of ``block`` (when it divides T, else one block of T): block j's
+    queries see keys j*block .. j*block + R + block - 1 (all their window can reach) and the
+    entries, so the logits held at once are [B, block, H, R + block + N] whatever T is;
+    a block attends what a chunk starting at its first query would (entries not closed
+    yet are masked). ``pick(x)`` -> bool [B, block, N] gets ``x``: the block's slice (axis
+    1) of each array of ``per_query`` ([B, T, ...]) and "positions"."""
+    t = q.shape[1]
+    r = keys.shape[1] - t
+    blk = block if block and t > block and t % block == 0 else t
+    per_query = dict(per_query, positions=positions, q=q)
+
+    def one(j):
+        x = {k: jax.lax.dynamic_slice_in_dim(a, j * blk, blk, 1) for k, a in per_query.items()}
+        kb = jax.lax.dynamic_slice_in_dim(keys, j * blk, r + blk, 1)
+        key_pos = x["positions"][:, :1] - r + jnp.arange(r + blk)[None]
+        mask = window_mask(x["positions"], key_pos, window) & (key_pos >= 0)[:, None]
+        if entries is not None:
+            kb = jnp.concatenate([kb, entries.astype(kb.dtype)], 1)
+            mask = jnp.concatenate([mask, pick(x)], -1)
+        return attend(x["q"], kb, mask, sinks)
+
+    if blk == t:
+        return one(0)
+    out = jax.lax.map(one, jnp.arange(t // blk))  # [T/blk, B, blk, H, d]
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
 def attend(q, keys, key_mask, sinks):

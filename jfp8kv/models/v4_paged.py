@@ -16,7 +16,6 @@ padding rows and decode rows past their limit have none and write nothing.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jfp8kv.config import ModelConfig
@@ -25,7 +24,7 @@ from jfp8kv.kvcache.v4_cache import V4Cache, layer_slots
 from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models import v4_attention as va
 
-SUB_CHUNK = 512  # tokens per pass of a long prefill chunk (``forward``)
+QUERY_BLOCK = 512  # queries per attention block of a long chunk (``forward``)
 
 
 def _rows(pool, dtype):
@@ -135,8 +134,18 @@ def write_back(cache: V4Cache, cfg: ModelConfig, layers, writes, pos, n_new, pag
     return V4Cache(window, compressed, indexer, state, cache.stats, cache.config)
 
 
-def _chunk(params, cache: V4Cache, tokens, pos, seq_lens, page_tables, slots, cfg, backend):
-    """One pass: read the rows' state, run the layers, write back -> (hidden, cache)."""
+def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, slots, *,
+            cfg: ModelConfig, backend: str, query_block: int | None = QUERY_BLOCK):
+    """tokens [B, T] from positions[:, 0] on (row b's real tokens: seq_lens[b] -
+    positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
+    [B, P] -> (final-normed hidden [B, T, D], cache). ``backend``: the engine's ("reference":
+    jnp; a Pallas one: decode attention and indexer through ``kernels.v4_sparse`` and the
+    MoE grouped by expert). The state is read once and written once per chunk and each
+    layer runs once over all T tokens (the MoE reads each expert's weights once); only the
+    attention of a chunk longer than ``query_block`` (a divisor of T; None: one block) runs
+    in query blocks of that length, bounding its logits at [B, query_block, H, W - 1 +
+    query_block + entries]."""
+    pos = positions[:, 0]
     n_new = jnp.clip(seq_lens - pos, 0, tokens.shape[1]).astype(jnp.int32)
     dtype = params["embed"].dtype
     layers = read_state(cache, cfg, pos, page_tables, slots, dtype)
@@ -144,31 +153,5 @@ def _chunk(params, cache: V4Cache, tokens, pos, seq_lens, page_tables, slots, cf
     h, new_layers, writes = dv4.hidden_states(
         params, layers, tokens, pos, n_new, cfg, cache.config.storage_dtype,
         "reference" if ref else ("pallas_interpret" if "interpret" in backend else "pallas"),
-        None if ref else backend)
+        None if ref else backend, query_block)
     return h, write_back(cache, cfg, new_layers, writes, pos, n_new, page_tables, slots)
-
-
-def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, slots, *,
-            cfg: ModelConfig, backend: str, sub_chunk: int = SUB_CHUNK):
-    """tokens [B, T] from positions[:, 0] on (row b's real tokens: seq_lens[b] -
-    positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
-    [B, P] -> (final-normed hidden [B, T, D], cache). ``backend``: the engine's ("reference":
-    jnp; a Pallas one: decode attention and indexer through ``kernels.v4_sparse`` and the
-    MoE grouped by expert). A chunk longer than ``sub_chunk`` runs as a ``lax.scan`` over
-    sub-chunks of that length, the cache carried (the reference attention's logits grow
-    with T x (T + entries): this bounds them)."""
-    b, t = tokens.shape
-    pos = positions[:, 0]
-    if t <= sub_chunk or t % sub_chunk:
-        return _chunk(params, cache, tokens, pos, seq_lens, page_tables, slots, cfg, backend)
-
-    def body(cache, x):
-        toks, start = x
-        h, cache = _chunk(params, cache, toks, pos + start, seq_lens, page_tables, slots, cfg,
-                          backend)
-        return cache, h
-
-    parts = tokens.reshape(b, t // sub_chunk, sub_chunk).swapaxes(0, 1)
-    starts = jnp.arange(0, t, sub_chunk, dtype=pos.dtype)
-    cache, h = jax.lax.scan(body, cache, (parts, starts))
-    return h.swapaxes(0, 1).reshape(b, t, -1), cache
