@@ -32,15 +32,16 @@ def _prefill(cfg, params, spec, ids, lens):
         params, cache, ids, pos, PAGES, lens, SLOTS, cfg=cfg, backend="reference")
 
 
-def sub_chunked(params, cache, tokens, positions, pages, lens, slots, *, cfg, backend, sub):
+def sub_chunked(step, params, cache, tokens, positions, pages, lens, slots, *, cfg, backend,
+                sub):
     """The forward as it ran before the layers ran over whole chunks (kept here to compare
     with): the chunk as passes of ``sub`` tokens, each reading the cache the pass before
-    wrote and running every layer (its MoE too) over its own tokens."""
+    wrote and running every layer (its MoE too) over its own tokens. ``step``: the jitted
+    ``v4_paged.forward``; the passes share one shape, so one executable serves them all."""
     hs = []
     for s in range(0, tokens.shape[1], sub):
-        h, cache = v4_paged.forward(params, cache, tokens[:, s:s + sub],
-                                    positions[:, s:s + sub], pages, lens, slots, cfg=cfg,
-                                    backend=backend, query_block=None)
+        h, cache = step(params, cache, tokens[:, s:s + sub], positions[:, s:s + sub], pages,
+                        lens, slots, cfg=cfg, backend=backend, query_block=None)
         hs.append(h)
     return jnp.concatenate(hs, 1), cache
 
@@ -97,8 +98,7 @@ def test_whole_chunk_equals_sub_chunked_passes(storage, block, backend, tol):
     pos = jnp.asarray(FIRST[:, None] + np.arange(t)[None], jnp.int32)
     args = (params, cache, ids[:, 8:], pos, BLOCK_PAGES, jnp.asarray(FIRST + real, jnp.int32),
             BLOCK_SLOTS)
-    want_h, want_c = jax.jit(sub_chunked, static_argnames=("cfg", "backend", "sub"))(
-        *args, cfg=cfg, backend=backend, sub=block)
+    want_h, want_c = sub_chunked(step, *args, cfg=cfg, backend=backend, sub=block)
     blocks = [block, None] if backend == "reference" else [block]
     for query_block in blocks:
         h, c = step(*args, cfg=cfg, backend=backend, query_block=query_block)
