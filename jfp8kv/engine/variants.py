@@ -14,14 +14,15 @@ the step's argument structure, and so its executable. Two ways to carry them:
   so the warm-up covers them all.
 
 ``Variants`` is the host-side policy. With ``feature_executables="switched"`` (the default)
-prefill and featured decode are switched: prefill's sampler runs once per row after the
-whole forward (and decided greedy on the device already), so its switches cost nothing that
-shows. Plain decode, the hot path, keeps its branch-free executables, one per sampler mode,
-unless ``switch_plain_decode`` (a CPU, where a compile costs more than a branch: then one
-executable per shape in all). Per decode shape that is one executable more than per mix
-(greedy, sampled, switched), per prefill shape the same one. ``"per-mix"`` is the former
-GPU policy, kept for an A/B of the switched structure's cost (bench.offline
-``--feature-executables``).
+a dispatch whose batch asks for a feature runs the switched structure; a plain one keeps its
+branch-free executables (decode one per sampler mode; prefill, which decides greedy on the
+device already, one), unless ``switch_plain`` (a CPU, where a compile costs more than
+a branch: then one executable per shape in all). Plain dispatches stay plain because the
+switched structure carries the penalty history, rows x max_model_len int32, on every call:
+at 256 prefill rows and a 131,072-token context that is 134 MB per dispatch. Per shape that
+is one executable more than per mix (the switched one), compiled by the warm-up.
+``"per-mix"`` is the former GPU policy, kept for an A/B of the switched structure's cost
+(bench.offline ``--feature-executables``).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from jfp8kv.engine.sampler import SamplingArrays, Scoring
 @dataclasses.dataclass(frozen=True)
 class Variants:
     """``feature_executables``: "switched" or "per-mix" (``EngineConfig``'s);
-    ``switch_plain_decode``: plain decode through the switched executable too;
+    ``switch_plain``: plain dispatches through the switched executable too;
     ``history_width``: the penalty history's tokens (the runner's max_model_len in pages)."""
 
     feature_executables: str
-    switch_plain_decode: bool
+    switch_plain: bool
     history_width: int
 
     def switched(self, kind: str, features: bool) -> bool:
@@ -48,14 +49,14 @@ class Variants:
         (log-probs, penalties, prompt scoring), runs the switched structure."""
         if self.feature_executables != "switched":
             return False
-        return kind == "prefill" or features or self.switch_plain_decode
+        return features or self.switch_plain
 
     def of(self, kind: str) -> tuple[tuple[bool | None, bool], ...]:
-        """The (all_greedy, switched) variants a ``kind`` shape compiles at warm-up: plain
-        decode per sampler mode unless it is switched, and the switched one."""
-        if kind == "prefill":
-            return ((None, self.switched(kind, False)),)
-        plain = () if self.switched(kind, False) else ((True, False), (False, False))
+        """The (all_greedy, switched) variants a ``kind`` shape compiles at warm-up: the plain
+        ones (decode per sampler mode, prefill one: it decides greedy on the device) unless
+        plain dispatches are switched, and the switched one."""
+        plain_modes = (None,) if kind == "prefill" else (True, False)
+        plain = () if self.switched(kind, False) else tuple((g, False) for g in plain_modes)
         return plain + (((None, True),) if self.switched(kind, True) else ())
 
     def sampling(self, sampling: SamplingArrays, b: int, switched: bool) -> SamplingArrays:

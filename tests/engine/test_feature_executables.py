@@ -24,7 +24,7 @@ def gpu_style(llm, feature_executables: str = "switched"):
     """``llm``'s runner with a GPU's variants (plain decode not switched) and batched prefill,
     before anything compiles."""
     runner = batched_prefill(llm).engine.runner
-    runner.variants = dataclasses.replace(runner.variants, switch_plain_decode=False,
+    runner.variants = dataclasses.replace(runner.variants, switch_plain=False,
                                           feature_executables=feature_executables)
     return llm
 
@@ -34,10 +34,11 @@ def test_variants_per_policy():
         ("switched", True), ("switched", False), ("per-mix", False)))
     assert cpu.of("decode") == cpu.of("prefill") == ((None, True),)
     assert gpu.of("decode") == ((True, False), (False, False), (None, True))
-    assert gpu.of("prefill") == ((None, True),)  # prefill is always switched
+    assert gpu.of("prefill") == ((None, False), (None, True))  # plain prefill stays plain
     assert per_mix.of("decode") == ((True, False), (False, False))
     assert per_mix.of("prefill") == ((None, False),)
     assert not gpu.switched("decode", False) and gpu.switched("decode", True)
+    assert not gpu.switched("prefill", False) and gpu.switched("prefill", True)
     assert not per_mix.switched("decode", True) and not per_mix.switched("prefill", True)
 
 
