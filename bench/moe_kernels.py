@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
+from bench.gmm_tuning import route
 from bench.kernels import chain, timed
 from jfp8kv.kernels import pallas_gmm
 
@@ -42,8 +43,7 @@ SMOKE_SWEEP = dict(tm=(16,), tn=(16, 32), tk=(32,), num_warps=(4,))
 
 def make_case(rng, tokens: int, d: int, i: int, e: int, k: int):
     """(lhs bf16 [M, D] sorted by expert, rhs bf16 [E, D, I], sizes int32[E], experts hit)."""
-    ids = np.argsort(rng.random((tokens, e)), axis=1)[:, :k].reshape(-1)  # k distinct each
-    sizes = np.bincount(ids, minlength=e).astype(np.int32)
+    sizes = route(rng, tokens, e, k)  # k distinct experts each
     lhs = jnp.asarray(rng.standard_normal((tokens * k, d), np.float32), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((e, d, i), np.float32) * d ** -0.5, jnp.bfloat16)
     return lhs, rhs, jnp.asarray(sizes), int((sizes > 0).sum())
