@@ -285,7 +285,7 @@ def test_invalid_sizes_each_raise_one_clear_error(checkpoints, smollm2_gguf_path
 
 # ---------------------------------------------------------------------- SmolLM2
 
-SMOLLM2_LAYERS = 4  # the first layers of the real model, for the all-modes matrix
+SMOLLM2_LAYERS = 2  # the first layers of the real model, for the all-modes matrix
 SMOLLM2_PROMPTS = ["The capital of France is", "Two plus two is"]  # one prefill bucket
 SMOLLM2_TEXT = "The old lighthouse stood at the end of a narrow spit of land."
 
