@@ -149,3 +149,25 @@ def test_switched_structure_equals_each_static_one():
             else:
                 assert want_lp is None and not any(np.asarray(x).any() for x in lp)
     assert len(traces) == 1
+
+
+def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch):
+    """``steps.score_positions`` (blocks of SCORE_BLOCK positions, the last one padded)
+    gives ``token_logprobs`` of the whole [B, T, V] logits, for a tied and an untied head."""
+    from jfp8kv.engine import steps
+
+    monkeypatch.setattr(steps, "SCORE_BLOCK", 8)  # 3 x 7 = 21 positions: 3 blocks, 3 padded
+    rng = np.random.default_rng()
+    hidden = jnp.asarray(rng.standard_normal((3, 7, 16)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (3, 7)), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((16, V)), jnp.float32)
+    for params in ({"lm_head": w}, {"embed": w.T}):
+        want = sampler.token_logprobs(hidden @ w, targets)
+        got = steps.score_positions(params, hidden, targets)
+        assert [g.shape for g in got] == [x.shape for x in want]
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+        logp = np.asarray(jax.nn.log_softmax(hidden @ w, axis=-1))  # ids up to near-ties:
+        np.testing.assert_allclose(np.take_along_axis(logp, np.asarray(got[2]), -1), got[1],
+                                   rtol=1e-5, atol=1e-5)
+        assert (np.asarray(got[2]) == np.asarray(want[2])).mean() > 0.95
