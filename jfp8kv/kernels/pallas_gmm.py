@@ -62,12 +62,22 @@ def choose_tm(m: int, num_groups: int) -> int:
     return min(64, max(16, next_pow2(per_group)))
 
 
+# Rows per group from which the grid walks the columns inner (``columns_inner``), through
+# COLUMNS_INNER_MAX: a launch that streams every expert's weights for a few row tiles each.
+# Measured on an H100 (bench/results/gmm-v4-sweep-h100.json, DeepSeek-V4-Flash's experts,
+# E 256): 1.06-1.08x at 12 rows per expert, 1.31-1.34x at 48; outside, no measurement.
+COLUMNS_INNER_MIN, COLUMNS_INNER_MAX = 8, 64
+
+
 def choose_tuning(m: int, num_groups: int, k: int, n: int) -> GmmTuning:
-    """The tuning ``gmm`` runs without one: the defaults, rows per tile from ``choose_tm``.
-    Takes the whole shape so a rule measured per shape (``bench.gmm_tuning``) can replace
-    it; ``k`` and ``n`` do not change the choice yet."""
+    """The tuning ``gmm`` runs without one: rows per tile from ``choose_tm``, and the columns
+    inner where the rows per group lie in the measured range above. Takes the whole shape so
+    a rule measured per shape (``bench.gmm_tuning``) can refine it; ``k`` and ``n`` do not
+    change the choice yet."""
     del k, n
-    return GmmTuning(tm=choose_tm(m, num_groups))
+    per_group = m / max(1, num_groups)
+    return GmmTuning(tm=choose_tm(m, num_groups),
+                     columns_inner=COLUMNS_INNER_MIN <= per_group <= COLUMNS_INNER_MAX)
 
 
 def num_tiles(m: int, num_groups: int, tm: int) -> int:

@@ -45,7 +45,7 @@ def test_smoke_preset(tmp_path):
 def test_override_gmm_tuning(tmp_path, monkeypatch):
     monkeypatch.setattr(pallas_gmm, "choose_tuning", pallas_gmm.choose_tuning)  # restored
     default = pallas_gmm.choose_tuning(3072, 256, 4096, 2048)
-    assert default == pallas_gmm.GmmTuning(tm=16)
+    assert default == pallas_gmm.GmmTuning(tm=16, columns_inner=True)  # 12 rows per expert
     assert override_gmm_tuning(None) == [] and pallas_gmm.choose_tuning(3072, 256, 4096,
                                                                         2048) == default
     win = pallas_gmm.GmmTuning(tm=32, tn=256, num_warps=8, columns_inner=True)
@@ -55,3 +55,14 @@ def test_override_gmm_tuning(tmp_path, monkeypatch):
     assert len(override_gmm_tuning(str(path))) == 1
     assert pallas_gmm.choose_tuning(3072, 256, 4096, 2048) == win
     assert pallas_gmm.choose_tuning(3072, 256, 2048, 4096) == default  # another shape
+
+
+def test_default_tuning_walks_columns_inner_only_where_measured():
+    """bench/results/gmm-v4-sweep-h100.json: DeepSeek-V4's 12 and 48 rows per expert; a
+    decode batch (< 1 row per expert) and a dense-routed prefill (256 rows per expert of
+    Qwen3-30B-A3B's 128) keep the rows inner."""
+    T = pallas_gmm.GmmTuning
+    assert pallas_gmm.choose_tuning(12288, 256, 4096, 2048) == T(tm=64, columns_inner=True)
+    assert pallas_gmm.choose_tuning(3072, 256, 2048, 4096) == T(tm=16, columns_inner=True)
+    assert pallas_gmm.choose_tuning(192, 256, 4096, 2048) == T(tm=16)
+    assert pallas_gmm.choose_tuning(32768, 128, 2048, 768) == T(tm=64)
