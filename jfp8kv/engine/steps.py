@@ -89,13 +89,14 @@ def score_positions(params, hidden, targets):
     while the switched structure's scoring branch is off (an H100 ran out of memory so)."""
     b, t, d = hidden.shape
     n = b * t
-    blocks = -(-n // SCORE_BLOCK)
-    pad = blocks * SCORE_BLOCK - n
-    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(blocks, SCORE_BLOCK, d)
-    tg = jnp.pad(targets.reshape(n), (0, pad)).reshape(blocks, SCORE_BLOCK)
+    size = min(SCORE_BLOCK, n)  # a dispatch of fewer positions: one block of just those
+    blocks = -(-n // size)
+    pad = blocks * size - n
+    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(blocks, size, d)
+    tg = jnp.pad(targets.reshape(n), (0, pad)).reshape(blocks, size)
     scored = jax.lax.map(lambda x: token_logprobs(transformer.logits(params, x[0]), x[1]),
                          (h, tg))
-    return tuple(a.reshape(blocks * SCORE_BLOCK, *a.shape[2:])[:n].reshape(b, t, *a.shape[2:])
+    return tuple(a.reshape(blocks * size, *a.shape[2:])[:n].reshape(b, t, *a.shape[2:])
                  for a in scored)
 
 

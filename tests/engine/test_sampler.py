@@ -6,6 +6,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jfp8kv.engine import sampler
 from jfp8kv.engine.sampler import PenaltyArrays, SamplingExtras
@@ -151,15 +152,16 @@ def test_switched_structure_equals_each_static_one():
     assert len(traces) == 1
 
 
-def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch):
+@pytest.mark.parametrize("b, t", [(3, 7), (1, 5)])  # 21 positions: 3 blocks of 8, 3 padded;
+def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch, b, t):  # 5: one
     """``steps.score_positions`` (blocks of SCORE_BLOCK positions, the last one padded)
     gives ``token_logprobs`` of the whole [B, T, V] logits, for a tied and an untied head."""
     from jfp8kv.engine import steps
 
-    monkeypatch.setattr(steps, "SCORE_BLOCK", 8)  # 3 x 7 = 21 positions: 3 blocks, 3 padded
+    monkeypatch.setattr(steps, "SCORE_BLOCK", 8)
     rng = np.random.default_rng()
-    hidden = jnp.asarray(rng.standard_normal((3, 7, 16)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, V, (3, 7)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((b, t, 16)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32)
     w = jnp.asarray(rng.standard_normal((16, V)), jnp.float32)
     for params in ({"lm_head": w}, {"embed": w.T}):
         want = sampler.token_logprobs(hidden @ w, targets)
