@@ -65,7 +65,9 @@ def choose_tm(m: int, num_groups: int) -> int:
 # Rows per group from which the grid walks the columns inner (``columns_inner``), through
 # COLUMNS_INNER_MAX: a launch that streams every expert's weights for a few row tiles each.
 # Measured on an H100 (bench/results/gmm-v4-sweep-h100.json, DeepSeek-V4-Flash's experts,
-# E 256): 1.06-1.08x at 12 rows per expert, 1.31-1.34x at 48; outside, no measurement.
+# E 256): 1.06-1.08x at 12 rows per expert, 1.31-1.34x at 48. Other models' launches in
+# the range (Qwen3-MoE decode batches of 128-512 rows: 8-32 rows for each of 128 experts)
+# take it too, unmeasured; bench.gmm_tuning has only the V4 preset.
 COLUMNS_INNER_MIN, COLUMNS_INNER_MAX = 8, 64
 
 
