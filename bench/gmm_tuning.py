@@ -1,6 +1,7 @@
 """Grouped-matmul tunings on a model's exact expert shapes: ``pallas_gmm.gmm`` candidates.
 
     python -m bench.gmm_tuning --preset v4 --out bench/results/gmm-v4-sweep-h100.json
+    python -m bench.gmm_tuning --preset qwen3-moe --out bench/results/gmm-qwen3-moe-sweep-h100.json
     python -m bench.gmm_tuning --preset smoke    # tiny shapes, interpret mode, CPU
 
 ``v4``: DeepSeek-V4-Flash's routed experts (E 256, top-6, D 4096, I 2048, bf16 operands,
@@ -44,19 +45,28 @@ from jfp8kv.kernels import pallas_gmm
 T = pallas_gmm.GmmTuning
 # Candidates pruned by bench.ptx_stats --kernels gmm (sm_90, pip Triton 3.6): all keep the
 # 16-byte cp.async weight loads pipelined, none spills, each fits >= 3 programs per SM.
-# 512 tokens (12 rows per expert, choose_tm -> 16, mma.sync): the default, the column-inner
-# grid, one row tile per expert (tm 32), 512-byte weight rows (tn 256), half the K steps.
+# 512 tokens (12 rows per expert, choose_tm -> 16, mma.sync): rows inner (the default until
+# 343b321), the column-inner grid (the default since), one row tile per expert (tm 32),
+# 512-byte weight rows (tn 256), half the K steps. A record's ``default``: choose_tuning's.
 FEW_ROWS = (T(), T(columns_inner=True), T(tm=32), T(tm=32, columns_inner=True),
             T(tn=256, num_warps=8), T(tn=256, num_warps=8, columns_inner=True),
             T(tk=128, num_warps=8))
 # 2,048 tokens (48 rows per expert, choose_tm -> 64, wgmma)
 WHOLE_CHUNK = (T(), T(columns_inner=True), T(num_warps=8), T(tn=256, num_warps=8))
+# Qwen3-30B-A3B's experts (E 128, top-8): each side of choose_tuning's columns-inner range
+# (8-64 rows per expert, measured on V4 only) and inside it: decode batches of 64 and 256
+# rows (4 and 16 rows per expert), a 1,024-token chunk (64) and a 4,096-token one (256).
+EITHER_ORDER = (T(), T(columns_inner=True))
 PRESETS = {
     "v4": dict(d=4096, i=2048, e=256, k=6, layers=4, chunk=2048, sub_chunk=512,
-               cases={512: FEW_ROWS, 2048: WHOLE_CHUNK}),
+               cases={512: FEW_ROWS, 2048: WHOLE_CHUNK}, estimate=(512, 2048)),
+    "qwen3-moe": dict(d=2048, i=768, e=128, k=8, layers=48, chunk=4096, sub_chunk=4096,
+                      cases={64: EITHER_ORDER, 1024: EITHER_ORDER, 4096: EITHER_ORDER,
+                             256: EITHER_ORDER + (T(tm=32, columns_inner=True),)},
+                      estimate=(1024, 4096)),
     "smoke": dict(d=64, i=48, e=8, k=2, layers=1, chunk=32, sub_chunk=16,
                   cases={16: (T(), T(tm=16, tn=32, tk=16, columns_inner=True)),
-                         32: (T(), T(tn=16, tk=32))}),
+                         32: (T(columns_inner=True), T(tn=16, tk=32))}, estimate=(16, 32)),
 }
 PROJECTIONS = ("gate_up", "down")  # gate/up: [M, D] x [E, D, I]; down: [M, I] x [E, I, D]
 
@@ -110,7 +120,8 @@ def run_case(doc, base: dict, operands, tunings, args, deadline, interpret: bool
     for i, tuning in enumerate(tunings):
         filled = dataclasses.replace(
             tuning, tm=tuning.tm or pallas_gmm.choose_tm(base["M"], base["E"]))
-        rec = dict(base, tuning=dataclasses.asdict(filled), default=(tuning == T()))
+        default = pallas_gmm.choose_tuning(base["M"], base["E"], base["K"], base["N"])
+        rec = dict(base, tuning=dataclasses.asdict(filled), default=(filled == default))
         if time.monotonic() > deadline:
             doc["skipped"].append(dict(base, tuning=rec["tuning"]))
             continue
@@ -159,9 +170,10 @@ def best_per_case(records: list[dict]) -> list[dict]:
 
 def step_estimate(best: list[dict], preset: dict) -> dict:
     """ms of a prefill step's grouped matmuls: layers x (2 gate/up + down) x passes, with
-    the default and with the best tuning, by tokens per pass."""
+    the default (``choose_tuning``'s) and with the best tuning, by tokens per pass (the
+    preset's ``estimate`` cases)."""
     est = {}
-    for tokens in preset["cases"]:
+    for tokens in preset["estimate"]:
         rows = {b["projection"]: b for b in best if b["M"] == tokens * preset["k"]}
         if set(rows) != set(PROJECTIONS):
             continue

@@ -67,7 +67,7 @@ def choose_tm(m: int, num_groups: int) -> int:
 # Measured on an H100 (bench/results/gmm-v4-sweep-h100.json, DeepSeek-V4-Flash's experts,
 # E 256): 1.06-1.08x at 12 rows per expert, 1.31-1.34x at 48. Other models' launches in
 # the range (Qwen3-MoE decode batches of 128-512 rows: 8-32 rows for each of 128 experts)
-# take it too, unmeasured; bench.gmm_tuning has only the V4 preset.
+# take it too, unmeasured until `bench.gmm_tuning --preset qwen3-moe` runs on a GPU.
 COLUMNS_INNER_MIN, COLUMNS_INNER_MAX = 8, 64
 
 

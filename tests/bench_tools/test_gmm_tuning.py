@@ -37,6 +37,9 @@ def test_smoke_preset(tmp_path):
     assert {(b["projection"], b["M"]) for b in doc["best"]} == {
         (p, t * gmm_tuning.PRESETS["smoke"]["k"]) for p in gmm_tuning.PROJECTIONS for t in cases}
     assert all(b["default_ms"] is not None for b in doc["best"])
+    for r in doc["records"]:  # the default is what gmm runs without a tuning
+        assert r["default"] == (pallas_gmm.GmmTuning(**r["tuning"]) == pallas_gmm.choose_tuning(
+            r["M"], r["E"], r["K"], r["N"])), r
     assert set(doc["step_estimate_ms"]) == {f"{t}_tokens_per_pass_{w}" for t in cases
                                             for w in ("default", "best")}
     assert doc["command"].startswith("python -m bench.gmm_tuning")
@@ -66,3 +69,15 @@ def test_default_tuning_walks_columns_inner_only_where_measured():
     assert pallas_gmm.choose_tuning(3072, 256, 2048, 4096) == T(tm=16, columns_inner=True)
     assert pallas_gmm.choose_tuning(192, 256, 4096, 2048) == T(tm=16)
     assert pallas_gmm.choose_tuning(32768, 128, 2048, 768) == T(tm=64)
+
+
+def test_every_preset_case_times_the_default_tuning():
+    """Each case of each preset has choose_tuning's pick among its candidates (filled the way
+    run_case fills them), so every ``best`` row states its speed-up over the default."""
+    for name, preset in gmm_tuning.PRESETS.items():
+        for tokens, tunings in preset["cases"].items():
+            m, e = tokens * preset["k"], preset["e"]
+            for k, n in ((preset["d"], preset["i"]), (preset["i"], preset["d"])):
+                filled = [dataclasses.replace(t, tm=t.tm or pallas_gmm.choose_tm(m, e))
+                          for t in tunings]
+                assert pallas_gmm.choose_tuning(m, e, k, n) in filled, (name, tokens)
