@@ -117,10 +117,10 @@ def run_case(doc, base: dict, operands, tunings, args, deadline, interpret: bool
     ref = jax.block_until_ready(padded_reference(lhs, rhs, np.asarray(sizes)))
     ref_max = float(jnp.max(jnp.abs(ref)))
     recs, fns = {}, {}
+    default = pallas_gmm.choose_tuning(base["M"], base["E"], base["K"], base["N"])
     for i, tuning in enumerate(tunings):
         filled = dataclasses.replace(
             tuning, tm=tuning.tm or pallas_gmm.choose_tm(base["M"], base["E"]))
-        default = pallas_gmm.choose_tuning(base["M"], base["E"], base["K"], base["N"])
         rec = dict(base, tuning=dataclasses.asdict(filled), default=(filled == default))
         if time.monotonic() > deadline:
             doc["skipped"].append(dict(base, tuning=rec["tuning"]))

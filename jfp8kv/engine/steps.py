@@ -88,16 +88,10 @@ def score_positions(params, hidden, targets):
     float32: 30 GB at 49,152 tokens of a 151,936-token vocabulary, which XLA reserves even
     while the switched structure's scoring branch is off (an H100 ran out of memory so)."""
     b, t, d = hidden.shape
-    n = b * t
-    size = min(SCORE_BLOCK, n)  # a dispatch of fewer positions: one block of just those
-    blocks = -(-n // size)
-    pad = blocks * size - n
-    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(blocks, size, d)
-    tg = jnp.pad(targets.reshape(n), (0, pad)).reshape(blocks, size)
     scored = jax.lax.map(lambda x: token_logprobs(transformer.logits(params, x[0]), x[1]),
-                         (h, tg))
-    return tuple(a.reshape(blocks * size, *a.shape[2:])[:n].reshape(b, t, *a.shape[2:])
-                 for a in scored)
+                         (hidden.reshape(b * t, d), targets.reshape(b * t)),
+                         batch_size=SCORE_BLOCK)
+    return tuple(a.reshape(b, t, *a.shape[1:]) for a in scored)
 
 
 def _decode_steps(params, cache, tokens, positions, page_tables, limits, temperature, top_k,

@@ -152,9 +152,9 @@ def test_switched_structure_equals_each_static_one():
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize("b, t", [(3, 7), (1, 5)])  # 21 positions: 3 blocks of 8, 3 padded;
-def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch, b, t):  # 5: one
-    """``steps.score_positions`` (blocks of SCORE_BLOCK positions, the last one padded)
+@pytest.mark.parametrize("b, t", [(3, 7), (1, 5)])  # 21: 2 blocks of 8 + 5; 5: < a block
+def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch, b, t):
+    """``steps.score_positions`` (blocks of SCORE_BLOCK positions and a remainder)
     gives ``token_logprobs`` of the whole [B, T, V] logits, for a tied and an untied head."""
     from jfp8kv.engine import steps
 
