@@ -178,14 +178,22 @@ class Soak:
             await self._send(client, path, body, "request", drop=drop)
 
     async def _bursts(self, client, end: float):
-        while True:
-            await asyncio.sleep(self.args.burst_every)
-            if time.monotonic() + self.args.burst_every / 2 > end:
-                return
-            t = time.monotonic()
-            await asyncio.gather(*(self._send(client, "/v1/completions", BURST_BODY, "burst",
-                                              shape="fixed") for _ in range(self.args.burst_size)))
-            self.burst_windows.append((t, time.monotonic()))
+        """A burst at each ``burst_every`` seconds of the run's clock, none in the last half
+        interval. Each starts on time whether or not the one before has drained (a busy
+        server had stretched a 30 s run's three bursts to one when each waited for the last)."""
+        every, start, bursts = self.args.burst_every, time.monotonic(), []
+        at = start + every
+        while at + every / 2 <= end:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            bursts.append(asyncio.create_task(self._burst(client)))
+            at += every
+        await asyncio.gather(*bursts)
+
+    async def _burst(self, client):
+        t = time.monotonic()
+        await asyncio.gather(*(self._send(client, "/v1/completions", BURST_BODY, "burst",
+                                          shape="fixed") for _ in range(self.args.burst_size)))
+        self.burst_windows.append((t, time.monotonic()))
 
     async def _sample_rss(self, client, end: float):
         """Each second: the server's RSS and its XLA compile count (/metrics; NaN if absent)."""
@@ -253,7 +261,7 @@ class Soak:
 
     async def run(self) -> dict:
         a = self.args
-        limits = httpx.Limits(max_connections=a.clients + a.burst_size + 8)
+        limits = httpx.Limits(max_connections=None)  # bursts may overlap: no client-side queue
         async with httpx.AsyncClient(base_url=self.url, timeout=a.request_timeout,
                                      limits=limits, trust_env=False) as client:
             probes_before = await self.probes(client)
