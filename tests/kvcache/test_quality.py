@@ -4,8 +4,8 @@
 nothing from jfp8kv). First, on random rows, it must agree bit for bit with what the
 engine's store writes and attention reads back, for every format and scale mode. Then, on
 SmolLM2-135M over 128 tokens of natural text (2,048 and more in the
-committed benchmark result), every (format, mode) of the engine's fp8 cache
-is compared with the same fake quantization in Hugging Face transformers (the same GGUF
+committed benchmark result), every scale mode of the engine's fp8 cache (e4m3; e5m2
+under ``-m slow``) is compared with the same fake quantization in Hugging Face transformers (the same GGUF
 weights), each side against its own unquantized run: the NLL increases must agree within
 the issue's 0.1 percentage point.
 
@@ -97,16 +97,23 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 # alone on two cores; most of the rest is compiling the 30 float64 layers per config), with
 # the same agreement (~1e-13 pp) and every config's KL above 5e-3.
 TOKENS = 128
-CONFIGS = [f"{f}:{m}" for f in FORMATS for m in ("tensor:1.0", "channel:calib", "token", "block")]
+_MODES = ("tensor:1.0", "channel:calib", "token", "block")
+# e4m3 (the default fp8 format) in every run; e5m2's four modes repeat the same pipeline with
+# the other format (its store and read-back stay bitwise-checked above in every run) and run
+# under -m slow (about 50 of the subprocess's 130 s alone on two cores, 2026-12-07).
+CONFIGS = [f"fp8_e4m3:{m}" for m in _MODES]
+SLOW_CONFIGS = [f"fp8_e5m2:{m}" for m in _MODES]
 NLL_TOLERANCE_PP = 0.1  # the issue's acceptance
 SAME_REALIZATION_PP = 1e-6  # what float64 on both sides actually gives (~1e-10 measured)
 
 
 @pytest.fixture(scope="module")
-def float64_comparison(tmp_path_factory):
+def float64_comparison(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("quality") / "quality-f64.json"
+    slow = "slow" in (request.config.getoption("markexpr") or "")
+    configs = CONFIGS + (SLOW_CONFIGS if slow else [])
     cmd = [sys.executable, "-m", "bench.quality_cpu", "--dtype", "float64",
-           "--tokens", str(TOKENS), "--windows", "1", "--configs", ",".join(CONFIGS),
+           "--tokens", str(TOKENS), "--windows", "1", "--configs", ",".join(configs),
            "--no-plot", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -122,7 +129,8 @@ def test_unquantized_float64_forward_passes_agree(float64_comparison):
 
 
 @pytest.mark.timeout(3000)
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS + [pytest.param(c, marks=pytest.mark.slow)
+                                                for c in SLOW_CONFIGS])
 def test_fp8_nll_increase_matches_fake_quantization(config, float64_comparison):
     fmt, mode = config.split(":")[:2]
     runs = {(r["kv_cache_dtype"], r["kv_scale_mode"]): r for r in float64_comparison["runs"]}
