@@ -31,8 +31,7 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
 class _Recorder:
     def __init__(self, out: Path):
         self.out = out
-        self.current: dict | None = None
-        self.start = 0.0
+        self.current: dict | None = None  # the running test's record
 
     def on_duration(self, event: str, duration: float, **kwargs) -> None:
         kind = EVENTS.get(event)
@@ -64,31 +63,18 @@ def pytest_configure(config):
     config._compile_profile = rec
 
 
-def _recorder(item):
-    return getattr(item.config, "_compile_profile", None)
-
-
-def pytest_runtest_setup(item):
-    rec = _recorder(item)
-    if rec is not None:
-        rec.current = {"test": item.nodeid, "funs": {}}
-        rec.start = time.perf_counter()
-
-
-def _finish(item):
-    rec = _recorder(item)
-    if rec is None or rec.current is None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    rec = getattr(item.config, "_compile_profile", None)
+    if rec is None:
+        yield
         return
-    rec.current["wall"] = time.perf_counter() - rec.start
+    rec.current, start = {"test": item.nodeid, "funs": {}}, time.perf_counter()
+    yield
+    rec.current["wall"] = time.perf_counter() - start
     with open(rec.out, "a") as f:
         f.write(json.dumps(rec.current) + "\n")
     rec.current = None
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    yield
-    _finish(item)
 
 
 def summarize(directory: str, top: int = 40) -> None:

@@ -33,15 +33,16 @@ from pathlib import Path
 # 189 -> 163 s; the tensor-parallel child 284 -> 200 s). Last float32 bits do change against
 # the default level (a jitted q/k-norm + RoPE differs in about a third of its elements), so
 # every comparison holds both sides in one process at one level, and tolerances are the same
-# as before. The servers and subprocesses the tests start inherit both flags. A machine with
-# an NVIDIA driver keeps XLA's default level: its GPU tests compile and time real code.
+# as before. The servers and subprocesses the tests start inherit these flags. A machine with
+# an NVIDIA driver keeps XLA's defaults: its GPU tests compile and time real code.
 # XLA's MLIR fusion emitters for the CPU compile each fusion through MLIR; the older LLVM IR
 # emitters (--xla_cpu_use_fusion_emitters=false) compile the same programs in about two thirds
 # of the backend time (a tiny engine's generate, bf16 + fp8, side by side on 2 idle cores:
 # 10.1 -> 6.7 and 9.6 -> 6.5 s; the same tokens). XLA aborts on a flag it does not know, so
 # it is added only where this jaxlib accepts it (``_xla_accepts``, asked once per run: the
 # workers and subprocesses inherit the variable).
-CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
+PROBED_CPU_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)  # added if XLA knows it
 
 
 def _xla_accepts(flag: str) -> bool:
@@ -57,8 +58,9 @@ def _cpu_compile_flags(inherited: str) -> list[str]:
     if shutil.which("nvidia-smi"):
         return []
     given = {f.split("=")[0] for f in inherited.split()}  # a caller's own setting wins
-    return [f for f in CPU_COMPILE_FLAGS if f.split("=")[0] not in given
-            and (f == CPU_COMPILE_FLAGS[0] or _xla_accepts(f))]
+    return ([f for f in CPU_COMPILE_FLAGS if f.split("=")[0] not in given]
+            + [f for f in PROBED_CPU_COMPILE_FLAGS
+               if f.split("=")[0] not in given and _xla_accepts(f)])
 
 
 _inherited = os.environ.get("XLA_FLAGS", "")
@@ -157,16 +159,27 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+def _selected(config, marker: str) -> bool:
+    """Whether ``-m`` names ``marker`` (its cases are opt-in: skipped otherwise)."""
+    return marker in (config.getoption("markexpr") or "")
+
+
+@pytest.fixture(scope="session")
+def run_slow(request) -> bool:
+    """Whether this run takes the ``slow`` cases (``pytest -m slow``)."""
+    return _selected(request.config, "slow")
+
+
 def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() == "gpu"
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the GPU machine with -m gpu)")
     # lab/ prototypes (no engine path runs them) do not gate the default run with minutes of
     # interpretation: their lowering tests run always, their interpret cases under -m lab
-    run_lab = "lab" in (config.getoption("markexpr") or "")
+    run_lab = _selected(config, "lab")
     skip_lab = pytest.mark.skip(reason="a lab prototype's interpret run: pytest -m lab tests/lab")
     # slow: interpret runs that repeat what a default case covers, one knob at a time (each
     # listed in docs/testing.md with where it still runs): under -m slow only
-    run_slow = "slow" in (config.getoption("markexpr") or "")
+    run_slow = _selected(config, "slow")
     skip_slow = pytest.mark.skip(reason="a redundant slow CPU case: pytest -m slow")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:

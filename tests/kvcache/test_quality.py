@@ -5,9 +5,9 @@ nothing from jfp8kv). First, on random rows, it must agree bit for bit with what
 engine's store writes and attention reads back, for every format and scale mode. Then, on
 SmolLM2-135M over 128 tokens of natural text (2,048 and more in the
 committed benchmark result), every scale mode of the engine's fp8 cache (e4m3; e5m2
-under ``-m slow``) is compared with the same fake quantization in Hugging Face transformers (the same GGUF
-weights), each side against its own unquantized run: the NLL increases must agree within
-the issue's 0.1 percentage point.
+under ``-m slow``) is compared with the same fake quantization in Hugging Face transformers
+(the same GGUF weights), each side against its own unquantized run: the NLL increases must
+agree within the issue's 0.1 percentage point.
 
 Why float64. fp8 rounding makes a quantized forward pass chaotic: in float32, a last-bit
 difference between XLA and PyTorch flips one fp8 rounding, which moves later values across
@@ -108,10 +108,9 @@ SAME_REALIZATION_PP = 1e-6  # what float64 on both sides actually gives (~1e-10 
 
 
 @pytest.fixture(scope="module")
-def float64_comparison(request, tmp_path_factory):
+def float64_comparison(run_slow, tmp_path_factory):
     out = tmp_path_factory.mktemp("quality") / "quality-f64.json"
-    slow = "slow" in (request.config.getoption("markexpr") or "")
-    configs = CONFIGS + (SLOW_CONFIGS if slow else [])
+    configs = CONFIGS + (SLOW_CONFIGS if run_slow else [])
     cmd = [sys.executable, "-m", "bench.quality_cpu", "--dtype", "float64",
            "--tokens", str(TOKENS), "--windows", "1", "--configs", ",".join(configs),
            "--no-plot", "--out", str(out)]
