@@ -81,7 +81,7 @@ def hf_loglikelihood(model, tokenizer, context: str, continuation: str) -> float
 
 
 @pytest.mark.skipif(lm_eval_python() is None, reason="lm_eval is not installed "
-                    "(pip install lm_eval, or set LM_EVAL_PYTHON to a Python that has it)")
+                    "(pip install \"lm_eval[api]\", or set LM_EVAL_PYTHON to a Python that has it)")
 def test_lm_eval_local_completions_and_chat(server, tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
