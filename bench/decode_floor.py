@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import sys
 import time
@@ -35,20 +36,27 @@ from jfp8kv import LLM
 from jfp8kv.config import GEMM_AUTOTUNE
 
 
-def profile_dispatch(llm, rows, steps) -> dict:
+# --samplers: what each row of the timed dispatch asks the sampler for, and which executable
+# structure serves it (EngineConfig.feature_executables; plain rows never run the switched one)
+SAMPLERS = {"plain": (False, None), "logprobs:switched": (True, "switched"),
+            "logprobs:per-mix": (True, "per-mix")}
+
+
+def profile_dispatch(dispatch, steps) -> dict:
     """One more decode dispatch under the profiler: its kernels per decode step."""
-    return profile_trace.profile(
-        lambda: jax.block_until_ready(internals.decode_dispatch(llm, rows, steps)), per=steps)
+    return profile_trace.profile(lambda: jax.block_until_ready(dispatch()), per=steps)
 
 
 def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, page_size=16,
-            gemm_autotune=None, rotation="none"):
+            gemm_autotune=None, rotation="none", sampler="plain"):
     max_len = context + steps + page_size
+    logprobs, features = SAMPLERS[sampler]
     probe = dict(model=model, dtype=dtype, kv_cache_dtype=kv, kv_scale_mode=mode,
                  kv_scales=0.05 if mode in ("tensor", "channel") else None, kv_rotation=rotation,
                  max_model_len=max_len, max_num_seqs=batch, decode_steps=steps,
                  page_size=page_size,
-                 **({"decode_gemm_autotune": gemm_autotune} if gemm_autotune else {}))
+                 **({"decode_gemm_autotune": gemm_autotune} if gemm_autotune else {}),
+                 **({"feature_executables": features} if features else {}))
     pages_per_seq = math.ceil(max_len / page_size)
     from jfp8kv.models.loader import load_model
 
@@ -60,22 +68,24 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, 
     internals.fill_cache_random(llm, jax.random.PRNGKey(1))
     rows = [(7 + i, context, list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
              context + steps) for i in range(batch)]
-    toks = internals.decode_dispatch(llm, rows, steps)  # compile
-    jax.block_until_ready(toks)
+    def dispatch():
+        return internals.decode_dispatch(llm, rows, steps, logprobs=logprobs)
+
+    jax.block_until_ready(dispatch())  # compile
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(internals.decode_dispatch(llm, rows, steps))
+        jax.block_until_ready(dispatch())
         times.append(time.perf_counter() - t0)
     step_ms = float(np.median(times)) / steps * 1e3
-    kernels = profile_dispatch(llm, rows, steps) if profile else None
+    kernels = profile_dispatch(dispatch, steps) if profile else None
     weight_bytes = internals.weight_bytes(llm)
     kv_bytes = batch * (context + steps / 2) * bpt
     autotune = llm.engine_config.decode_gemm_autotune
     del llm, loaded
     gc.collect()
     return dict(kv_cache_dtype=kv, kv_scale_mode=mode, kv_rotation=rotation, batch=batch,
-                context=context,
+                context=context, sampler=sampler,
                 step_ms=step_ms, weight_bytes=int(weight_bytes), kv_bytes=int(kv_bytes),
                 bytes_per_token=bpt, decode_steps=steps, reps=reps, page_size=page_size,
                 decode_gemm_autotune=autotune,
@@ -108,18 +118,25 @@ def main(argv=None) -> int:
                         "(Variant.split_loop; default: the kernels' default), for an A/B")
     p.add_argument("--decode-gemm-autotune", choices=GEMM_AUTOTUNE, default=None,
                    help="XLA's GEMM tiling search for the decode step (default: the engine's)")
+    p.add_argument("--samplers", default="plain",
+                   help="comma list of what every row asks the sampler for, each timed: "
+                        + ", ".join(SAMPLERS) + " (log-probs through the switched or the "
+                        "per-mix executable: their cost side by side)")
     p.add_argument("--out", default="bench/results/decode-floor-h200.json")
     args = p.parse_args(argv)
+    samplers = args.samplers.split(",")
+    if bad := sorted(set(samplers) - set(SAMPLERS)):
+        p.error(f"--samplers: unknown {bad}; choose from {', '.join(SAMPLERS)}")
     override_decode_tuning(args.decode_variant, args.decode_one_wave == "on")
     override_split_loop(None if args.split_loop is None else args.split_loop == "on")
     copy = copy_bandwidth_tbps()
     records = []
-    for item in args.configs.split(","):
+    for item, sampler in itertools.product(args.configs.split(","), samplers):
         kv, mode, *page = item.split(":")
         mode, _, rotation = mode.partition("+")
         r = measure(args.model, kv, mode or None, args.batch, args.context, args.steps,
                     args.reps, args.dtype, args.profile, int(page[0]) if page else 16,
-                    args.decode_gemm_autotune, rotation or "none")
+                    args.decode_gemm_autotune, rotation or "none", sampler)
         r["model_shape"] = args.model
         r["decode_variant"] = args.decode_variant if kv.startswith("fp8") else None
         r["decode_one_wave"] = args.decode_one_wave
@@ -127,7 +144,7 @@ def main(argv=None) -> int:
         r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy * 1e12) * 1e3
         r["step_over_floor"] = r["step_ms"] / r["floor_ms"]
         records.append(r)
-        print(f"{args.model} {kv:9s} {mode or '-':7s} {rotation or '-':15s} "
+        print(f"{args.model} {kv:9s} {mode or '-':7s} {rotation or '-':15s} {sampler} "
               f"S={r['page_size']} B={args.batch} "
               f"ctx={args.context}: "
               f"step {r['step_ms']:.3f} ms, floor {r['floor_ms']:.3f} ms "

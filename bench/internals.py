@@ -40,12 +40,16 @@ def step_stats(llm):
     return llm.engine.stats
 
 
-def decode_dispatch(llm, rows, num_steps: int, greedy: bool = True):
-    """One decode dispatch of ``num_steps`` steps. rows: (last_token, position, pages, limit).
-    Returns the device array of tokens [B_bucket, num_steps] (not waited for)."""
-    from jfp8kv.engine.sampler import SamplingArrays
+def decode_dispatch(llm, rows, num_steps: int, greedy: bool = True, logprobs: bool = False):
+    """One decode dispatch of ``num_steps`` steps. rows: (last_token, position, pages, limit);
+    ``logprobs``: every row asks for log-probs (the engine's feature_executables policy picks
+    the switched or the per-mix executable). Returns the device array of tokens
+    [B_bucket, num_steps] (with log-probs: (tokens, log-probs)), not waited for."""
+    from jfp8kv.engine.sampler import SamplingArrays, SamplingExtras
 
-    return llm.engine.runner.decode(rows, SamplingArrays.empty(len(rows)), greedy, num_steps)
+    sampling = SamplingArrays.empty(len(rows))
+    sampling.extras = SamplingExtras(logprobs=True) if logprobs else None
+    return llm.engine.runner.decode(rows, sampling, greedy, num_steps)
 
 
 def prefill_dispatch(llm, chunks):

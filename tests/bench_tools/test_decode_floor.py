@@ -1,0 +1,26 @@
+"""bench.decode_floor --samplers: each sampler variant timed on the engine's own decode
+dispatch (log-probs through the switched or the per-mix executable), one record each."""
+
+import json
+
+import pytest
+
+from bench import decode_floor
+
+
+def test_samplers_are_timed_side_by_side(tmp_path):
+    out = tmp_path / "floor.json"
+    assert decode_floor.main(["--model", "random:qwen3-tiny", "--batch", "3", "--context", "40",
+                              "--steps", "2", "--reps", "1", "--configs", "fp8_e4m3:token",
+                              "--samplers", "plain,logprobs:switched,logprobs:per-mix",
+                              "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["floor"]
+    assert [r["sampler"] for r in rows] == ["plain", "logprobs:switched", "logprobs:per-mix"]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["floor_ms"] > 0 and len(r["step_ms_all"]) == 1
+
+
+def test_unknown_sampler_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        decode_floor.main(["--samplers", "plain,topk"])
+    assert "unknown ['topk']" in capsys.readouterr().err
