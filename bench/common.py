@@ -85,16 +85,18 @@ def matmul_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
 
 
 def command_line(module: str | None = None, argv: list[str] | None = None) -> str:
-    """How this benchmark was started, as a shell line (``python -m bench.NAME ...``); a
-    ``main(argv)`` called in-process passes its module and argv."""
+    """How this benchmark was started, as a shell line (``python -m bench.NAME ...``, after
+    ``XLA_FLAGS=...`` when that is set: it changes what XLA compiles); a ``main(argv)``
+    called in-process passes its module and argv."""
+    env = [f"XLA_FLAGS={os.environ['XLA_FLAGS']}"] if os.environ.get("XLA_FLAGS") else []
     if argv is not None:
-        return shlex.join(["python", "-m", module or "bench", *argv])
+        return shlex.join(env + ["python", "-m", module or "bench", *argv])
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     name = head[-1]
     if name.endswith(".__main__"):
         head[-1] = name[: -len(".__main__")]
-    return shlex.join(head + sys.argv[1:])
+    return shlex.join(env + head + sys.argv[1:])
 
 
 def write_result(path: str, doc: dict) -> None:

@@ -24,3 +24,18 @@ def test_unknown_sampler_is_refused(capsys):
     with pytest.raises(SystemExit):
         decode_floor.main(["--samplers", "plain,topk"])
     assert "unknown ['topk']" in capsys.readouterr().err
+
+
+def test_command_line_names_the_xla_flags_it_ran_under(monkeypatch):
+    """A result's command is what reproduces it: XLA_FLAGS change what XLA compiles."""
+    from bench.common import command_line
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert command_line("bench.offline", ["--logprobs", "1"]) == \
+        "python -m bench.offline --logprobs 1"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE")
+    assert command_line("bench.offline", ["--logprobs", "1"]) == (
+        "XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE "
+        "python -m bench.offline --logprobs 1")
+    monkeypatch.setenv("XLA_FLAGS", "--a=1 --b=2")  # quoted as one shell word
+    assert command_line("bench.x", []) == "'XLA_FLAGS=--a=1 --b=2' python -m bench.x"

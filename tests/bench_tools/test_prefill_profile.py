@@ -25,7 +25,7 @@ def test_runs_on_a_tiny_model(tmp_path):
     for r in doc["records"]:
         assert r["step_ms"] > 0 and r["flops"] > r["ideal_ms"] > 0 and r["ideal_ms"] > 0
         assert r["kernels"]["kernels"] == 0  # no device trace on a CPU
-    assert doc["command"].startswith("python -m bench")
+    assert "python -m bench" in doc["command"]
 
 
 def test_runs_on_deepseek_v4_pools(tmp_path):
