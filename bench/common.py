@@ -169,3 +169,29 @@ def override_gmm_tuning(sweep_path: str | None) -> list[dict]:
 
     pallas_gmm.choose_tuning = tuning
     return best
+
+
+def reserve_check(plan: dict, device: dict) -> dict:
+    """The memory plan (``cache_info()["memory_plan"]``: capacity, in_use = the weights,
+    peak = the step's measured temporaries, margin, pool_budget) against the device's peak
+    bytes in use during the run (``device_peak_bytes_in_use``, ``device_bytes_limit``): the
+    bytes held back for temporaries (peak + margin) and what the run used of them (the
+    allocator's peak minus the weights and the pools), as fractions of the card's memory
+    (its allocator limit over XLA_PYTHON_CLIENT_MEM_FRACTION). Empty without both."""
+    need = ("capacity", "in_use", "peak", "margin", "pool_budget")
+    if not all(isinstance(plan.get(k), (int, float)) for k in need) or \
+            "device_peak_bytes_in_use" not in device:
+        return {}
+    gib = float(1 << 30)
+    reserve = plan["peak"] + plan["margin"]
+    used = device["device_peak_bytes_in_use"] - plan["in_use"] - plan["pool_budget"]
+    card = device["device_bytes_limit"] / float(
+        os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    return {"plan_line": (f"memory plan: capacity {plan['capacity'] / gib:.2f} GiB, in use "
+                          f"(weights) {plan['in_use'] / gib:.2f} GiB, peak temporaries "
+                          f"{plan['peak'] / gib:.2f} GiB, margin {plan['margin'] / gib:.2f} GiB"
+                          f" -> pools {plan['pool_budget'] / gib:.2f} GiB"),
+            "card_bytes": card, "reserve_bytes": reserve, "used_of_reserve_bytes": used,
+            "device_peak_bytes_in_use": device["device_peak_bytes_in_use"],
+            "over_reserve_fraction_of_card": (reserve - used) / card,
+            "used_beyond_reserve_fraction_of_card": max(0.0, used - reserve) / card}

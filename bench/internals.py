@@ -30,7 +30,7 @@ import contextlib
 
 
 def default_fp8_scale_mode() -> str:
-    from jfp8kv.engine.llm import DEFAULT_FP8_SCALE_MODE
+    from jfp8kv.kvcache.cache import DEFAULT_FP8_SCALE_MODE
 
     return DEFAULT_FP8_SCALE_MODE
 
@@ -69,7 +69,7 @@ def fill_cache_random(llm, key) -> None:
 
     from jfp8kv.kvcache.cache import as_pool
 
-    cache = llm.engine.runner.cache
+    cache = llm.engine.runner.cache["kv"]
 
     @jax.jit
     def rnd(x, k):  # values of the storage dtype, in the pool's representation

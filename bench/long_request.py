@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from bench.common import command_line, machine_info, write_result
+from bench.common import command_line, machine_info, reserve_check, write_result
 from bench.soak import start_server
 
 
@@ -57,7 +57,19 @@ def stream_once(url: str, body: dict, timeout: float) -> dict:
 def kv_metrics(url: str) -> list[str]:
     text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
     return [ln for ln in text.splitlines()
-            if ln and not ln.startswith("#") and ("cache" in ln or "page" in ln)]
+            if ln and not ln.startswith("#")
+            and any(w in ln for w in ("cache", "page", "memory"))]
+
+
+def memory_check(metrics: list[str]) -> dict:
+    """``common.reserve_check`` of the plan and device counts the server's /metrics export."""
+    plan, device = {}, {}
+    for ln in metrics:
+        for name, into, prefix in (("jfp8kv_memory_plan_bytes", plan, ""),
+                                   ("jfp8kv_device_memory_bytes", device, "device_")):
+            if ln.startswith(name + "{"):
+                into[prefix + ln.split('"')[1]] = float(ln.rsplit(" ", 1)[1])
+    return reserve_check(plan, device)
 
 
 def main(argv=None) -> dict:
@@ -93,6 +105,7 @@ def main(argv=None) -> dict:
             print(json.dumps({k: v for k, v in doc["requests"][-1].items() if k != "text"}),
                   flush=True)
         doc["metrics"] = kv_metrics(url)
+        doc["memory"] = memory_check(doc["metrics"])
     finally:
         proc.terminate()
         try:

@@ -100,7 +100,7 @@ import numpy as np
 from bench import internals
 from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_info,
                           matmul_tflops, override_decode_tuning, override_split_loop,
-                          write_result)
+                          reserve_check, write_result)
 from jfp8kv.config import ADMISSION_POLICIES, FEATURE_EXECUTABLES, GEMM_AUTOTUNE
 
 IDEAL_MODEL = (
@@ -410,6 +410,10 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None,
                decode_gemm_autotune=ec.decode_gemm_autotune, admission=ec.admission,
                feature_executables=ec.feature_executables, logprobs=args.logprobs,
                admission_at_start=admission_at_start, **early_stops(args, run))
+    # the allocator's peak is the process's: with several runs per process only the first
+    # run's check is about that run alone
+    rec["device_memory"] = llm.engine.runner.device_memory()
+    rec["memory_check"] = reserve_check(info.get("memory_plan", {}), rec["device_memory"])
     del llm
     gc.collect()
     return rec

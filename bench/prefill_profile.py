@@ -45,12 +45,13 @@ def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
               max_model_len=total + ps, max_num_seqs=rows,
               max_num_batched_tokens=max(rows * args.chunk, 16), page_size=ps,
               kv_cache_memory=memory)
-    if hasattr(llm.engine.runner.cache, "k"):  # a dense paged cache: random pages to read
+    pools = llm.engine.runner.cache.pools
+    if set(pools) == {"kv"}:  # a dense paged cache: random pages to read
         internals.fill_cache_random(llm, jax.random.PRNGKey(1))
     elif args.prefix:  # V4's pools and the hybrid's states hold no random-fill path
-        raise ValueError(f"--prefix needs a dense paged cache; {args.model} has "
-                         f"{type(llm.engine.runner.cache).__name__}: use --prefix 0")
-    ps = llm.cache_config.page_size  # V4's pools may round the page up (compression ratio)
+        raise ValueError(f"--prefix needs a dense paged cache; {args.model}'s cache has the "
+                         f"pools {sorted(pools)}: use --prefix 0")
+    ps = llm.cache_plan.page_size  # V4's pools may round the page up (compression ratio)
     pages = math.ceil(total / ps)
     rng = np.random.default_rng(0)
     chunks = [(rng.integers(3, cfg.vocab_size, args.chunk).tolist(), args.prefix,

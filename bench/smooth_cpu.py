@@ -207,7 +207,7 @@ class EnginePath:
                          page_size=16, max_num_seqs=1, max_num_batched_tokens=t,
                          attention_backend="reference", **kw)
         if k_mean is not None:
-            got = np.stack([np.asarray(s) for s in llm.engine.runner.cache.k_shift])
+            got = np.stack([np.asarray(s) for s in llm.engine.runner.cache["kv"].k_shift])
             assert np.array_equal(got, k_mean), "the engine did not take the given means"
         for ids in windows:
             yield log_softmax(llm.nll(ids, chunk_size=t, return_logits=True)[1])

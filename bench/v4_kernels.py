@@ -32,7 +32,8 @@ import numpy as np
 from bench import common
 from bench.kernels import chain
 from jfp8kv.kernels import v4_sparse
-from jfp8kv.kvcache import v4_pools
+from jfp8kv.kvcache import fp8, v4_pools
+from jfp8kv.kvcache.layout import CacheRequest, plan_cache
 from jfp8kv.models.v4_presets import v4_config
 
 FULL = dict(batch=64, heads=64, dim=512, window=128, topk=512, entries=8192, i_heads=64,
@@ -109,16 +110,15 @@ def indexer_record(s, interpret, key) -> dict:
     return rec
 
 
-def capacity(budget: int = 64 << 30, slots: int = 64) -> dict:
+def capacity(budget: int = 64 << 30, seqs: int = 64) -> dict:
     cfg = v4_config("deepseek-v4-flash")
-    out = {"budget_bytes": budget, "slots": slots}
+    out = {"budget_bytes": budget, "max_num_seqs": seqs}
     for name in ("auto", "fp8_e4m3"):
-        spec = v4_pools.V4PoolSpec.from_model(cfg, name)
-        pages = v4_pools.plan(spec, budget, slots)
-        info = spec.cache_info(pages, slots)
-        out[name] = {"pages": pages, "max_tokens": info["max_tokens"],
-                     "bytes_per_token": float(info["bytes_per_token"]),
-                     **{k: info[k] for k in ("window", "compressed", "indexer", "state")}}
+        layout = v4_pools.v4_layout(cfg, CacheRequest(fp8.storage_dtype_name(name, "bfloat16")))
+        plan = plan_cache(layout, budget, 256, seqs, 256)
+        out[name] = {"pages": plan.num_pages, "max_tokens": plan.max_tokens,
+                     "bytes_per_token": float(layout.bytes_per_token(256)),
+                     **plan.pool_bytes()}
     out["token_ratio"] = out["fp8_e4m3"]["max_tokens"] / out["auto"]["max_tokens"]
     return out
 

@@ -263,13 +263,23 @@ class EngineConfig:
     max_model_len: int | None = _knob(
         None, "tokens per sequence, prompt plus output (default: the model's context length)")
     kv_cache_memory: int | None = _knob(
-        None, "bytes for the KV cache pool (default: sized from free device memory)")
+        None, "bytes for the cache pools (default: what --gpu-memory-utilization leaves after "
+              "the weights, the step's measured peak temporaries and a margin; on CPU up to "
+              "1 GiB)")
+    gpu_memory_utilization: float = _knob(
+        0.9, "fraction of the GPU's memory the engine may use: weights, the step's "
+             "temporaries and the cache pools")
     page_size: int = _knob(16, "tokens per KV-cache page (a power of two in [8, 128])")
-    max_num_seqs: int = _knob(64, "sequences running at once (decode batch limit)")
+    max_num_seqs: int | None = _knob(
+        None, "sequences running at once (decode batch limit; default 64, fewer where the "
+              "model's per-sequence state would take more than a quarter of the GPU pool)")
     max_num_batched_tokens: int | None = _knob(
-        None, "prefill tokens per engine step (decode rows on top; nll chunk; 8192 GPU, 256 CPU)")
-    max_queue_len: int = _knob(
-        1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After)")
+        None, "prefill tokens per engine step (decode rows on top; nll chunk; default 8192 on "
+              "GPU, halved while the step's temporaries would take more than a third of the "
+              "memory left after the weights; 256 on CPU)")
+    max_queue_len: int | None = _knob(
+        1024, "waiting requests beyond this are refused (the server answers 503 + Retry-After; "
+              "None: max_num_seqs)")
     attention_backend: str = _knob(
         "auto", "attention kernels: auto = pallas on an NVIDIA GPU (on Hopper the Mosaic GPU "
         "prefill kernel for bf16 pages and fp8 with token, tensor or channel scales, and the "
@@ -326,6 +336,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         check_choices(self, attention_backend=ATTENTION_BACKENDS,
                       decode_gemm_autotune=GEMM_AUTOTUNE, admission=ADMISSION_POLICIES,
                       feature_executables=FEATURE_EXECUTABLES)

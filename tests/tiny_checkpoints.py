@@ -73,7 +73,7 @@ def hf_config(family: str, tied: bool, **overrides):
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2, tie_word_embeddings=tied)
     if family == "llama":
         return LlamaConfig(**{**common, "rope_theta": 10000.0, **overrides})

@@ -13,8 +13,9 @@ import numpy as np
 from jfp8kv.config import CacheConfig
 from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.kvcache import k_transform
-from jfp8kv.kvcache.cache import KVCache
+from jfp8kv.kvcache.cache import KVPool
 from jfp8kv.kvcache.calibrate import KVAmax, fingerprint, fold_amax, fold_k_sum
+from jfp8kv.kvcache.layout import Cache, CacheLayout, CachePlan
 
 
 def _run(model_cfg, params, token_chunks, ccfg, k_shift, fold, *, page_size, backend, chunk,
@@ -22,14 +23,18 @@ def _run(model_cfg, params, token_chunks, ccfg, k_shift, fold, *, page_size, bac
     """Run each token list through a float32 paged cache built from ``ccfg`` (chunks of
     ``chunk`` tokens, one sequence at a time, reusing the same pages), calling
     ``fold(cache, num_tokens)`` after each."""
-    cache = tp.init_cache(ccfg) if tp else KVCache.init(ccfg, k_shift=k_shift)
-    runner = ModelRunner(model_cfg, params, cache, backend, ccfg.num_pages - 1, tp=tp)
+    pool = KVPool(ccfg, ccfg.num_kv_heads // (tp.size if tp else 1))
+    plan = CachePlan(CacheLayout(model_cfg.family, "kv", (pool,), storage_dtype="float32",
+                                 kv_rotation=ccfg.kv_rotation), page_size, ccfg.num_pages)
+    args = {"shardings": tp.cache_shardings} if tp else {"k_shift": k_shift}
+    runner = ModelRunner(model_cfg, params, Cache.init(plan, {"kv": args}), backend,
+                         ccfg.num_pages - 1, tp=tp)
     pages = list(range(1, ccfg.num_pages))
     for ids in token_chunks:
         for s in range(0, len(ids), chunk):
             part = ids[s:s + chunk]
             runner.nll(part, part, s, pages)
-        fold(runner.cache, len(ids))
+        fold(runner.cache["kv"], len(ids))
 
 
 def _float32_cache(model_cfg, token_chunks, page_size: int, tp) -> CacheConfig:

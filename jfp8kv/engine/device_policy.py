@@ -1,7 +1,7 @@
-"""The device's shape and memory policy: what ``build_engine`` fills in for the knobs a user
-left ``None`` (decode buckets and steps, prefill chunk and batch tokens), the KV pool's
-byte budget (a fraction of free GPU memory; a bounded default on CPU), and the CPU's float32
-matmul weights."""
+"""The device's shape policy: what ``build_engine`` fills in for the knobs a user left
+``None`` (decode buckets and steps, prefill chunk and batch tokens, running sequences), and
+the CPU's float32 matmul weights. The pools' bytes are the memory plan's
+(``engine/memory.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jfp8kv.config import EngineConfig
 
-CPU_DEFAULT_CACHE_MEMORY = 1 << 30
+DEFAULT_MAX_NUM_SEQS = 64
 # GPU shape policy: decode is memory-bound, so coarse batch buckets cost little and save
 # compiles; several decode steps per dispatch hide host overhead.
 GPU_DECODE_BUCKETS = (8, 32, 64, 128, 256)
@@ -22,7 +22,6 @@ GPU_DECODE_STEPS = 8
 # steps that decode rows interleaved with them stay few (each step reads every weight).
 # On an H200, 8B shape, 64 x 4096 in / 256 out: docs/results-history.md's offline table.
 GPU_BATCHED_TOKENS = 8192
-GPU_CACHE_FRACTION = 0.85
 # CPU shape policy: every shape compiles before /health (~15 s a decode shape, ~30 s a
 # prefill one at SmolLM2-135M on one core: docs/cpu-serving.md), so the set is small: one-row
 # prefill chunks of 16/64/256 (longer prompts: chunked prefill), decode batches 1/8/64 at
@@ -42,21 +41,9 @@ def device_defaults(engine: EngineConfig, device) -> EngineConfig:
         decode_buckets=engine.decode_buckets or (GPU_DECODE_BUCKETS if on_gpu
                                                  else CPU_DECODE_BUCKETS),
         min_prefill_chunk=engine.min_prefill_chunk or (GPU_MIN_CHUNK if on_gpu else CPU_MIN_CHUNK),
+        max_num_seqs=engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens=engine.max_num_batched_tokens or (
             GPU_BATCHED_TOKENS if on_gpu else CPU_BATCHED_TOKENS))
-
-
-def cache_memory(device, requested: int | None, bpt: int, max_model_len: int, seqs: int) -> int:
-    """Pool bytes: ``requested`` if free on the GPU after the weights (else ValueError, not a
-    later XLA OOM); default: a fraction of free GPU memory, on CPU max(8, seqs // 4) rows."""
-    stats = (device.memory_stats() or {}) if device.platform == "gpu" else {}
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    if requested is not None and "bytes_limit" in stats and requested > free:
-        raise ValueError(f"kv_cache_memory={requested} bytes is more than the {max(free, 0)} bytes "
-                         f"free on {device}; lower --kv-cache-memory or leave it unset")
-    if requested is not None or free > 0:
-        return requested or int(free * GPU_CACHE_FRACTION)
-    return int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_model_len * max(8, seqs // 4)))
 
 
 def cpu_float32_weights(params):

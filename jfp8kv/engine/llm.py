@@ -13,12 +13,11 @@ import numpy as np
 from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
 # DEFAULT_FP8_SCALE_MODE, check_fp8_support and resolve_backend are re-exported for callers
 # that import them from here.
-from jfp8kv.engine.builder import (DEFAULT_FP8_SCALE_MODE, build_engine, cache_info,
-                                   check_fp8_support, resolve_backend)
+from jfp8kv.engine.builder import build_engine, cache_info, check_fp8_support, resolve_backend
 from jfp8kv.engine.compile_cache import ExecutableStore
 from jfp8kv.engine.overlap import warm_helpers
 from jfp8kv.engine.types import RequestOutput, SamplingParams
-from jfp8kv.kvcache.cache import STAT_FIELDS
+from jfp8kv.kvcache.cache import DEFAULT_FP8_SCALE_MODE, STAT_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class LLM:
         built = build_engine(load, cache, engine, device=device, loaded=loaded)
         self.engine = built.engine
         self.engine_config = built.engine_config
-        self.cache_config = built.cache_config
+        self.cache_plan = built.cache_plan
         self.config = built.loaded.config
         self.tokenizer = built.loaded.tokenizer
         self.dtype = built.dtype

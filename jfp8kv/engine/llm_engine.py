@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, *, model_name: str,
                  max_model_len: int, eos_token_ids: tuple[int, ...], seed: int = 0,
-                 max_queue_len: int = 1024, overlap_scheduling: bool = True):
+                 max_queue_len: int = 1024, overlap_scheduling: bool = True,
+                 memory_plan: dict | None = None):
         """``overlap_scheduling``: schedule and dispatch step N before reading step N-1's
-        samples (see ``step``); False runs the serialized path (read, then schedule)."""
+        samples (see ``step``); False runs the serialized path (read, then schedule).
+        ``memory_plan``: ``memory.MemoryPlan.info()``, reported by ``metrics``."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -40,6 +42,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self.max_queue_len = max_queue_len
+        self.memory_plan = memory_plan or {}
         self._seqs: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self._aborted: list[Sequence] = []
@@ -378,19 +381,17 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------
     def metrics(self) -> dict:
-        alloc = self.scheduler.allocator
-        stats = np.asarray(self.runner.cache.stats)
+        alloc, stats = self.scheduler.allocator, np.asarray(self.runner.cache.stats)
         return dict(
-            pages_used=alloc.num_used,
-            pages_total=alloc.num_pages - 1,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            pages_used=alloc.num_used, pages_total=alloc.num_pages - 1,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preemptions_total=self.scheduler.num_preemptions,
             kv_saturated_total=float(stats[:, 0].sum() + stats[:, 1].sum()),
             kv_nan_total=float(stats[:, 2].sum() + stats[:, 3].sum()),
-            generated_tokens_total=self.num_generated_tokens,
-            time=time.time(),
-        )
+            generated_tokens_total=self.num_generated_tokens, time=time.time(),
+            **{f"memory_plan_{k}": v for k, v in self.memory_plan.items()
+               if isinstance(v, int) and not isinstance(v, bool)},
+            **self.runner.device_memory())
 
 
 def _top(entry: TokenLogprob, token: int, k: int) -> TokenLogprob:

@@ -36,7 +36,7 @@ from jfp8kv.engine.compile_cache import compile_fresh
 from jfp8kv.engine.device_policy import cpu_float32_weights
 from jfp8kv.engine.sampler import SamplingArrays
 from jfp8kv.engine.variants import Variants
-from jfp8kv.kvcache.cache import KVCache
+from jfp8kv.kvcache.layout import Cache
 
 
 _STATIC = ("cfg", "backend", "tp", "all_greedy", "num_steps")  # the steps' static arguments
@@ -50,7 +50,7 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
 class ModelRunner:
     """Owns params and the cache; turns host-side batch descriptions into device calls."""
 
-    def __init__(self, model_cfg: ModelConfig, params, cache: KVCache, backend: str,
+    def __init__(self, model_cfg: ModelConfig, params, cache: Cache, backend: str,
                  max_pages_per_seq: int, decode_buckets: tuple[int, ...] | None = None,
                  min_chunk: int = 16, page_widths: tuple[int, ...] | None = None,
                  prefill_one_row: bool = False, chunk_factor: int = 2,
@@ -63,6 +63,8 @@ class ModelRunner:
         prefill chunk alone (batch 1), so prefill compiles once per chunk bucket.
         ``chunk_factor``: chunk buckets grow by this factor from ``min_chunk``, capped at
         the bucket of ``max_chunk``. On a CPU device the matmul weights are held in float32.
+        ``cache``: the ``Cache`` (or its shapes, ``jax.eval_shape`` of one, to compile before
+        the pool is allocated: set ``runner.cache`` to the allocated cache before a step runs).
         ``feature_executables``: which executables each shape compiles (``variants.Variants``;
         on a CPU device, where a compile costs more than a branch, plain decode shares the
         switched one). ``tp``: the
@@ -74,7 +76,7 @@ class ModelRunner:
         self.on_cpu = on_cpu
         self.cache = cache
         self.backend = backend
-        self.page_size = cache.config.page_size
+        self.page_size = cache.plan.page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
         self.min_chunk = min_chunk
@@ -84,9 +86,8 @@ class ModelRunner:
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
         self.variants = Variants(feature_executables, on_cpu, max_pages_per_seq * self.page_size)
-        # Rows carry state slots: hybrid models' DeltaNet state, DeepSeek-V4's window
-        # ring and compressor state.
-        self.hybrid = model_cfg.hybrid is not None or model_cfg.v4 is not None
+        # Rows carry state slots where the cache has slot pools (the family's layout).
+        self.slotted = cache.plan.num_slots > 0
         self.tp = tp
         self._decode = steps.DECODE_JITS[decode_gemm_autotune]
         self._labels = {steps.prefill: "prefill", self._decode: f"decode:{decode_gemm_autotune}"}
@@ -95,6 +96,12 @@ class ModelRunner:
         # calls it directly, anything else goes through the jitted function.
         self._executables: dict = {}
         self.stored_loads = 0  # executables ``compile_only`` took from an ExecutableStore
+
+    def device_memory(self) -> dict:
+        """``memory.device_counts`` of the device the params live on (the first)."""
+        from jfp8kv.engine.memory import device_counts
+
+        return device_counts(next(iter(jax.tree_util.tree_leaves(self.params)[0].devices())))
 
     def decode_bucket(self, n: int) -> int:
         if self.decode_buckets is None:
@@ -175,9 +182,9 @@ class ModelRunner:
                                v.scoring(b, t, None, switched)), kw
 
     def _state_slots(self, slots: list[int], b: int):
-        """int32[b] state slots of a hybrid or V4 model's rows (0: the padding slot), or
-        None for other models."""
-        if not self.hybrid:
+        """int32[b] state slots of the rows (0: the padding slot), or None when the cache has
+        no slot pools."""
+        if not self.slotted:
             return None
         out = np.zeros(b, np.int32)
         out[:len(slots)] = slots
@@ -193,18 +200,6 @@ class ModelRunner:
                 fn, args, kw = self._warm_call(*shape, greedy, self.cache, switched)
                 toks, self.cache = self._call(fn, args, kw)
             jax.block_until_ready(toks)
-
-    def cache_spec(self):
-        """The cache as shapes and dtypes (for ``compile_only``; take it before the engine
-        runs: a donated cache may be gone by the time another thread looks). A sharding is
-        kept only across devices (tensor parallelism): on one device a spec that names its
-        device lowers with a sharding annotation the real call does not have, and the
-        persistent cache would then never find what ``compile_only`` stored."""
-        def spec(x):
-            multi = len(x.sharding.device_set) > 1
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if multi else None)
-
-        return jax.tree.map(spec, self.cache)
 
     def _signature(self, fn, args, kw):
         """What picks an executable besides params and cache (fixed per runner): the step,
@@ -223,36 +218,38 @@ class ModelRunner:
                 return ex(*args, **{k: v for k, v in kw.items() if k not in _STATIC})
         return fn(*args, **kw)
 
-    def compile_only(self, shapes, abstract, stop=None, store=None, register=False) -> int:
-        """Compile each shape without running it or touching the cache (safe beside a
-        running engine): what it gains is the persistent compilation cache's entry, which
-        the first real dispatch of the shape loads instead of compiling (``precompile``
-        passes the live cache instead: then the jitted calls find the executables in
-        memory). ``abstract``: ``cache_spec()`` or the cache; ``stop``: a threading.Event
-        that ends the loop early; ``store``: an ``ExecutableStore`` whose entry replaces
-        tracing, lowering and compiling when it has one (and gets the result when not);
-        ``register``: dispatch the shape through its compiled executable from now on.
+    def compile_only(self, shapes, abstract, store=None, register=False) -> int:
+        """Compile each shape's variants without running them or touching the cache: what
+        it gains is the persistent compilation cache's entry, which the first real dispatch
+        of the shape loads instead of compiling, or with ``register`` the executable that
+        dispatch calls (a variant registered already is not compiled again). ``abstract``:
+        the cache or its shapes; ``store``: an ``ExecutableStore`` whose entry replaces
+        tracing, lowering and compiling when it has one (and gets the result when not).
         Returns the number of shapes compiled."""
-        done = 0
         for shape in shapes:
             for greedy, switched in self.variants.of(shape[0]):
-                if stop is not None and stop.is_set():
-                    return done
-                fn, args, kw = self._warm_call(*shape, greedy, abstract, switched)
-                key = compiled = None
-                if store is not None and self.tp is None:
-                    key = store.key(self._labels[fn], args,
-                                    {k: v for k, v in kw.items() if k in _STATIC})
-                    compiled = store.load(key)
-                    self.stored_loads += compiled is not None
-                if compiled is None:
-                    compiled, fresh = compile_fresh(fn.lower(*args, **kw))
-                    if key is not None and fresh:
-                        store.save(key, compiled)
-                if register:
-                    self._executables[self._signature(fn, args, kw)] = compiled
-            done += 1
-        return done
+                self.compile_variant(shape, greedy, switched, abstract, store, register)
+        return len(shapes)
+
+    def compile_variant(self, shape, greedy, switched, abstract, store=None, register=False):
+        """The compiled executable of one (shape, variant) against the ``abstract`` cache:
+        registered already, loaded from ``store``, or traced, lowered and compiled."""
+        fn, args, kw = self._warm_call(*shape, greedy, abstract, switched)
+        sig = self._signature(fn, args, kw)
+        if register and sig in self._executables:
+            return self._executables[sig]
+        key = compiled = None
+        if store is not None and self.tp is None:
+            key = store.key(self._labels[fn], args, {k: v for k, v in kw.items() if k in _STATIC})
+            compiled = store.load(key)
+            self.stored_loads += compiled is not None
+        if compiled is None:
+            compiled, fresh = compile_fresh(fn.lower(*args, **kw))
+            if key is not None and fresh:
+                store.save(key, compiled)
+        if register:
+            self._executables[sig] = compiled
+        return compiled
 
     def precompile(self, shapes, workers: int, progress: bool = False, store=None) -> int:
         """Compile ``shapes`` on ``workers`` threads (XLA compiles, and loads executables from

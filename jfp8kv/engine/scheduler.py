@@ -146,8 +146,8 @@ class Scheduler:
                  state_slots: int = 0, admission: str = "greedy"):
         """``prefix_cache_namespace``: anything that changes the numbers stored in a page
         (model, cache dtype, scale mode, static-scale version, rotation); pages are reused
-        only within one namespace (see ``PrefixCache``). ``state_slots`` (hybrid models,
-        ``kvcache.state_pool``): slots 1..state_slots (>= max_num_seqs) are handed to
+        only within one namespace (see ``PrefixCache``). ``state_slots`` (caches with slot
+        pools, ``kvcache.layout``): slots 1..state_slots (>= max_num_seqs) are handed to
         sequences at admission and taken back with their pages (finish, abort, preemption:
         the state is then recomputed by prefill, as the pages are); slot state_slots + 1 is
         ``scratch_state_slot`` (``LLM.nll``). ``admission``: when a waiting sequence may
@@ -344,7 +344,7 @@ class Scheduler:
             return False
         self.allocator.share(hit)
         seq.pages = list(hit)
-        if self.scratch_state_slot:  # a hybrid model: the sequence's DeltaNet state slot
+        if self.scratch_state_slot:  # the cache has slot pools: the sequence's state slot
             seq.state_slot = self._free_states.pop()
         seq.num_cached = start
         seq.num_registered = len(hit)

@@ -23,12 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jfp8kv.engine.sampler import branch, init_state, sample_step, token_logprobs, zero_logprobs
-from jfp8kv.kvcache.state_pool import HybridCache
-from jfp8kv.models import qwen3_hybrid, transformer, v4_paged
-
-
-def _attend(tp):
-    return None if tp is None else tp.attend
+from jfp8kv.models import families, transformer
 
 
 def _placed(cache, tp):
@@ -37,19 +32,9 @@ def _placed(cache, tp):
 
 def _forward(params, cache, tokens, positions, slots, page_tables, seq_lens, state_slots, *,
              cfg, backend, tp):
-    """The model's forward: ``transformer.forward``, or for a hybrid model (``cache`` a
-    ``HybridCache``) ``qwen3_hybrid.forward`` with each row's DeltaNet ``state_slots``, or
-    for DeepSeek-V4 (``cache`` a ``V4Cache``) ``v4_paged.forward`` with its slots."""
-    if cfg.v4 is not None:
-        return v4_paged.forward(params, cache, tokens, positions, page_tables, seq_lens,
-                                state_slots, cfg=cfg, backend=backend)
-    if cfg.hybrid is None:
-        return transformer.forward(params, cache, tokens, positions, slots, page_tables,
-                                   seq_lens, cfg=cfg, backend=backend, attend=_attend(tp))
-    hidden, kv, state = qwen3_hybrid.forward(params, cache.kv, cache.state, tokens, positions,
-                                             slots, page_tables, seq_lens, state_slots,
-                                             cfg=cfg, backend=backend)
-    return hidden, HybridCache(kv, state)
+    """The model family's forward over the cache (``models.families``' contract)."""
+    return families.forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
+                            state_slots, cfg=cfg, backend=backend, tp=tp)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "all_greedy", "tp"),
@@ -60,8 +45,8 @@ def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last
     """Static: cfg, backend, all_greedy, tp (and the structure of extras and scoring).
     Donated: cache. Returns (out, cache): out int32[B], or (int32[B], log-probs) when
     extras.logprobs; with ``scoring`` (a ``sampler.Scoring``) (out, (log-prob [B, T] of each
-    target, top values [B, T, K], top ids [B, T, K])). ``state_slots`` int32[B]: hybrid
-    models' DeltaNet slots (None otherwise)."""
+    target, top values [B, T, K], top ids [B, T, K])). ``state_slots`` int32[B]: the rows'
+    state slots when the cache has slot pools (None otherwise)."""
     hidden, cache = _forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
                              state_slots, cfg=cfg, backend=backend, tp=tp)
     last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
@@ -102,7 +87,7 @@ def _decode_steps(params, cache, tokens, positions, page_tables, limits, tempera
     all_greedy, num_steps, tp (and extras' structure: the penalty token counts ride in the scan
     carry only when given). Donated: cache. Returns (int32[B, num_steps], cache), or
     ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs."""
-    ps = cache.config.page_size
+    ps = cache.page_size
 
     def body(carry, i):
         cache, tok, state = carry

@@ -112,25 +112,24 @@ def paged_attention(q: Queries, layer: LayerKV, page_tables: PageTables, seq_len
                                             sm_scale, interpret=interpret)
 
 
-def with_attention_compute(plan, requested: str):
-    """``plan`` (the engine builder's capacity plan) with its ``cache_config``'s
-    ``attention_compute`` set to ``requested`` (``CacheOptions.fp8_attention_compute``):
-    ValueError at build where "fp8" products cannot run on fp8 pages
-    (``fp8_products.check_config``); 16-bit pages keep "dequant" (an fp8-only option,
-    ignored with a warning, as the builder does for the others)."""
-    import dataclasses
+def attention_compute(storage_dtype: str, requested: str) -> str:
+    """The prefill products a cache of ``storage_dtype`` runs for ``requested``
+    (``CacheOptions.fp8_attention_compute``): as asked on fp8 pages; 16-bit pages keep
+    "dequant" (an fp8-only option, ignored with a warning, as the builder does for the
+    others)."""
+    if requested == "fp8" and not str(storage_dtype).startswith("float8"):
+        log.warning("fp8_attention_compute='fp8' ignored: the KV cache stores %s", storage_dtype)
+        return "dequant"
+    return requested
 
-    cfg = plan.cache_config
-    if requested == "fp8" and not cfg.is_fp8:
-        log.warning("fp8_attention_compute='fp8' ignored: the KV cache stores %s",
-                    cfg.storage_dtype)
-        return plan
-    cfg = dataclasses.replace(cfg, attention_compute=requested)
-    if requested == "fp8":
+
+def check_kv_cache(cfg: CacheConfig) -> None:
+    """At engine build: ValueError where ``cfg.attention_compute`` "fp8" products cannot run
+    on its pages (``fp8_products.check_config``)."""
+    if cfg.attention_compute == "fp8":
         from jfp8kv.kernels import fp8_products
 
         fp8_products.check_config(cfg)
-    return dataclasses.replace(plan, cache_config=cfg)
 
 
 def mosaic_prefill_runs(cfg: CacheConfig, num_heads: int) -> bool:

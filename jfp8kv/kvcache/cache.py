@@ -28,8 +28,10 @@ its scales in ``k_scale[l]``; ``v`` and ``v_scale`` are empty lists, the v stats
 
 Page 0 is reserved: padding lanes write there and no sequence ever owns it.
 
-``bytes_per_token`` is the single source of truth for capacity: the planner
-(``plan_num_pages``) and the allocator (the pool it sizes) both go through it.
+``bytes_per_token`` is the single source of truth for capacity: ``KVPool`` (this pool as a
+``layout.PagedPool``: its bytes per page and static bytes) and ``plan_num_pages`` both go
+through it. ``dense_layout`` declares the dense families' cache (Llama, Qwen2/3, Qwen3-MoE):
+one ``KVPool``; ``kv_pool`` builds that pool for the hybrid family's attention layers too.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Float32, Shaped
 
-from jfp8kv.config import CacheConfig
+from jfp8kv.config import KV_ROTATIONS, KV_SCALE_MODES, CacheConfig, ModelConfig
 from jfp8kv.kvcache import k_transform, scale_modes
+from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, PagedPool, Supports,
+                                   resolve_scale_mode)
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
 
@@ -218,3 +222,87 @@ class LayerKV:
     def __post_init__(self):
         if _arrays(self.k, self.v, self.k_scale, self.v_scale):
             _check_layer(self.k, self.v, self.k_scale, self.v_scale)
+
+
+# The fp8 scale mode when none is named (bench/results/quality-cpu.json chose it).
+DEFAULT_FP8_SCALE_MODE = "token"
+DENSE_SUPPORTS = Supports(scale_modes=KV_SCALE_MODES, default_scale_mode=DEFAULT_FP8_SCALE_MODE,
+                          rotations=KV_ROTATIONS, static_calibration=True, tensor_parallel=True,
+                          prefix_caching=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPool(PagedPool):
+    """Paged K/V pages and their scales (or MLA latent rows): one ``KVCache``. ``config``
+    holds every KV head of the pool (its num_pages and page_size are set by ``init``);
+    ``heads_per_device`` is the byte model's share of them (all of them on one device, a
+    device's under tensor parallelism: budgets are per device)."""
+
+    config: CacheConfig
+    heads_per_device: int
+    name: str = "kv"
+
+    def _per_device(self) -> tuple:
+        c = self.config
+        return (c.num_layers, self.heads_per_device, c.head_dim, c.storage_dtype, c.scale_mode)
+
+    def bytes_per_page(self, page_size: int) -> int:
+        c = self.config
+        return page_size * bytes_per_token(*self._per_device(), c.scale_block, c.layout)
+
+    def fixed_bytes(self) -> int:
+        return static_overhead_bytes(*self._per_device())
+
+    def init(self, num_pages: int, page_size: int, k_scale=None, v_scale=None, k_shift=None,
+             shardings=None) -> KVCache:
+        """``KVCache.init`` of the sized config; ``shardings(cfg)``: a ``KVCache`` of
+        NamedShardings to allocate every device's share in place (tensor parallelism)."""
+        cfg = dataclasses.replace(self.config, num_pages=num_pages, page_size=page_size)
+        if shardings is None:
+            return KVCache.init(cfg, k_scale, v_scale, k_shift)
+        return jax.jit(lambda k, v: KVCache.init(cfg, k, v),
+                       out_shardings=shardings(cfg))(k_scale, v_scale)
+
+    def info(self) -> dict:
+        c = self.config
+        return dict(dtype=c.storage_dtype, scale_mode=c.scale_mode, layers=c.num_layers,
+                    kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+
+    def placeholder_args(self) -> dict:
+        c = self.config
+        out = {}
+        if scale_modes.of(c).is_static:
+            out.update(k_scale=1.0, v_scale=1.0)
+        if k_transform.smooths(c.kv_rotation):
+            out["k_shift"] = np.zeros((c.num_layers, c.num_kv_heads, c.head_dim), np.float32)
+        return out
+
+
+def kv_pool(num_layers: int, num_kv_heads: int, head_dim: int, req: CacheRequest,
+            mode: str | None, devices_heads: int | None = None) -> KVPool:
+    """The K/V pool of ``num_layers`` attention layers for ``req`` (``mode`` resolved):
+    checks the scale mode and K transform against ``head_dim`` (ValueError naming what
+    works). ``num_kv_heads``: the pool's heads (replicated ones included under tensor
+    parallelism); ``devices_heads``: one device's share (default: all)."""
+    rot = req.kv_rotation if req.is_fp8 else "none"
+    scale_modes.get(mode, req.storage_dtype).validate(head_dim)
+    k_transform.validate(rot, head_dim)
+    if req.devices > 1 and k_transform.smooths(rot):
+        raise ValueError(f"kv_rotation={rot!r} is not supported with tensor parallelism yet; "
+                         "use 'none' or 'hadamard'")
+    cfg = CacheConfig(num_layers, num_kv_heads, head_dim, 0, 0, req.storage_dtype, mode,
+                      bitcast_pool=req.bitcast_pool, kv_rotation=rot,
+                      attention_compute=req.attention_compute)
+    return KVPool(cfg, devices_heads or num_kv_heads)
+
+
+def dense_layout(cfg: ModelConfig, req: CacheRequest) -> CacheLayout:
+    """A dense family's cache: K/V pages of every layer (under tensor parallelism
+    ``req.kv_heads`` of them, each of the model's stored ``kv_heads / num_kv_heads`` times,
+    ``kv_heads / req.devices`` per device)."""
+    mode = resolve_scale_mode(cfg.family, DENSE_SUPPORTS, req)
+    heads = req.kv_heads or cfg.num_kv_heads
+    pool = kv_pool(cfg.num_layers, heads, cfg.head_dim, req, mode, heads // req.devices)
+    return CacheLayout(cfg.family, "kv", (pool,), storage_dtype=req.storage_dtype,
+                       scale_mode=mode, kv_rotation=pool.config.kv_rotation,
+                       supports=DENSE_SUPPORTS)

@@ -14,15 +14,22 @@ policy applied to that one head (``scale_modes`` / ``fp8``), nothing of its own:
 * ``token``: one float32 scale per row (latent and tail share it): 576 + 4 bytes.
 * ``tensor``/``channel`` (static, calibrated): not supported for latents (ValueError).
 * bf16/f16/f32 storage: R x itemsize.
+
+``latent_layout`` declares the MLA families' cache: one ``cache.KVPool`` named "latent".
+No K transform (the rows are not per-head keys), no static scales, one device.
 """
 
 from __future__ import annotations
 
-from jfp8kv.config import ModelConfig
+from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache import scale_modes
+from jfp8kv.kvcache.cache import KVPool
+from jfp8kv.kvcache.layout import CacheLayout, CacheRequest, Supports, resolve_scale_mode
 
 LATENT_SCALE_MODES = ("block", "token")
 DEFAULT_LATENT_SCALE_MODE = "block"
+LATENT_SUPPORTS = Supports(scale_modes=LATENT_SCALE_MODES,
+                           default_scale_mode=DEFAULT_LATENT_SCALE_MODE, prefix_caching=True)
 
 
 def check_latent_mode(cfg: ModelConfig, storage_dtype: str, scale_mode: str | None,
@@ -48,3 +55,17 @@ def cache_shape(cfg: ModelConfig) -> dict[str, int]:
     """``num_layers``, ``num_kv_heads``, ``head_dim`` of the latent pool (for ``CacheConfig``
     and ``bytes_per_token`` with ``layout="latent"``)."""
     return dict(num_layers=cfg.num_layers, num_kv_heads=1, head_dim=cfg.latent_dim)
+
+
+def latent_layout(cfg: ModelConfig, req: CacheRequest) -> CacheLayout:
+    """An MLA family's cache: one latent row per token per layer (ValueError naming what
+    works for a scale mode the rows cannot take)."""
+    mode = resolve_scale_mode(cfg.family, LATENT_SUPPORTS, req)
+    check_latent_mode(cfg, req.storage_dtype, mode)
+    ccfg = CacheConfig(**cache_shape(cfg), num_pages=0, page_size=0,
+                       storage_dtype=req.storage_dtype, scale_mode=mode,
+                       bitcast_pool=req.bitcast_pool, layout="latent",
+                       attention_compute=req.attention_compute)
+    return CacheLayout(cfg.family, "latent", (KVPool(ccfg, 1, name="latent"),),
+                       storage_dtype=req.storage_dtype, scale_mode=mode,
+                       supports=LATENT_SUPPORTS)

@@ -18,6 +18,9 @@ state is simply recomputed by its prefill, as its pages are.
 
 ``bytes_per_slot`` is the capacity model of this pool, as ``cache.bytes_per_token`` is the
 pages'; ``DeltaState.nbytes`` equals ``num_slots * bytes_per_slot`` exactly.
+
+``hybrid_layout`` declares the hybrid family's cache: the full-attention layers' K/V pages
+(``cache.KVPool``, every dtype and scale mode) and this pool (``DeltaNetPool``) of slots.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ import typing
 
 import jax
 import jax.numpy as jnp
+
+from jfp8kv.config import KV_SCALE_MODES, ModelConfig
+from jfp8kv.kvcache.cache import DEFAULT_FP8_SCALE_MODE, kv_pool
+from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, SlotPool, Supports,
+                                   resolve_scale_mode)
 
 STATE_DTYPES = ("float32", "bfloat16", "float64")  # float64: the float64 check mode only
 
@@ -101,24 +109,38 @@ class DeltaState:
         return sum(x.size * x.dtype.itemsize for x in (*self.conv, *self.recurrent))
 
 
-@typing.no_type_check
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class HybridCache:
-    """What the engine carries for a hybrid model: the attention layers' paged K/V and the
-    DeltaNet layers' state slots. ``config`` and ``stats`` are the paged cache's, so code
-    that reads a ``KVCache``'s page size or fp8 stats reads this alike."""
+# Static scale modes run with a float kv_scales only: start-up calibration runs the dense
+# forward. Prefix caching would need the state after exactly the cached prefix.
+HYBRID_SUPPORTS = Supports(
+    scale_modes=KV_SCALE_MODES, default_scale_mode=DEFAULT_FP8_SCALE_MODE,
+    rotations=("none", "hadamard"),
+    why_no_prefix_caching="a cached prefix would need the DeltaNet state after exactly that "
+                          "prefix, and the state pool keeps one state per running sequence")
 
-    kv: typing.Any  # cache.KVCache (not imported: cache.py stays independent of this file)
-    state: DeltaState
 
-    @property
-    def config(self):
-        return self.kv.config
+@dataclasses.dataclass(frozen=True)
+class DeltaNetPool(SlotPool):
+    """The DeltaNet layers' conv and recurrent state, one slot per sequence: a
+    ``DeltaState`` (``config.num_slots`` is set by ``init``)."""
 
-    @property
-    def stats(self):
-        return self.kv.stats
+    config: StateConfig
+    name = "deltanet"
 
-    def nbytes(self) -> int:
-        return self.kv.nbytes() + self.state.nbytes()
+    def bytes_per_slot(self) -> int:
+        return bytes_per_slot(self.config)
+
+    def init(self, num_slots: int) -> DeltaState:
+        return DeltaState.init(dataclasses.replace(self.config, num_slots=num_slots))
+
+    def info(self) -> dict:
+        return dict(dtype=self.config.dtype, layers=self.config.num_layers)
+
+
+def hybrid_layout(cfg: ModelConfig, req: CacheRequest) -> CacheLayout:
+    """A Qwen3.5/3.6 hybrid's cache: K/V pages of its full-attention layers, DeltaNet state
+    slots of its linear-attention layers (state dtype: the model's ``state_dtype``)."""
+    mode = resolve_scale_mode(cfg.family, HYBRID_SUPPORTS, req)
+    kv = kv_pool(len(cfg.hybrid.attention_layers), cfg.num_kv_heads, cfg.head_dim, req, mode)
+    return CacheLayout(cfg.family, "kv", (kv,), (DeltaNetPool(state_config(cfg.hybrid, 2)),),
+                       storage_dtype=req.storage_dtype, scale_mode=mode,
+                       kv_rotation=kv.config.kv_rotation, supports=HYBRID_SUPPORTS)

@@ -15,6 +15,8 @@ With ``fp8_e4m3`` the window and compressed pools hold e4m3 rows with one float1
 the two are quantized alike because one gather reads both. The indexer stays bf16 (its
 error would move top-k routing, not a value) and the state float32 (it is not storage).
 The window and state pools are per sequence slot (``max_num_seqs``), the others per page.
+``v4_layout`` declares them as the family's cache layout (``layout``): ``CompressedPool``
+and ``IndexerPool`` paged, ``WindowPool`` and ``CompressorPool`` in slots.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import jax.numpy as jnp
 from jfp8kv.config import ModelConfig
 from jfp8kv.config_v4 import V4_FAMILY
 from jfp8kv.kvcache import fp8, scale_modes
+from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, PagedPool, SlotPool, Supports,
+                                   resolve_scale_mode)
 
 POOLED_DTYPES = ("bfloat16", "float8_e4m3fn")
 _ALIASES = {"auto": "bfloat16", "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn",
@@ -125,60 +129,136 @@ class V4PoolSpec:
         """Exact bytes each cached source token adds (the per-page pools)."""
         return Fraction(self.bytes_per_page(), self.page_size)
 
-    def cache_info(self, num_pages: int, slots: int) -> dict:
-        """Per-pool bytes of a ``num_pages`` x ``slots`` allocation (what ``init_pools``
-        allocates) and the tokens the pages hold."""
-        return {"window": slots * self.window_bytes_per_slot(),
-                "compressed": num_pages * self.compressed_bytes_per_page(),
-                "indexer": num_pages * self.indexer_bytes_per_page(),
-                "state": slots * self.state_bytes_per_slot(),
-                "bytes_per_token": self.bytes_per_token(),
-                "max_tokens": (num_pages - 1) * self.page_size}
+
+def _rows(lead: tuple[int, ...], spec: V4PoolSpec) -> tuple:
+    """Zeroed rows [*lead, hd] in the pools' storage: (values, float16 scales) under fp8."""
+    v = jnp.zeros(lead + (spec.head_dim,), spec.storage_dtype)
+    return (v, jnp.ones(lead + (spec.head_dim // 32,), "float16")) if spec.is_fp8 else (v,)
 
 
-def plan(spec: V4PoolSpec, budget: int, slots: int) -> int:
-    """Pages that fit ``budget`` bytes after ``slots`` sequence slots' window and state
-    pools (page 0 is the padding sink). ValueError when fewer than 2 pages fit."""
-    left = budget - slots * spec.bytes_per_slot()
-    pages = left // spec.bytes_per_page() if left > 0 else 0
-    if pages < 2:
-        raise ValueError(f"a {budget}-byte KV budget does not fit {slots} DeepSeek-V4 "
-                         f"sequence slots ({spec.bytes_per_slot()} bytes each) and 2 pages "
-                         f"({spec.bytes_per_page()} bytes each); lower max_num_seqs or raise "
-                         "the KV memory")
-    return int(pages)
+@dataclasses.dataclass(frozen=True)
+class WindowPool(SlotPool):
+    """Every layer's window ring: [slots, W, hd] rows (fp8 with block scales, or bf16)."""
+
+    spec: V4PoolSpec
+    name = "window"
+
+    def bytes_per_slot(self) -> int:
+        return self.spec.window_bytes_per_slot()
+
+    def init(self, num_slots: int) -> list:
+        return [_rows((num_slots, self.spec.sliding_window), self.spec)
+                for _ in range(self.spec.window_layers)]
+
+    def info(self) -> dict:
+        return dict(dtype=self.spec.storage_dtype, layers=self.spec.window_layers)
 
 
-def init_pools(spec: V4PoolSpec, num_pages: int, slots: int) -> dict:
-    """Zeroed pools: {"window", "compressed", "indexer", "state"} lists of arrays (one per
-    layer that has the pool; fp8 pools as (values, float16 scales) pairs), whose bytes are
-    exactly ``cache_info``'s."""
-    hd, d_i, s = spec.head_dim, spec.index_head_dim, spec.storage_dtype
+@dataclasses.dataclass(frozen=True)
+class CompressorPool(SlotPool):
+    """The compressors' open-window buffers and overlap halves, float32 (``state_layout``:
+    CSA layers 8 arrays, main then indexer compressor; HCA layers 2)."""
 
-    def rows(lead: tuple[int, ...]):
-        v = jnp.zeros(lead + (hd,), s)
-        return (v, jnp.ones(lead + (hd // 32,), "float16")) if spec.is_fp8 else (v,)
+    spec: V4PoolSpec
+    name = "compressor"
 
-    f32 = STATE_DTYPE
-    state = []
-    for m in spec.compressed_ratios:
-        if m in spec.indexer_ratios:
-            for d in (hd, d_i):
-                state += [jnp.zeros((slots, m, 2 * d), f32) for _ in range(2)]
-                state += [jnp.zeros((slots, m, d), f32) for _ in range(2)]
-        else:
-            state += [jnp.zeros((slots, m, hd), f32) for _ in range(2)]
-    return {"window": [rows((slots, spec.sliding_window)) for _ in range(spec.window_layers)],
-            "compressed": [rows((num_pages, spec.page_size // m))
-                           for m in spec.compressed_ratios],
-            "indexer": [(jnp.zeros((num_pages, spec.page_size // m, d_i), INDEXER_DTYPE),)
-                        for m in spec.indexer_ratios],
-            "state": [(a,) for a in state]}
+    def bytes_per_slot(self) -> int:
+        return self.spec.state_bytes_per_slot()
+
+    def init(self, num_slots: int) -> list:
+        hd, d_i, f32 = self.spec.head_dim, self.spec.index_head_dim, STATE_DTYPE
+        state = []
+        for m in self.spec.compressed_ratios:
+            if m in self.spec.indexer_ratios:
+                for d in (hd, d_i):
+                    state += [(jnp.zeros((num_slots, m, 2 * d), f32),) for _ in range(2)]
+                    state += [(jnp.zeros((num_slots, m, d), f32),) for _ in range(2)]
+            else:
+                state += [(jnp.zeros((num_slots, m, hd), f32),) for _ in range(2)]
+        return state
+
+    def info(self) -> dict:
+        return dict(dtype=STATE_DTYPE)
 
 
-def pool_nbytes(pools: dict) -> dict[str, int]:
-    """Bytes actually allocated per pool."""
-    return {k: sum(a.nbytes for layer in v for a in layer) for k, v in pools.items()}
+@dataclasses.dataclass(frozen=True)
+class CompressedPool(PagedPool):
+    """Each CSA / HCA layer's compressed entries: [pages, page/m, hd] rows."""
+
+    spec: V4PoolSpec
+    name = "compressed"
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return dataclasses.replace(self.spec, page_size=page_size).compressed_bytes_per_page()
+
+    def init(self, num_pages: int, page_size: int) -> list:
+        return [_rows((num_pages, page_size // m), self.spec)
+                for m in self.spec.compressed_ratios]
+
+    def info(self) -> dict:
+        return dict(dtype=self.spec.storage_dtype, layers=len(self.spec.compressed_ratios))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerPool(PagedPool):
+    """Each CSA layer's lightning-indexer keys: [pages, page/m, dI], bf16 always."""
+
+    spec: V4PoolSpec
+    name = "indexer"
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return dataclasses.replace(self.spec, page_size=page_size).indexer_bytes_per_page()
+
+    def init(self, num_pages: int, page_size: int) -> list:
+        return [(jnp.zeros((num_pages, page_size // m, self.spec.index_head_dim),
+                           INDEXER_DTYPE),) for m in self.spec.indexer_ratios]
+
+    def info(self) -> dict:
+        return dict(dtype=INDEXER_DTYPE, layers=len(self.spec.indexer_ratios))
+
+
+# Block scales only (computed at store time), e4m3 only, no K transform, one device.
+V4_SUPPORTS = Supports(
+    scale_modes=("block",), default_scale_mode="block", fp8_dtypes=("float8_e4m3fn",),
+    why_no_prefix_caching="a cached prefix would need the compressor state after exactly "
+                          "that prefix, and the slot pool keeps one state per running sequence")
+
+
+def v4_layout(cfg: ModelConfig, req: CacheRequest) -> CacheLayout:
+    """DeepSeek-V4's cache: compressed and indexer entries in pages, the window ring and
+    compressor state in sequence slots. A page holds whole compressed windows of every
+    ratio (``page_multiple``); with fp8 the window and compressed rows are e4m3 with block
+    scales, else bf16."""
+    mode = resolve_scale_mode(cfg.family, V4_SUPPORTS, req)
+    ratios = [r for r in cfg.v4.compress_ratios if r]
+    multiple = max(ratios, default=1)
+    if any(multiple % r for r in ratios):
+        raise ValueError(f"DeepSeek-V4 needs power-of-two compress ratios; got "
+                         f"{sorted(set(ratios))}")
+    spec = V4PoolSpec.from_model(cfg, "fp8_e4m3" if req.is_fp8 else "auto", multiple)
+    return CacheLayout(cfg.family, "v4", (CompressedPool(spec), IndexerPool(spec)),
+                       (WindowPool(spec), CompressorPool(spec)),
+                       storage_dtype=spec.storage_dtype, scale_mode=mode,
+                       page_multiple=multiple, supports=V4_SUPPORTS)
+
+
+def state_layout(spec: V4PoolSpec, kinds: tuple[str, ...]) -> list[dict]:
+    """Per layer, where its pools sit in the cache's lists: "compressed" / "indexer"
+    indices and the "compressor" state offset (CSA: 8 arrays, main then indexer
+    compressor, each buf_kv, buf_gate, prev_kv, prev_gate; HCA: buf_kv, buf_gate)."""
+    out, c, i, s = [], 0, 0, 0
+    for kind in kinds:
+        ent: dict = {}
+        if kind != "window":
+            ent.update(compressed=c, state=s)
+            c += 1
+            s += 8 if kind == "csa" else 2
+        if kind == "csa":
+            ent["indexer"] = i
+            i += 1
+        out.append(ent)
+    assert c == len(spec.compressed_ratios) and i == len(spec.indexer_ratios)
+    return out
 
 
 def store_rows(x, storage_dtype: str):

@@ -24,7 +24,7 @@ import numpy as np
 from jfp8kv.config import ModelConfig
 from jfp8kv.models import hf_loader
 from jfp8kv.models.gguf_tokenizer import load_gguf_tokenizer
-from jfp8kv.models.loader import LoadedModel
+from jfp8kv.models.loaded import LoadedModel
 
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight",

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from jfp8kv.config import ModelConfig
 from jfp8kv.models import sharding
-from jfp8kv.models.loader import LoadedModel
+from jfp8kv.models.loaded import LoadedModel
 
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
              "float32": np.dtype(np.float32)}

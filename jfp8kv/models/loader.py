@@ -8,36 +8,22 @@
 - ``random:<preset>``: a real architecture's shapes with random weights (``presets.py``).
 
 Checkpoint naming lives in the loaders alone; the forward pass only sees the params pytree
-documented in ``jfp8kv/models/transformer.py``. Nothing is downloaded from the hub.
+documented in ``jfp8kv/models/transformer.py``. Nothing is downloaded from the hub. What
+every loader returns is a ``loaded.LoadedModel`` (re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from jfp8kv.config import ModelConfig, check_compute_dtype
+from jfp8kv.config import check_compute_dtype
+from jfp8kv.models import gguf_loader, hf_loader, hub
 from jfp8kv.models.hub import DEFAULT_MODEL_NAME
+from jfp8kv.models.loaded import LoadedModel
+from jfp8kv.models.presets import load_random
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class LoadedModel:
-    """Everything needed to run a checkpoint.
-
-    ``params``: the transformer pytree (weights [in, out], jnp arrays in the compute dtype,
-    ``lm_head`` absent when embeddings are tied). ``tokenizer``: a transformers tokenizer
-    (with the checkpoint's chat template when it has one). ``kv_scales``: checkpoint fp8
-    scales ``{"k": float32[num_layers], "v": float32[num_layers]}`` or None when absent.
-    """
-
-    config: ModelConfig
-    params: dict[str, Any]
-    tokenizer: Any
-    kv_scales: dict[str, np.ndarray] | None
-    name: str
+__all__ = ["LoadedModel", "load_model"]
 
 
 def load_model(model: str | None = None, dtype: str = "bfloat16",
@@ -47,15 +33,10 @@ def load_model(model: str | None = None, dtype: str = "bfloat16",
     (``models/sharding.py``; ValueError naming the valid sizes when it does not fit)."""
     tp = dict(tensor_parallel_size=tensor_parallel_size)
     check_compute_dtype(dtype)
-    # Lazy imports: the sub-loaders import this module for LoadedModel.
-    from jfp8kv.models import gguf_loader, hf_loader, hub
-
     if model is None or model.lower() == DEFAULT_MODEL_NAME:
         return gguf_loader.load_gguf(hub.default_gguf_path(), dtype, name=DEFAULT_MODEL_NAME,
                                      **tp)
     if model.lower().startswith("random:"):
-        from jfp8kv.models.presets import load_random
-
         return load_random(model.split(":", 1)[1], dtype, **tp)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":

@@ -32,9 +32,12 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8kv.config import ModelConfig, YarnScaling
 from jfp8kv import kernels
+from jfp8kv.config import ModelConfig, YarnScaling
+from jfp8kv.kernels.prologue import acc_dtype, rms_norm
+from jfp8kv.kvcache.cache import KVCache, accumulate_stats
 from jfp8kv.models import moe
+from jfp8kv.models.layers import linear
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -104,13 +107,12 @@ def apply_rope(x, positions, inv_freq, factor: float, pairwise: bool):
 
 def _queries(h, lp, cfg: ModelConfig):
     """[B, T, H, d_n + d_r] queries of h [B, T, D]."""
-    from jfp8kv.models.transformer import _linear, rms_norm
 
     b, t, _ = h.shape
     if "wq" in lp:
-        q = _linear(h, lp["wq"])
+        q = linear(h, lp["wq"])
     else:
-        q = _linear(rms_norm(_linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps),
+        q = linear(rms_norm(linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps),
                     lp["wq_b"])
     return q.reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 
@@ -121,13 +123,12 @@ def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_table
     attends over the latent pages (absorbed) through ``jfp8kv.kernels`` with ``backend``.
     ``rope``: (inv_freq, factor). Returns
     (attention output [B, T, D] before the residual, pages, scale, stats row)."""
-    from jfp8kv.models.transformer import _linear, acc_dtype, rms_norm
 
     b, t, _ = h.shape
     r, dn, dv, hh = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.num_heads
     acc = acc_dtype(h.dtype)
     q = _queries(h, lp, cfg)
-    kv = _linear(h, lp["wkv_a"])
+    kv = linear(h, lp["wkv_a"])
     c = rms_norm(kv[..., :r], lp["kv_a_norm"], cfg.rms_norm_eps)
     inv_freq, factor = rope
     q_rope = apply_rope(q[..., dn:], positions, inv_freq, factor, cfg.rope_interleave)
@@ -142,7 +143,7 @@ def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_table
     o_lat = kernels.latent_attention(q_abs, pages, scale, page_tables, seq_lens, positions,
                                      ccfg, softmax_scale(cfg), r, backend)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv.astype(acc), preferred_element_type=acc)
-    out = _linear(o.reshape(b, t, hh * dv).astype(h.dtype), lp["wo"])
+    out = linear(o.reshape(b, t, hh * dv).astype(h.dtype), lp["wo"])
     return out, pages, scale, st
 
 
@@ -163,9 +164,6 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
     """``transformer.forward`` for MLA models (same arguments and result; the cache has the
     latent layout). ``backend`` picks the latent attention kernel (``kernels.latent_attention``:
     ``pallas_mla`` on the Pallas backends); the latent store is the jnp one on every backend."""
-    from jfp8kv.kvcache.cache import KVCache, accumulate_stats
-    from jfp8kv.models.transformer import acc_dtype, rms_norm
-
     if cache.config.layout != "latent":
         raise ValueError(f"{cfg.family} needs the latent cache layout (CacheConfig.layout="
                          f"'latent'), got {cache.config.layout!r}")

@@ -11,6 +11,7 @@ import jax
 
 from jfp8kv.config import ModelConfig, YarnScaling
 from jfp8kv.config_fields import hybrid_fields
+from jfp8kv.models.loaded import LoadedModel
 
 _DEEPSEEK_V2_LITE = dict(
     family="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
@@ -122,36 +123,23 @@ class IdTokenizer:
 
 
 def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: int = 1):
-    """A ``LoadedModel`` of ``preset`` with random weights, generated in place on their
-    shards when ``tensor_parallel_size`` > 1."""
-    from jfp8kv.models import sharding
-    from jfp8kv.models.loader import LoadedModel
-    from jfp8kv.models.transformer import init_random_params
+    """A ``LoadedModel`` of ``preset`` with random weights (``families.random_params``),
+    generated in place on their shards when ``tensor_parallel_size`` > 1."""
+    from jfp8kv.models import families, sharding
+    from jfp8kv.models.v4_presets import v4_config
 
     key = preset.lower()
     if key.startswith("deepseek-v4"):
-        return _load_random_v4(key, dtype, seed, tensor_parallel_size)
-    if key not in PRESETS:
+        cfg = v4_config(key)  # ValueError naming the V4 presets
+    elif key in PRESETS:
+        cfg = ModelConfig(**PRESETS[key], name=f"random:{key}")
+    else:
         raise ValueError(f"unknown random preset {preset!r}; choose one of "
-                         f"{['random:' + k for k in PRESETS]}")
-    cfg = ModelConfig(**PRESETS[key], name=f"random:{key}")
+                         f"{['random:' + k for k in PRESETS]} or a DeepSeek-V4 one "
+                         "(random:deepseek-v4-flash, random:deepseek-v4-flash-<N>l, "
+                         "random:deepseek-v4-tiny)")
     tp = sharding.plan(cfg, tensor_parallel_size)
-    params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype=dtype,
-                                sharding_of=None if tp is None else tp.sharding)
-    tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
-    return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)
-
-
-def _load_random_v4(key: str, dtype: str, seed: int, tensor_parallel_size: int):
-    """A ``LoadedModel`` of a DeepSeek-V4 preset (``v4_presets``: ValueError naming them)."""
-    from jfp8kv.models.loader import LoadedModel
-    from jfp8kv.models.v4_presets import init_random_params, v4_config
-
-    cfg = v4_config(key)
-    if tensor_parallel_size > 1:
-        raise ValueError(f"random:{key}: DeepSeek-V4 runs on one device "
-                         f"(tensor_parallel_size={tensor_parallel_size} is not supported: its "
-                         "heads and pools are not sharded); use tensor_parallel_size=1")
-    params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype)
+    params = families.random_params(cfg, jax.random.PRNGKey(seed), dtype,
+                                    sharding_of=None if tp is None else tp.sharding)
     tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)

@@ -45,7 +45,7 @@ from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
 from jfp8kv.kvcache.cache import KVCache, accumulate_stats, reduce_stat_rows
 from jfp8kv.kvcache.state_pool import DeltaState
 from jfp8kv.models import moe
-from jfp8kv.models.transformer import _linear, store_and_attend
+from jfp8kv.models.layers import linear, store_and_attend
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -75,10 +75,10 @@ def _attention(h, lp, layer, ccfg, tables, rows, cfg, backend):
     b, t, _ = h.shape
     n, hd, heads = b * t, cfg.head_dim, cfg.num_heads
     perm, cos, sin = tables
-    qg = _linear(h, lp["wq"]).reshape(n, heads, 2 * hd)
+    qg = linear(h, lp["wq"]).reshape(n, heads, 2 * hd)
     q, gate = qg[..., :hd][..., perm], qg[..., hd:]
-    k = _linear(h, lp["wk"]).reshape(n, cfg.num_kv_heads, hd)[..., perm]
-    v = _linear(h, lp["wv"]).reshape(n, cfg.num_kv_heads, hd)
+    k = linear(h, lp["wk"]).reshape(n, cfg.num_kv_heads, hd)[..., perm]
+    v = linear(h, lp["wv"]).reshape(n, cfg.num_kv_heads, hd)
     acc = acc_dtype(h.dtype)
     pro = QKPrologue(cos, sin, (1.0 + lp["q_norm"].astype(acc))[perm],
                      (1.0 + lp["k_norm"].astype(acc))[perm], cfg.rms_norm_eps)
@@ -87,7 +87,7 @@ def _attention(h, lp, layer, ccfg, tables, rows, cfg, backend):
                                       positions, ccfg, 1.0 / math.sqrt(hd), backend)
     out = out.reshape(n, heads, hd).astype(h.dtype)
     out = (out.astype(acc) * jax.nn.sigmoid(gate.astype(acc))).astype(h.dtype)
-    return _linear(out.reshape(b, t, -1), lp["wo"]), layer, st
+    return linear(out.reshape(b, t, -1), lp["wo"]), layer, st
 
 
 def _delta_net(h, lp, conv_state, rec_state, n_valid, fresh, cfg):
@@ -100,22 +100,22 @@ def _delta_net(h, lp, conv_state, rec_state, n_valid, fresh, cfg):
     keep = fresh[:, None, None]
     conv_state = jnp.where(keep, 0, conv_state)
     rec_state = jnp.where(keep[..., None], 0, rec_state)
-    mixed, conv_state = delta_rule.causal_conv(_linear(h, lp["w_qkv"]), conv_state,
+    mixed, conv_state = delta_rule.causal_conv(linear(h, lp["w_qkv"]), conv_state,
                                                lp["conv_w"][:, 0, :], n_valid)
     kd, vd = hy.key_dim, hy.value_dim
     q = mixed[..., :kd].reshape(b, t, hy.linear_num_key_heads, hy.linear_key_head_dim)
     k = mixed[..., kd:2 * kd].reshape(b, t, hy.linear_num_key_heads, hy.linear_key_head_dim)
     v = mixed[..., 2 * kd:].reshape(b, t, hy.linear_num_value_heads, hy.linear_value_head_dim)
     valid = jnp.arange(t)[None, :, None] < n_valid[:, None, None]
-    beta = jnp.where(valid, jax.nn.sigmoid(_linear(h, lp["w_b"]).astype(acc)), 0.0)
-    a = _linear(h, lp["w_a"]).astype(acc) + lp["dt_bias"].astype(acc)
+    beta = jnp.where(valid, jax.nn.sigmoid(linear(h, lp["w_b"]).astype(acc)), 0.0)
+    a = linear(h, lp["w_a"]).astype(acc) + lp["dt_bias"].astype(acc)
     g = jnp.where(valid, -jnp.exp(lp["A_log"].astype(acc)) * jax.nn.softplus(a), 0.0)
     rule = delta_rule.recurrent if t == 1 else delta_rule.chunked
     out, rec = rule(q, k, v, g, beta, rec_state)
-    z = _linear(h, lp["w_z"]).reshape(b, t, hy.linear_num_value_heads, -1)
+    z = linear(h, lp["w_z"]).reshape(b, t, hy.linear_num_value_heads, -1)
     y = rms_norm(out, lp["lin_norm"], cfg.rms_norm_eps)  # weight times the rounded norm
     y = (y.astype(acc) * jax.nn.silu(z.astype(acc))).astype(h.dtype)
-    return _linear(y.reshape(b, t, vd), lp["w_out"]), conv_state, rec.astype(rec_state.dtype)
+    return linear(y.reshape(b, t, vd), lp["w_out"]), conv_state, rec.astype(rec_state.dtype)
 
 
 def _moe(h, lp, cfg, backend):

@@ -37,7 +37,6 @@ process and spans hosts after ``jax.distributed.initialize()`` (see docs/archite
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -49,7 +48,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache import scale_modes
 from jfp8kv.kvcache.cache import KVCache, LayerKV, reduce_stat_rows
-from jfp8kv.models.transformer import store_and_attend
+from jfp8kv.kvcache.layout import Cache
+from jfp8kv.models import families
+from jfp8kv.models.layers import store_and_attend
 
 AXIS = "tp"
 _HEAD_COLUMNS = ("wq", "bq")  # [.., H*hd]: always sharded by query heads
@@ -76,12 +77,12 @@ def check_device_count(size: int) -> None:
 def plan(cfg: ModelConfig, size: int) -> "TensorParallel | None":
     """The layout of ``cfg`` over ``size`` devices; None for one device (the unsharded path).
     Raises ValueError naming the valid sizes when ``size`` does not divide ``num_heads``."""
+    if size > 1 and not families.of(cfg).supports.tensor_parallel:
+        raise ValueError(f"tensor_parallel_size={size} is not supported for {cfg.family} yet "
+                         "(its heads and pools are not sharded); use tensor_parallel_size=1")
     check_device_count(size)
     if size == 1:
         return None
-    if cfg.is_mla:
-        raise ValueError(f"tensor_parallel_size={size}: {cfg.family} (latent attention) runs "
-                         "on one device only for now; use 1")
     if cfg.num_heads % size:
         raise ValueError(
             f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} "
@@ -156,7 +157,8 @@ class TensorParallel:
 
     # -- cache --------------------------------------------------------------------------
     def cache_shardings(self, ccfg: CacheConfig) -> KVCache:
-        """A KVCache-shaped pytree of NamedShardings: heads sharded, stats replicated."""
+        """A KVCache-shaped pytree of NamedShardings: heads sharded, stats replicated
+        (``KVPool.init`` allocates each device's share in place with it)."""
         heads = NamedSharding(self.mesh, P(AXIS))
         scales = heads if scale_modes.of(ccfg).name is not None else NamedSharding(self.mesh, P())
         layers = range(ccfg.num_layers)
@@ -164,15 +166,12 @@ class TensorParallel:
                        [scales for _ in layers], [scales for _ in layers],
                        NamedSharding(self.mesh, P()), ccfg)
 
-    def init_cache(self, ccfg: CacheConfig, k_scale=None, v_scale=None) -> KVCache:
-        """``KVCache.init`` allocated in place on every device (no full pool on one)."""
-        init = jax.jit(functools.partial(KVCache.init, ccfg),
-                       out_shardings=self.cache_shardings(ccfg))
-        return init(k_scale, v_scale)
-
-    def constrain_cache(self, cache: KVCache) -> KVCache:
-        """Pin a jitted step's output cache to the pool's layout (so donation reuses it)."""
-        return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache.config))
+    def constrain_cache(self, cache: Cache) -> Cache:
+        """Pin a jitted step's output cache to the pool's layout (so donation reuses it):
+        its K/V pool (the only pool of the families that shard)."""
+        kv = cache["kv"]
+        return cache.replace(kv=jax.lax.with_sharding_constraint(
+            kv, self.cache_shardings(kv.config)))
 
     def expand_kv_heads(self, x: np.ndarray, axis: int = 1) -> np.ndarray:
         """Per-head host arrays (static scales [layers, G, ...]) to the cache's G' heads."""

@@ -1,6 +1,7 @@
-"""DeepSeek-V4's forward over the engine's cache (``kvcache.v4_cache.V4Cache``): each row
-reads its dense per-sequence state out of the pools (its slot's window ring and compressor
-state, its pages' compressed and indexer entries), runs the reference layers
+"""DeepSeek-V4's forward over the engine's cache (a ``kvcache.layout.Cache`` of
+``v4_pools.v4_layout``'s pools, addressed as below): each row reads its dense per-sequence
+state out of the pools (its slot's window ring and compressor state, its pages' compressed
+and indexer entries), runs the reference layers
 (``deepseek_v4.hidden_states``, the same code the reference forward runs) and writes back
 what the chunk's real tokens produced, stored as the pools hold it.
 
@@ -12,6 +13,17 @@ reference forward's with ``storage`` set to the pools' dtype.
 
 Row b's real tokens are n_new[b] = seq_lens[b] - positions[b, 0] (clipped to [0, T]):
 padding rows and decode rows past their limit have none and write nothing.
+
+Addressing (ps = page_size, m = a layer's compress ratio, ps a multiple of every m):
+
+    compressed / indexer entry w of a sequence   page table[w*m // ps], row w % (ps/m)
+    window row of position p                     slot's ring row p % W
+    compressor buffers and overlap halves        the slot's rows
+
+Page 0 and slot 0 are the padding sinks (never a sequence's); nothing is written to them
+either: writes of padding tokens are dropped. A slot needs no clearing when it is handed
+to a new sequence: a chunk that starts at position 0 reads a fresh compressor state, and
+window rows and entries before a sequence's first write are never visible to it.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import jax.numpy as jnp
 
 from jfp8kv.config import ModelConfig
 from jfp8kv.kvcache import v4_pools
-from jfp8kv.kvcache.v4_cache import V4Cache, layer_slots
+from jfp8kv.kvcache.layout import Cache
 from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models import v4_attention as va
 
@@ -52,24 +64,33 @@ def _compressor(state, off: int, slots, fresh, entries) -> va.CompressorState:
     return va.CompressorState(buf_kv, buf_gate, prev_kv, prev_gate, entries)
 
 
-def read_state(cache: V4Cache, cfg: ModelConfig, pos, page_tables, slots, dtype) -> list:
+def _spec(cache: Cache) -> v4_pools.V4PoolSpec:
+    return cache.plan.layout.pool("compressed").spec
+
+
+def _state_layout(cache: Cache, cfg: ModelConfig) -> list[dict]:
+    kinds = tuple(cfg.v4.layer_kind(i) for i in range(cfg.num_layers))
+    return v4_pools.state_layout(_spec(cache), kinds)
+
+
+def read_state(cache: Cache, cfg: ModelConfig, pos, page_tables, slots, dtype) -> list:
     """Per layer, the reference's state of each row (``deepseek_v4.init_state``'s layers):
     the W-1 window rows before ``pos`` (ring order undone), compressor / indexer state."""
     w = cfg.v4.sliding_window
     ring = (pos[:, None] - (w - 1) + jnp.arange(w - 1)[None]) % w  # [B, W-1]
     fresh = pos == 0
     sdt = jnp.promote_types(dtype, jnp.float32)
-    kinds = tuple(cfg.v4.layer_kind(i) for i in range(cfg.num_layers))
+    state = cache["compressor"]
     layers = []
-    for i, at in enumerate(layer_slots(cache.config.spec, kinds)):
-        win = tuple(a[slots[:, None], ring] for a in cache.window[i])
+    for i, at in enumerate(_state_layout(cache, cfg)):
+        win = tuple(a[slots[:, None], ring] for a in cache["window"][i])
         ls = {"window": _rows(win, dtype)}
         if "compressed" in at:
-            ent = _entries(cache.compressed[at["compressed"]], page_tables, dtype).astype(sdt)
-            ls["compressor"] = _compressor(cache.state, at["state"], slots, fresh, ent)
+            ent = _entries(cache["compressed"][at["compressed"]], page_tables, dtype).astype(sdt)
+            ls["compressor"] = _compressor(state, at["state"], slots, fresh, ent)
         if "indexer" in at:
-            ent = _entries(cache.indexer[at["indexer"]], page_tables, dtype).astype(sdt)
-            ls["indexer"] = _compressor(cache.state, at["state"] + 4, slots, fresh, ent)
+            ent = _entries(cache["indexer"][at["indexer"]], page_tables, dtype).astype(sdt)
+            ls["indexer"] = _compressor(state, at["state"] + 4, slots, fresh, ent)
         layers.append(ls)
     return layers
 
@@ -110,16 +131,15 @@ def _write_state(state, off: int, cs: va.CompressorState, slots):
         state[off + j] = (a.at[slots].set(x.astype(a.dtype), mode="drop"),)
 
 
-def write_back(cache: V4Cache, cfg: ModelConfig, layers, writes, pos, n_new, page_tables,
-               slots) -> V4Cache:
+def write_back(cache: Cache, cfg: ModelConfig, layers, writes, pos, n_new, page_tables,
+               slots) -> Cache:
     """The cache after a chunk: per layer its window rows, entries and compressor state."""
-    spec = cache.config.spec
+    spec = _spec(cache)
     storage = spec.storage_dtype
-    written = jnp.where(n_new > 0, slots, cache.config.num_slots)
-    window, compressed = list(cache.window), list(cache.compressed)
-    indexer, state = list(cache.indexer), list(cache.state)
-    kinds = tuple(cfg.v4.layer_kind(i) for i in range(cfg.num_layers))
-    for i, at in enumerate(layer_slots(spec, kinds)):
+    written = jnp.where(n_new > 0, slots, cache.plan.num_slots)
+    window, compressed = list(cache["window"]), list(cache["compressed"])
+    indexer, state = list(cache["indexer"]), list(cache["compressor"])
+    for i, at in enumerate(_state_layout(cache, cfg)):
         window[i] = _write_window(window[i], writes[i]["kv"], pos, n_new, slots, storage)
         if "compressed" in at:
             c, m = at["compressed"], spec.compressed_ratios[at["compressed"]]
@@ -131,10 +151,10 @@ def write_back(cache: V4Cache, cfg: ModelConfig, layers, writes, pos, n_new, pag
             indexer[x] = _write_entries(indexer[x], *writes[i]["indexer"],
                                         spec.indexer_ratios[x], page_tables, None)
             _write_state(state, at["state"] + 4, layers[i]["indexer"], written)
-    return V4Cache(window, compressed, indexer, state, cache.stats, cache.config)
+    return cache.replace(window=window, compressed=compressed, indexer=indexer, compressor=state)
 
 
-def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, slots, *,
+def forward(params, cache: Cache, tokens, positions, page_tables, seq_lens, slots, *,
             cfg: ModelConfig, backend: str, query_block: int | None = QUERY_BLOCK):
     """tokens [B, T] from positions[:, 0] on (row b's real tokens: seq_lens[b] -
     positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
@@ -151,7 +171,7 @@ def forward(params, cache: V4Cache, tokens, positions, page_tables, seq_lens, sl
     layers = read_state(cache, cfg, pos, page_tables, slots, dtype)
     ref = backend == "reference"
     h, new_layers, writes = dv4.hidden_states(
-        params, layers, tokens, pos, n_new, cfg, cache.config.storage_dtype,
+        params, layers, tokens, pos, n_new, cfg, _spec(cache).storage_dtype,
         "reference" if ref else ("pallas_interpret" if "interpret" in backend else "pallas"),
         None if ref else backend, query_block)
     return h, write_back(cache, cfg, new_layers, writes, pos, n_new, page_tables, slots)

@@ -170,7 +170,7 @@ def main(argv=None) -> None:
         fail(PROG, str(e))
     llm = load_llm(args, PROG)  # logs the one KV-cache summary line
     sock = bind_socket(args.host, args.port)  # before the warm-up's minutes of compiling
-    limits = dataclasses.replace(limits, pool_tokens=llm.cache_config.max_tokens)
+    limits = dataclasses.replace(limits, pool_tokens=llm.cache_plan.max_tokens)
     check_chat_template(llm.chat_prompt)
     if args.warmup in ("on", "auto"):
         llm.warmup()

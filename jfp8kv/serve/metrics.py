@@ -60,6 +60,21 @@ class _EngineCollector:
         for key, (name, doc, kind) in _ENGINE_METRICS.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=float(snapshot.get(key, 0)))
+        plan = GaugeMetricFamily("jfp8kv_memory_plan_bytes", "The bytes the cache pools were "
+                                 "sized by at start-up (capacity, in_use: the weights, "
+                                 "peak: the step's measured temporaries, margin, pool_budget)",
+                                 labels=["part"])
+        for part in ("capacity", "in_use", "peak", "margin", "pool_budget"):
+            if f"memory_plan_{part}" in snapshot:
+                plan.add_metric([part], float(snapshot[f"memory_plan_{part}"]))
+        yield plan
+        device = GaugeMetricFamily("jfp8kv_device_memory_bytes", "The device allocator's "
+                                   "counts (GPU): bytes_in_use, peak_bytes_in_use, bytes_limit",
+                                   labels=["kind"])
+        for kind in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+            if f"device_{kind}" in snapshot:
+                device.add_metric([kind], float(snapshot[f"device_{kind}"]))
+        yield device
         queries = snapshot.get("prefix_cache_queries_total", 0)
         yield GaugeMetricFamily(
             "jfp8kv_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens) since start",

@@ -139,7 +139,7 @@ def test_model_terms_of_the_toy_presets(preset):
 def test_model_terms_of_the_real_presets(preset, total, active):
     """The shapes ``load_model("random:...")`` would build (traced, nothing allocated)
     against the terms and the published parameter counts."""
-    from jfp8kv.models.transformer import init_random_params
+    from jfp8kv.models.families import random_params as init_random_params
 
     cfg = ModelConfig(**PRESETS[preset], name=preset)
     shapes = jax.eval_shape(lambda key: init_random_params(cfg, key), jax.random.PRNGKey(0))

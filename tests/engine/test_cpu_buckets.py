@@ -147,7 +147,8 @@ def test_precompile_leaves_nothing_for_warmup_to_compile(llama_bf16):
 
 
 def test_compile_only_entries_are_what_first_use_loads(llama_bf16, tmp_path):
-    """``compile_only`` (persistent-cache entries compiled from ``cache_spec``, nothing run)
+    """``compile_only`` (persistent-cache entries compiled from the cache's shapes, as the
+    builder compiles before the pools exist; nothing run)
     stores executables under the persistent-cache keys the real calls look up: a warm-up in
     a fresh in-memory state then loads each one instead of compiling it."""
     llm = make(llama_bf16, max_model_len=256)
@@ -167,7 +168,8 @@ def test_compile_only_entries_are_what_first_use_loads(llama_bf16, tmp_path):
     try:
         compilation_cache.reset_cache()
         jax.clear_caches()  # executables earlier tests compiled in memory would not be stored
-        assert runner.compile_only(shapes, runner.cache_spec()) == len(shapes)
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.cache)
+        assert runner.compile_only(shapes, spec) == len(shapes)
         jax.clear_caches()  # what a later first use in this process would not have in memory
         monitoring.register_event_listener(listen)
         runner.warmup(shapes, progress=False)

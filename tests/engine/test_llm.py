@@ -78,7 +78,7 @@ def test_every_dtype_and_mode_end_to_end(qwen3, kv, mode):
         diff = np.abs(chunked - one_shot)
         assert diff.max() <= FLIP_BOUND[kv], (diff.max(), diff)
     info = llm.cache_info()
-    assert info["storage_dtype"] == str(jnp.dtype(llm.cache_config.storage_dtype))
+    assert info["storage_dtype"] == str(jnp.dtype(llm.cache_plan.layout.storage_dtype))
     assert llm.kv_stats()["nan_total"] == 0
 
 
@@ -204,14 +204,15 @@ def test_engine_config_reaches_scheduler_and_runner(llama):
     llm = LLM(loaded=llama, dtype="float32", engine_config=cfg)
     sched, runner = llm.engine.scheduler, llm.engine.runner
     assert (sched.decode_steps, runner.decode_buckets, runner.min_chunk) == (3, (2, 8), 32)
-    assert llm.engine_config == cfg  # nothing left to resolve on CPU
+    # nothing else left to resolve on CPU: the default sequences
+    assert llm.engine_config == dataclasses.replace(cfg, max_num_seqs=64)
     by_kw = make(llama, decode_steps=3, decode_buckets=(2, 8), min_prefill_chunk=32)
     ps = prompts(llama.config.vocab_size, (3, 17, 9))
     assert ([o.token_ids for o in llm.generate(ps, GREEDY)]
             == [o.token_ids for o in by_kw.generate(ps, GREEDY)])
     assert make(llama).engine_config.decode_steps == 1  # CPU default
     over = LLM(loaded=llama, dtype="float32", engine_config=cfg, page_size=32, decode_steps=1)
-    assert over.cache_config.page_size == 32 and over.engine.scheduler.decode_steps == 1
+    assert over.cache_plan.page_size == 32 and over.engine.scheduler.decode_steps == 1
     with pytest.raises(TypeError, match="unknown engine option"):
         make(llama, max_num_seq=4)
 
@@ -255,10 +256,10 @@ def test_static_scales_warn_calibrate_and_round_trip(qwen3, llama, tmp_path, cap
     back = calibrate.KVAmax.from_json(path, calibrate.fingerprint(qwen3.config))
     np.testing.assert_allclose(back.k, amax.k, rtol=1e-5)
     a = make(qwen3, kv_cache_dtype="fp8", kv_scale_mode="channel", kv_scales=path)
-    k_scale = np.asarray(a.engine.runner.cache.k_scale[1])
+    k_scale = np.asarray(a.engine.runner.cache["kv"].k_scale[1])
     np.testing.assert_allclose(k_scale, amax.k[1] / 448.0, rtol=1e-5)
     auto = make(qwen3, kv_cache_dtype="fp8", kv_scale_mode="channel")  # calibrates at start
-    np.testing.assert_allclose(np.asarray(auto.engine.runner.cache.k_scale[1]), k_scale, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(auto.engine.runner.cache["kv"].k_scale[1]), k_scale, rtol=1e-5)
     with pytest.raises(ValueError, match="another model"):
         make(llama, kv_cache_dtype="fp8", kv_scale_mode="channel", kv_scales=path)
     doc = json.load(open(path))
@@ -304,5 +305,5 @@ def test_calibrate_cli_writes_a_file_the_engine_loads(tiny_hf_checkpoint, tmp_pa
     assert doc["headroom"] == 1.25 and np.asarray(doc["k_amax"]).shape == (2, 2, 32)
     llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="fp8_e4m3", kv_scale_mode="tensor",
               kv_scales=str(out), max_model_len=64, kv_cache_memory=1 << 20)
-    k = np.asarray(llm.engine.runner.cache.k_scale[0])
+    k = np.asarray(llm.engine.runner.cache["kv"].k_scale[0])
     np.testing.assert_allclose(k, np.asarray(doc["k_amax"])[0].max() / 448.0, rtol=1e-5)

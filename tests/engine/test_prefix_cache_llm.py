@@ -121,15 +121,15 @@ def poison_pages(llm, pages) -> None:
     if not pages:
         return
     runner = llm.engine.runner
-    c = runner.cache
+    c = runner.cache["kv"]
     idx = jnp.asarray(pages, jnp.int32)
 
     def nan(x):  # [heads, pages, ...] leaves only: static scales are not per page
         return x.at[:, idx].set(jnp.nan) if x.ndim >= 3 else x
 
-    runner.cache = dataclasses.replace(c, k=[nan(x) for x in c.k], v=[nan(x) for x in c.v],
-                                       k_scale=[nan(x) for x in c.k_scale],
-                                       v_scale=[nan(x) for x in c.v_scale])
+    runner.cache = runner.cache.replace(kv=dataclasses.replace(
+        c, k=[nan(x) for x in c.k], v=[nan(x) for x in c.v],
+        k_scale=[nan(x) for x in c.k_scale], v_scale=[nan(x) for x in c.v_scale]))
 
 
 def poison_on_reuse(llm) -> list[int]:

@@ -77,21 +77,22 @@ def test_capacity_is_the_byte_model(hybrid_checkpoint, dtype, mode):  # noqa: F8
     bpt = bytes_per_token(2, cfg.num_kv_heads, cfg.head_dim, info["storage_dtype"], mode)
     slots = 4 + 2  # max_num_seqs sequences, the padding slot and the nll scratch slot
     per_slot = 2 * (3 * (2 * 2 * 16 + 4 * 16) + 4 * 16 * 16) * 4  # conv + recurrent, fp32
-    assert info["bytes_per_token"] == bpt and info["state_bytes_per_slot"] == per_slot
-    assert info["state_pool_bytes"] == slots * per_slot
+    kv, state = info["pools"]["kv"], info["pools"]["deltanet"]
+    assert info["bytes_per_token"] == bpt and state["bytes_per_slot"] == per_slot
+    assert state["kind"] == "slot" and state["bytes"] == slots * per_slot
     assert info["num_pages"] == (memory - slots * per_slot) // (16 * bpt)
-    assert info["kv_pool_bytes"] == (info["num_pages"] + 1) * 16 * bpt
-    assert info["pool_bytes"] == info["kv_pool_bytes"] + info["state_pool_bytes"]
-    assert (info["full_attention_layers"], info["linear_attention_layers"]) == (2, 2)
+    assert kv["kind"] == "paged" and kv["bytes"] == (info["num_pages"] + 1) * 16 * bpt
+    assert info["pool_bytes"] == kv["bytes"] + state["bytes"]
+    assert (kv["layers"], state["layers"]) == (2, 2) and info["state_slots"] == 4
 
 
 def test_refused_settings(hybrid_checkpoint):  # noqa: F811
     loaded = load_model(str(hybrid_checkpoint), "float32")
-    with pytest.raises(ValueError, match="kv_scale_mode='token'"):
+    with pytest.raises(ValueError, match="kv_scales, or use 'token' or 'block'"):
         _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_scale_mode="tensor")
     with pytest.raises(ValueError, match="'none' or 'hadamard'"):
         _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_rotation="smooth")
-    with pytest.raises(ValueError, match="DeltaNet state"):
+    with pytest.raises(ValueError, match="state slots of .* or max_num_seqs"):
         _llm(loaded, kv_cache_memory=10_000)
 
 

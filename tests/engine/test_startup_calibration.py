@@ -33,7 +33,7 @@ def test_smoothing_calibrates_in_one_pass_for_dynamic_modes(qwen2, monkeypatch, 
     llm = LLM(loaded=qwen2, kv_cache_dtype="fp8_e4m3", kv_scale_mode=mode, kv_rotation="smooth",
               max_model_len=128, kv_cache_memory=1 << 20)
     assert len(calls) == passes, calls
-    shift = np.stack([np.asarray(s) for s in llm.engine.runner.cache.k_shift])
+    shift = np.stack([np.asarray(s) for s in llm.engine.runner.cache["kv"].k_shift])
     monkeypatch.undo()
     ids = [qwen2.tokenizer.encode(BUILTIN_TEXT)]
     page = llm.cache_info()["page_size"]

@@ -212,7 +212,7 @@ def test_pool_and_weights_live_on_their_shards(engine):
     projections; kv_cache_memory and bytes_per_token are per device."""
     token = ("fp8_e4m3", "token", None)
     one, two = engine("kv4", 1, token), engine("kv4", 2, token)
-    cache = two.engine.runner.cache
+    cache = two.engine.runner.cache["kv"]
     for arr in (cache.k[0], cache.v[1], cache.k_scale[0], cache.v_scale[1]):
         assert arr.sharding.spec == P("tp")
         assert {s.data.shape[0] for s in arr.addressable_shards} == {2}  # 4 KV heads / 2
@@ -251,8 +251,8 @@ def test_calibrated_static_scales_agree(checkpoints):
     four = make_llm(checkpoints["kv3"], 4, "fp8_e4m3", "channel")
     for layer in range(2):
         for attr in ("k_scale", "v_scale"):
-            s1 = np.asarray(getattr(one.engine.runner.cache, attr)[layer])
-            s4 = np.asarray(getattr(four.engine.runner.cache, attr)[layer])
+            s1 = np.asarray(getattr(one.engine.runner.cache["kv"], attr)[layer])
+            s4 = np.asarray(getattr(four.engine.runner.cache["kv"], attr)[layer])
             np.testing.assert_allclose(s4, np.repeat(s1, 4, axis=0), rtol=1e-5)
 
 

@@ -13,8 +13,10 @@ import pytest
 
 from jfp8kv import LLM, SamplingParams
 from jfp8kv.config import CacheOptions, EngineConfig
-from jfp8kv.engine import v4_engine
+from jfp8kv.engine import builder
 from jfp8kv.kvcache import v4_pools
+from jfp8kv.kvcache.layout import CacheRequest
+from jfp8kv.models import families
 from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models.loader import load_model
 
@@ -72,18 +74,24 @@ def test_greedy_equals_reference_forward_bf16(loaded):
 
 
 def test_capacity_at_a_fixed_budget_is_the_byte_model(loaded):
-    """At one budget, each dtype's pages are what V4PoolSpec's bytes say (slots first), the
-    allocated pools are those bytes exactly, and fp8 holds more tokens by the byte ratio."""
+    """At one budget, each dtype's pages are what V4PoolSpec's bytes say (slots first, the
+    padding page 0 beside the budget), the allocated pools are those bytes exactly, and fp8
+    holds more tokens by the byte ratio."""
     budget = 200_000
     tokens = {}
     for kv, name in (("bfloat16", "auto"), ("fp8_e4m3", "fp8_e4m3")):
         info = _llm(loaded, kv_cache_dtype=kv, kv_cache_memory=budget).cache_info()
         spec = v4_pools.V4PoolSpec.from_model(loaded.config, name, 16)
         pages = (budget - 6 * spec.bytes_per_slot()) // spec.bytes_per_page()
-        assert info["num_pages"] == pages - 1  # page 0 is the sink
-        want = spec.cache_info(pages, 6)
-        assert info["v4_pool_bytes"] == {k: want[k] for k in info["v4_pool_bytes"]}
-        assert info["pool_bytes"] == 6 * spec.bytes_per_slot() + pages * spec.bytes_per_page()
+        assert info["num_pages"] == pages and info["state_slots"] == 4
+        want = {"compressed": (pages + 1) * spec.compressed_bytes_per_page(),
+                "indexer": (pages + 1) * spec.indexer_bytes_per_page(),
+                "window": 6 * spec.window_bytes_per_slot(),
+                "compressor": 6 * spec.state_bytes_per_slot()}
+        assert {k: p["bytes"] for k, p in info["pools"].items()} == want
+        assert {k: p["kind"] for k, p in info["pools"].items()} == {
+            "compressed": "paged", "indexer": "paged", "window": "slot", "compressor": "slot"}
+        assert info["pool_bytes"] == sum(want.values())
         tokens[kv] = info["max_tokens"]
     assert tokens["fp8_e4m3"] > tokens["bfloat16"]
 
@@ -92,20 +100,21 @@ def test_refusals_name_what_works(loaded):
     cfg = loaded.config
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         load_model("random:deepseek-v4-tiny", "float32", 2)
-    with pytest.raises(ValueError, match="use 1"):
-        v4_engine.check_engine(cfg, EngineConfig(tensor_parallel_size=2), CacheOptions())
     with pytest.raises(ValueError, match="leave kv_scale_mode unset"):
         _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_scale_mode="token")
-    with pytest.raises(ValueError, match="fp8_e4m3 or auto"):
+    with pytest.raises(ValueError, match="'fp8_e4m3' or 'auto'"):
         _llm(loaded, kv_cache_dtype="fp8_e5m2")
-    engine = v4_engine.check_engine(cfg, EngineConfig(enable_prefix_caching=True, page_size=8),
-                                    CacheOptions())
-    assert engine.enable_prefix_caching is False and engine.page_size == 8
+    with pytest.raises(ValueError, match="'none'"):
+        _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_rotation="hadamard")
+    layout = families.of(cfg).cache_layout(cfg, CacheRequest("bfloat16"), "reference")
+    engine = builder.check_settings(layout, CacheOptions(), EngineConfig(page_size=8))
+    assert engine.enable_prefix_caching is False and layout.page_size(8) == 8
     from jfp8kv.models.v4_presets import v4_config
 
-    big = v4_engine.check_engine(v4_config("deepseek-v4-flash-4l"), EngineConfig(),
-                                 CacheOptions())
-    assert big.page_size == 128 and big.max_model_len == v4_engine.DEFAULT_MAX_MODEL_LEN
+    big = v4_config("deepseek-v4-flash-4l")
+    layout = families.of(big).cache_layout(big, CacheRequest("float8_e4m3fn"), "reference")
+    assert layout.page_size(16) == 128 and layout.page_multiple == 128
+    assert families.of(big).default_max_model_len == 8192
 
 
 @pytest.mark.gpu

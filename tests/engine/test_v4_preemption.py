@@ -8,10 +8,11 @@ from tests.engine.test_v4_engine import GREEDY, PROMPTS, _llm, loaded, reference
 
 def test_fp8_preemption_recomputes_the_same_tokens(loaded):  # noqa: F811
     """The 3 sequences need 2 + 3 + 2 pages of 16, the pool has 4 (one max_model_len
-    sequence): the newest are preempted (pages and slot freed) and re-prefilled."""
+    sequence; the padding page 0 comes beside the budget): the newest are preempted (pages
+    and slot freed) and re-prefilled."""
     spec = v4_pools.V4PoolSpec.from_model(loaded.config, "fp8_e4m3", 16)
     llm = _llm(loaded, kv_cache_dtype="fp8_e4m3",
-               kv_cache_memory=6 * spec.bytes_per_slot() + 5 * spec.bytes_per_page())
+               kv_cache_memory=6 * spec.bytes_per_slot() + 4 * spec.bytes_per_page())
     info = llm.cache_info()
     assert info["num_pages"] == 4 and info["kv_scale_mode"] == "block"
     outs = llm.generate(PROMPTS, GREEDY)

@@ -18,11 +18,6 @@ from jfp8kv.config import CacheOptions
 from .cases import attention_case, make_cfg
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:  # the builder's CapacityPlan, as far as with_attention_compute reads it
-    cache_config: object
-
-
 def test_the_flag_reaches_the_cache_options():
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
         ["--fp8-attention-compute", "fp8", "--kv-cache-dtype", "fp8_e4m3"])
@@ -40,10 +35,10 @@ def test_an_unknown_compute_names_the_choices():
                                           ("float8_e4m3fn", "tensor"),
                                           ("float8_e4m3fn", "channel")])
 def test_fp8_products_are_set_on_e4m3_pages(storage, mode):
+    assert kernels.attention_compute(storage, "fp8") == "fp8"
+    assert kernels.attention_compute(storage, "dequant") == "dequant"
     cfg = make_cfg(storage, mode, heads_kv=2, head_dim=64, page_size=16, num_pages=4)
-    plan = kernels.with_attention_compute(_Plan(cfg), "fp8")
-    assert plan.cache_config.attention_compute == "fp8"
-    assert kernels.with_attention_compute(_Plan(cfg), "dequant").cache_config == cfg
+    kernels.check_kv_cache(dataclasses.replace(cfg, attention_compute="fp8"))  # no refusal
 
 
 @pytest.mark.parametrize("storage,mode", [("float8_e5m2", "token"),
@@ -51,12 +46,11 @@ def test_fp8_products_are_set_on_e4m3_pages(storage, mode):
 def test_fp8_products_refuse_other_fp8_pages_at_build(storage, mode):
     cfg = make_cfg(storage, mode, heads_kv=2, head_dim=64, page_size=16, num_pages=4)
     with pytest.raises(ValueError, match="fp8_e4m3.*token, tensor or channel.*'dequant'"):
-        kernels.with_attention_compute(_Plan(cfg), "fp8")
+        kernels.check_kv_cache(dataclasses.replace(cfg, attention_compute="fp8"))
 
 
 def test_fp8_products_are_ignored_for_16_bit_pages(caplog):
-    cfg = make_cfg("bfloat16", None, heads_kv=2, head_dim=64, page_size=16, num_pages=4)
-    assert kernels.with_attention_compute(_Plan(cfg), "fp8").cache_config == cfg
+    assert kernels.attention_compute("bfloat16", "fp8") == "dequant"
     assert "ignored" in caplog.text
 
 

@@ -117,10 +117,10 @@ def test_dispatch_and_bad_input():
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"))
 def _logits(params, cache, tok, pos, slots, pt, lens, *, cfg, backend):
-    from jfp8kv.models import transformer
+    from jfp8kv.models import mla, transformer
 
-    hidden, _ = transformer.forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg,
-                                    backend=backend)
+    forward = mla.forward if cfg.is_mla else transformer.forward  # the latent model
+    hidden, _ = forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg, backend=backend)
     return transformer.logits(params, hidden)
 
 

@@ -121,10 +121,10 @@ def test_dispatch_rejects_what_it_cannot_run():
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"))
 def _model_logits(params, cache, tok, pos, slots, pt, lens, *, cfg, backend):
-    from jfp8kv.models import transformer
+    from jfp8kv.models import mla, transformer
 
-    hidden, cache = transformer.forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg,
-                                        backend=backend)
+    hidden, cache = mla.forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg,
+                                backend=backend)
     return transformer.logits(params, hidden), cache
 
 

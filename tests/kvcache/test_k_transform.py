@@ -157,7 +157,7 @@ def test_engine_equals_fake_quantization_float64(qwen2_pair, name, mode):
                   kv_scale_mode=mode, kv_rotation=name, max_model_len=128,
                   kv_cache_memory=1 << 20, max_num_batched_tokens=64)
         _, logits = llm.nll(ids, return_logits=True)
-        cache = llm.engine.runner.cache
+        cache = llm.engine.runner.cache["kv"]
         shift = (None if cache.k_shift is None
                  else np.stack([np.asarray(s) for s in cache.k_shift]))
         sk = sv = None

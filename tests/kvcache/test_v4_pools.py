@@ -13,6 +13,7 @@ import pytest
 
 from bench import fakequant
 from jfp8kv.kvcache import v4_pools
+from jfp8kv.kvcache.layout import EXTRA_SLOTS, Cache, CacheRequest, plan_cache
 from jfp8kv.models.presets import PRESETS
 from jfp8kv.config import ModelConfig
 from jfp8kv.models.v4_presets import TINY, v4_config
@@ -37,7 +38,17 @@ def test_flash_byte_model_by_hand():
         Fraction(2) / Fraction(1.0625)
 
 
-@pytest.mark.parametrize("slots", [1, 3])
+def _plan(spec, budget: int, slots: int) -> int:
+    """Pages (the sink page 0 not counted) that ``plan_cache`` gives ``spec``'s layout at
+    ``budget`` with ``slots`` state slots in all."""
+    layout = v4_pools.v4_layout(FLASH if spec.window_layers == 43 else
+                                ModelConfig.from_hf_dict(TINY), CacheRequest(spec.storage_dtype))
+    plan = plan_cache(layout, budget, spec.page_size, slots - EXTRA_SLOTS, spec.page_size)
+    assert plan.num_slots == slots
+    return plan.num_pages - 1
+
+
+@pytest.mark.parametrize("slots", [3, 5])
 def test_fixed_budget_gain_is_the_byte_model(slots):
     """Pages at one budget: fp8 holds exactly what the per-page bytes say (the pooled part
     alone, indexer excluded, is 2 / 1.0625 = 1.88x)."""
@@ -45,7 +56,7 @@ def test_fixed_budget_gain_is_the_byte_model(slots):
     f8 = v4_pools.V4PoolSpec.from_model(FLASH, "fp8_e4m3")
     lcm = np.lcm(bf16.bytes_per_page(), f8.bytes_per_page())
     budget = slots * bf16.bytes_per_slot() + 7 * int(lcm)
-    p16, p8 = v4_pools.plan(bf16, budget, slots), v4_pools.plan(f8, budget, slots)
+    p16, p8 = _plan(bf16, budget, slots), _plan(f8, budget, slots)
     assert p16 == 7 * lcm // bf16.bytes_per_page()
     freed = slots * (bf16.bytes_per_slot() - f8.bytes_per_slot())  # fp8 window rows
     assert p8 == (7 * int(lcm) + freed) // f8.bytes_per_page()
@@ -58,17 +69,22 @@ def test_fixed_budget_gain_is_the_byte_model(slots):
 def test_allocation_matches_the_plan(dtype):
     cfg = ModelConfig.from_hf_dict(TINY)
     spec = v4_pools.V4PoolSpec.from_model(cfg, dtype, page_size=16)
-    budget, slots = 400_000, 2
-    pages = v4_pools.plan(spec, budget, slots)
-    got = v4_pools.pool_nbytes(v4_pools.init_pools(spec, pages, slots))
-    info = spec.cache_info(pages, slots)
-    assert got == {k: info[k] for k in got}
+    layout = v4_pools.v4_layout(cfg, CacheRequest(spec.storage_dtype))
+    budget = 400_000
+    plan = plan_cache(layout, budget, 16, 0, 16)
+    got = Cache.init(plan).pool_nbytes()
+    assert got == plan.pool_bytes()
+    assert got == {"compressed": plan.num_pages * spec.compressed_bytes_per_page(),
+                   "indexer": plan.num_pages * spec.indexer_bytes_per_page(),
+                   "window": 2 * spec.window_bytes_per_slot(),
+                   "compressor": 2 * spec.state_bytes_per_slot()}
     total = sum(got.values())
-    assert total <= budget < total + spec.bytes_per_page()  # nothing idle beyond a page
+    # nothing idle beyond a page: the budget holds every pool but the padding page 0
+    assert total - spec.bytes_per_page() <= budget < total
     if dtype == "fp8_e4m3":  # the fp8 element size was seen before sizing
         bf16 = v4_pools.V4PoolSpec.from_model(cfg, "auto", page_size=16)
-        assert pages > v4_pools.plan(bf16, budget, slots)
-        assert info["bytes_per_token"] * 16 == (
+        assert plan.num_pages - 1 > _plan(bf16, budget, 2)
+        assert layout.bytes_per_token(16) * 16 == (
             (16 // 4 * 2 + 16 // 8) * (32 + 2) + (16 // 4 * 2) * 32 * 2)
 
 
@@ -102,4 +118,4 @@ def test_refusals():
     v4_pools.check_fp8_device(SimpleNamespace(platform="cpu"))
     spec = v4_pools.V4PoolSpec.from_model(FLASH, "auto")
     with pytest.raises(ValueError, match="max_num_seqs"):
-        v4_pools.plan(spec, spec.bytes_per_slot() * 4, 4)
+        _plan(spec, spec.bytes_per_slot() * 4, 4)

@@ -15,7 +15,7 @@ import pytest
 
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache.cache import KVCache
-from jfp8kv.models import transformer
+from jfp8kv.models import families, transformer
 
 CFG = ModelConfig(family="qwen3", vocab_size=128, hidden_size=128, intermediate_size=256,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True,
@@ -38,8 +38,8 @@ def _run(params, ccfg, backend, steps):
     ("float8_e4m3fn", "token", "hadamard")])  # K rotated before the store, q in the kernels
 def test_pallas_interpret_forward_matches_reference(storage, mode, rotation):
     rng = np.random.default_rng()
-    params = transformer.init_random_params(CFG, jax.random.key(int(rng.integers(1 << 30))),
-                                            jnp.float32, scale=0.1)
+    params = families.random_params(CFG, jax.random.key(int(rng.integers(1 << 30))),
+                                    jnp.float32, scale=0.1)
     params["layers"] = [{**lp, "q_norm": jnp.asarray(rng.uniform(0.5, 1.5, 64), jnp.float32),
                          "k_norm": jnp.asarray(rng.uniform(0.5, 1.5, 64), jnp.float32)}
                         for lp in params["layers"]]

@@ -20,7 +20,7 @@ import pytest
 from jfp8kv.config import ModelConfig
 from jfp8kv.models import gguf_loader, hf_loader
 from jfp8kv.models.loader import load_model
-from jfp8kv.models.transformer import init_random_params
+from jfp8kv.models.families import random_params as init_random_params
 
 TEXTS = ["Hello world! How are you today?", "def add(a, b):\n    return a + b\n",
          "über café 3.14159 <b>"]

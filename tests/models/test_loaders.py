@@ -22,7 +22,7 @@ import pytest
 from jfp8kv.config import ModelConfig
 from jfp8kv.models import hf_loader
 from jfp8kv.models.loader import load_model
-from jfp8kv.models.transformer import init_random_params
+from jfp8kv.models.families import random_params as init_random_params
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")  # as in conftest.py
 

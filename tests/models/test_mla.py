@@ -141,7 +141,7 @@ def test_capacity_and_mode_validation(deepseek_checkpoint):
         assert info["num_pages"] * info["page_size"] * bpt <= (1 << 20), key
     assert _llm(loaded, kv_cache_dtype="fp8_e4m3").cache_info()["kv_scale_mode"] == "block"
     for mode in ("tensor", "channel"):
-        with pytest.raises(ValueError, match="not supported for the MLA latent cache.*block"):
+        with pytest.raises(ValueError, match="not supported for deepseek_v.'s cache; use 'block' or 'token'"):
             _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_scale_mode=mode)
     assert bytes_per_token(27, 1, 576, "float8_e4m3fn", "block", layout="latent") == 27 * 612
 

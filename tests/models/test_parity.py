@@ -14,7 +14,7 @@ import pytest
 
 from jfp8kv.config import CacheConfig
 from jfp8kv.kvcache.cache import KVCache
-from jfp8kv.models import transformer
+from jfp8kv.models import mla, transformer
 from jfp8kv import SamplingParams
 from jfp8kv.models.loader import load_model
 
@@ -141,7 +141,8 @@ def assert_llm_matches_transformers(llm, path) -> None:
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward_logits(params, cache, tok, pos, slots, pt, lens, *, cfg):
-    hidden, cache = transformer.forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg)
+    forward = mla.forward if cfg.is_mla else transformer.forward  # the latent cache's model
+    hidden, cache = forward(params, cache, tok, pos, slots, pt, lens, cfg=cfg)
     return transformer.logits(params, hidden), cache
 
 

@@ -10,12 +10,18 @@ import numpy as np
 import pytest
 
 from jfp8kv.kvcache import v4_pools
-from jfp8kv.kvcache.v4_cache import V4Cache, V4CacheConfig
+from jfp8kv.kvcache.layout import Cache, CachePlan, CacheRequest
 from jfp8kv.models import v4_paged
 from jfp8kv.models.v4_presets import init_random_params, v4_config
 
 PAGES = jnp.asarray([[3, 1, 4, 0], [5, 2, 6, 7], [0, 0, 0, 0]], jnp.int32)  # row 2: padding
 SLOTS = jnp.asarray([2, 1, 0], jnp.int32)
+
+
+def v4_cache(cfg, spec, num_pages: int, num_slots: int) -> Cache:
+    """The engine's V4 pools for ``spec``'s storage and page size (zeros)."""
+    layout = v4_pools.v4_layout(cfg, CacheRequest(spec.storage_dtype))
+    return Cache.init(CachePlan(layout, spec.page_size, num_pages, num_slots))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +32,7 @@ def tiny():
 
 
 def _prefill(cfg, params, spec, ids, lens):
-    cache = V4Cache.init(V4CacheConfig(spec, 8, 4))
+    cache = v4_cache(cfg, spec, 8, 4)
     pos = jnp.zeros((3, ids.shape[1]), jnp.int32)
     return jax.jit(v4_paged.forward, static_argnames=("cfg", "backend"))(
         params, cache, ids, pos, PAGES, lens, SLOTS, cfg=cfg, backend="reference")
@@ -92,7 +98,7 @@ def test_whole_chunk_equals_sub_chunked_passes(storage, block, backend, tol):
     ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (4, 8 + t)))
     first = jnp.asarray(np.broadcast_to(np.arange(8), (4, 8)), jnp.int32)
     step = jax.jit(v4_paged.forward, static_argnames=("cfg", "backend", "query_block"))
-    _, cache = step(params, V4Cache.init(V4CacheConfig(spec, 12, 4)), ids[:, :8], first,
+    _, cache = step(params, v4_cache(cfg, spec, 12, 4), ids[:, :8], first,
                     BLOCK_PAGES, jnp.asarray(FIRST, jnp.int32), BLOCK_SLOTS, cfg=cfg,
                     backend="reference")
     pos = jnp.asarray(FIRST[:, None] + np.arange(t)[None], jnp.int32)
@@ -116,7 +122,7 @@ def test_padding_rows_write_nothing(tiny):
     cfg, params, spec = tiny
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 16)))
     _, c1 = _prefill(cfg, params, spec, ids, jnp.asarray([13, 6, 0], jnp.int32))
-    empty = V4Cache.init(V4CacheConfig(spec, 8, 4))  # page 0 and slot 0 never written
+    empty = v4_cache(cfg, spec, 8, 4)  # page 0 and slot 0 never written
     for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(empty)):
         if a.shape[0] in (8, 4):
             np.testing.assert_array_equal(np.asarray(a[0], np.float32),
@@ -153,7 +159,7 @@ def test_flash_widths_trace(backend):
     params = jax.eval_shape(lambda k: init_random_params(cfg, k, "bfloat16"),
                             jax.random.PRNGKey(0))
     spec = v4_pools.V4PoolSpec.from_model(cfg, "fp8_e4m3", 128)
-    cache = jax.eval_shape(lambda: V4Cache.init(V4CacheConfig(spec, 1490, 66)))
+    cache = jax.eval_shape(lambda: v4_cache(cfg, spec, 1490, 66))
     for b, t in ((1, 2048), (64, 1)):
         z = jnp.zeros((b, t), jnp.int32)
         h, out = jax.eval_shape(

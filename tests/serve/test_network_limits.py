@@ -234,28 +234,3 @@ def test_server_flags(monkeypatch):
     for bad in (dict(api_key=" "), dict(max_body_bytes=0), dict(request_timeout_s=-1.0)):
         with pytest.raises(ValueError):
             ServerLimits(**bad)
-
-
-class _Device:
-    def __init__(self, platform, stats):
-        self.platform, self._stats = platform, stats
-
-    def memory_stats(self):
-        return self._stats
-
-    def __str__(self):
-        return f"{self.platform}:0"
-
-
-def test_kv_cache_memory_beyond_free_gpu_memory_is_refused():
-    from jfp8kv.engine.device_policy import GPU_CACHE_FRACTION, cache_memory
-
-    gpu = _Device("gpu", {"bytes_limit": 10_000, "bytes_in_use": 4_000})
-    with pytest.raises(ValueError, match=r"kv_cache_memory=7000 bytes is more than the 6000 "
-                                         r"bytes free on gpu:0.*--kv-cache-memory"):
-        cache_memory(gpu, 7_000, 100, 16, 8)
-    assert cache_memory(gpu, 5_000, 100, 16, 8) == 5_000
-    assert cache_memory(gpu, None, 100, 16, 8) == int(6_000 * GPU_CACHE_FRACTION)
-    cpu = _Device("cpu", None)
-    assert cache_memory(cpu, 7_000, 100, 16, 8) == 7_000  # no free-memory count on CPU
-    assert cache_memory(cpu, None, 100, 16, 8) == 100 * 16 * 8

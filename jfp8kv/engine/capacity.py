@@ -1,0 +1,273 @@
+"""Sizing the cache: the context length, the defaults that fit, the memory plan
+(``memory.py``) and the pages and slots (``kvcache.layout.plan_cache``). ``build_engine``
+calls ``size_cache`` once the family's layout is known; nothing here knows a family.
+
+Where the user left them unset, the defaults adapt to the device (a model that fills most of
+a GPU, say): the prefill tokens per step are halved while the largest prefill's measured
+temporaries would take more than ``TEMP_SHARE`` of the memory left after the weights; the
+running sequences are halved while their state slots would take more than ``SLOT_SHARE``
+of the pools; ``max_model_len`` becomes what the pages hold when that is less than the
+model's context. Each change is logged. A value the user set is kept, or refused with a
+message naming what would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+
+from jfp8kv.config import EngineConfig, ModelConfig
+from jfp8kv.engine.memory import (CPU_DEFAULT_CACHE_MEMORY, GiB, DeviceMemory, MemoryPlan,
+                                  PeakMemo, executable_peak)
+from jfp8kv.kvcache.layout import (EXTRA_SLOTS, CacheLayout, CachePlan, abstract_cache,
+                                   plan_cache)
+
+log = logging.getLogger(__name__)
+
+TEMP_SHARE = 1 / 3
+SLOT_SHARE = 1 / 4
+MIN_AUTO_BATCHED_TOKENS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """The cache plan, the memory plan behind it and the engine config resolved with them
+    (max_model_len, kv_cache_memory, max_num_seqs, max_num_batched_tokens)."""
+
+    plan: CachePlan
+    memory: MemoryPlan
+    engine: EngineConfig
+
+
+def context_length(cfg: ModelConfig, asked: int | None, family_default: int | None) -> int:
+    """``asked`` if the model's context allows it (ValueError otherwise, as vLLM does), else
+    the family's default or the model's context."""
+    ctx = cfg.max_position_embeddings
+    if asked is not None:
+        if asked > ctx:
+            raise ValueError(f"max_model_len={asked} is longer than the model's context "
+                             f"({ctx} tokens, max_position_embeddings in its config); use at "
+                             f"most {ctx}")
+        return asked
+    return min(ctx, family_default or ctx)
+
+
+def cpu_default_budget(layout: CacheLayout, page_size: int, max_len: int, seqs: int) -> int:
+    """The CPU's default pool: room for max(8, seqs / 4) sequences of ``max_len``, at most
+    ``CPU_DEFAULT_CACHE_MEMORY`` for the pages, plus the state slots."""
+    bpt = math.ceil(layout.bytes_per_token(page_size))
+    pages = int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_len * max(8, seqs // 4)))
+    slots = (seqs + EXTRA_SLOTS) * layout.bytes_per_slot() if layout.slots else 0
+    return pages + slots
+
+
+def largest_shapes(runner, max_num_seqs: int, max_num_batched_tokens: int,
+                   decode_steps: int) -> list[tuple]:
+    """The runner's ``warmup_shapes`` whose executables need the most memory beside the
+    cache: the largest decode bucket at the widest page table, and the largest prefill
+    dispatches (one row of the largest chunk, and the most rows that share the area)."""
+    shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, (decode_steps,))
+    decode = max((s for s in shapes if s[0] == "decode"), key=lambda s: (s[1], s[3]))
+    prefill = [s for s in shapes if s[0] == "prefill"]
+    one = max((s for s in prefill if s[1] == 1), key=lambda s: s[2])
+    rows = max(prefill, key=lambda s: (s[1], s[2]))
+    return [decode, one] + ([rows] if rows != one else [])
+
+
+def peak_bytes(runner, shapes, abstract, every_variant: bool = False,
+               register: bool = False) -> int:
+    """The most device memory (``memory.executable_peak``) any of ``shapes``' executables
+    needs beside its arguments, compiled by ``runner`` against ``abstract`` (the cache's
+    shapes): every variant, or only the one with every feature (switched, else sampled);
+    ``register``: the runner dispatches those shapes through these executables."""
+    peak = 0
+    for shape in shapes:
+        variants = runner.variants.of(shape[0])
+        for greedy, switched in (variants if every_variant else variants[-1:]):
+            compiled = runner.compile_variant(shape, greedy, switched, abstract,
+                                              register=register)
+            peak = max(peak, executable_peak(compiled))
+    return peak
+
+
+class Sizer:
+    """One engine's sizing. ``engine``: the config with the device's defaults filled in;
+    ``asked``: as the user gave it (what was left unset may adapt). ``new_runner(plan,
+    engine)``: a ``ModelRunner`` over the ``abstract_cache`` of ``plan`` (it compiles, runs
+    nothing); ``pool_args``: the pools' ``init`` arguments that shape them (shardings);
+    ``program_key``: what else picks the executables (backend, tunings), for the memo;
+    ``family_default``: the family's context when the user names none."""
+
+    def __init__(self, cfg: ModelConfig, layout: CacheLayout, engine: EngineConfig,
+                 asked: EngineConfig, memory: DeviceMemory, new_runner: Callable,
+                 memo: PeakMemo, pool_args: dict | None = None, program_key: tuple = (),
+                 family_default: int | None = None):
+        self.cfg, self.layout, self.engine, self.asked = cfg, layout, engine, asked
+        self.dm, self.new_runner, self.memo = memory, new_runner, memo
+        self.pool_args, self.program_key = pool_args or {}, program_key
+        self.family_default = family_default
+        self.ps = engine.page_size
+
+    def _largest(self, runner, engine: EngineConfig) -> list[tuple]:
+        return largest_shapes(runner, engine.max_num_seqs, engine.max_num_batched_tokens,
+                              engine.decode_steps)
+
+    def probe(self, engine: EngineConfig) -> dict[tuple, int]:
+        """The peak temporaries of each of ``engine``'s largest executables against a
+        two-page probe pool (each kept in the memo)."""
+        slots = engine.max_num_seqs + EXTRA_SLOTS if self.layout.slots else 0
+        plan = CachePlan(self.layout, self.ps, 2, slots)
+        runner = self.new_runner(plan, engine)
+        peaks = {}
+        for shape in self._largest(runner, engine):
+            key = PeakMemo.key(repr(self.cfg), repr(self.layout), self.ps, repr(shape),
+                               engine.max_model_len, self.program_key)
+            peak = self.memo.get(key)
+            if peak is None:
+                peak = peak_bytes(runner, [shape], abstract_cache(plan, self.pool_args))
+                self.memo.put(key, peak)
+            peaks[shape] = peak
+        return peaks
+
+    def _fit_batched_tokens(self, e: EngineConfig) -> tuple[EngineConfig, dict]:
+        """(engine, probe peaks) with ``max_num_batched_tokens`` (unset by the user) halved
+        while the largest prefill's temporaries would take more than ``TEMP_SHARE`` of the
+        memory left after the weights: the halvings the probe's prefill peak predicts
+        (temporaries scale with the tokens), then a probe to confirm."""
+        peaks = self.probe(e)
+        room = TEMP_SHARE * (self.dm.capacity - self.dm.in_use)
+        while not self.asked.max_num_batched_tokens:
+            prefill = max(p for s, p in peaks.items() if s[0] == "prefill")
+            tokens = e.max_num_batched_tokens
+            while tokens > MIN_AUTO_BATCHED_TOKENS and prefill * tokens / \
+                    e.max_num_batched_tokens > room:
+                tokens = max(MIN_AUTO_BATCHED_TOKENS, tokens // 2)
+            if tokens == e.max_num_batched_tokens:
+                break
+            log.info("max_num_batched_tokens %d -> %d: the largest prefill's temporaries "
+                     "(%.2f GiB) would take more than a third of the %.2f GiB left after the "
+                     "weights", e.max_num_batched_tokens, tokens, prefill / GiB,
+                     (self.dm.capacity - self.dm.in_use) / GiB)
+            e = dataclasses.replace(e, max_num_batched_tokens=tokens)
+            peaks = self.probe(e)
+        return e, peaks
+
+    def verify(self, plan: CachePlan, engine: EngineConfig):
+        """(runner, peak): the largest executables compiled against ``plan``'s pools, every
+        variant, registered with the runner for its warm-up (one device)."""
+        runner = self.new_runner(plan, engine)
+        peak = peak_bytes(runner, self._largest(runner, engine),
+                          abstract_cache(plan, self.pool_args), every_variant=True,
+                          register=runner.tp is None)
+        return runner, peak
+
+    def size(self) -> tuple[Sizing, object]:
+        """(sizing, runner or None): the runner when executables were compiled for the plan
+        (reuse it: they are registered with it)."""
+        e, asked = self.engine, self.asked
+        max_len = context_length(self.cfg, asked.max_model_len, self.family_default)
+        e = dataclasses.replace(e, max_model_len=max_len)
+        given = e.kv_cache_memory
+        budget0 = given or cpu_default_budget(self.layout, self.ps, max_len, e.max_num_seqs)
+        if not self.dm.on_gpu and self.dm.in_use + budget0 <= self.dm.capacity / 2:
+            plan = plan_cache(self.layout, budget0, self.ps, e.max_num_seqs, max_len)
+            mem = MemoryPlan(self.dm.capacity, self.dm.in_use, None, self.dm.margin, budget0,
+                             "kv_cache_memory" if given else "cpu default")
+            return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=budget0)), None
+        if given is not None:
+            return self._given(e, given)
+        return self._default(e, budget0)
+
+    def _given(self, e: EngineConfig, given: int):
+        plan = plan_cache(self.layout, given, self.ps, e.max_num_seqs, e.max_model_len)
+        runner, peak = self.verify(plan, e)
+        free = self.dm.free_for(peak)
+        if given > free:
+            raise ValueError(
+                f"kv_cache_memory={given} bytes does not fit beside the weights "
+                f"({self.dm.in_use / GiB:.2f} GiB), the step's measured peak temporaries "
+                f"({peak / GiB:.2f} GiB) and the margin ({self.dm.margin / GiB:.2f} GiB) in "
+                f"{self.dm.capacity / GiB:.2f} GiB (gpu_memory_utilization="
+                f"{e.gpu_memory_utilization}): at most {max(free, 0)} bytes fit; lower "
+                "--kv-cache-memory or leave it unset")
+        mem = MemoryPlan(self.dm.capacity, self.dm.in_use, peak, self.dm.margin, given,
+                         "kv_cache_memory", "verified at the pool")
+        return Sizing(plan, mem, e), runner
+
+    def _default(self, e: EngineConfig, cpu_budget: int):
+        e, peaks = self._fit_batched_tokens(e)
+        peak = max(peaks.values())
+        what = ", ".join(f"{k} {b}x{t}" for k, b, t, _ in peaks)
+        free = self.dm.free_for(peak)
+        if not self.dm.on_gpu:
+            free = min(free, cpu_budget)
+        e = self._fit_sequences(e, free)
+        e = self._fit_context(e, free)
+        plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
+        runner, real = self.verify(plan, e)
+        if real > peak:
+            plan, free, runner, real = self._regrow(e, plan, free, peak, real)
+        mem = MemoryPlan(self.dm.capacity, self.dm.in_use, real, self.dm.margin, free,
+                         "measured", what)
+        return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=free)), runner
+
+    def _regrow(self, e: EngineConfig, plan: CachePlan, free: int, peak: int, real: int):
+        """Temporaries that grow with the pool (a copy of a pool the compiler could not
+        update in place): measured at the planned pool, they say how many bytes each page
+        adds; the pools shrink so that pools and temporaries fit together, and the
+        executables are compiled and measured again there."""
+        log.warning("the step's temporaries at the planned pool (%.2f GiB) exceed the probe's "
+                    "(%.2f GiB): they grow with the pool; re-planning", real / GiB, peak / GiB)
+        per_page = (real - peak) / max(1, plan.num_pages - 2)
+        page = self.layout.bytes_per_page(self.ps)
+        free = int(free / (1 + per_page / page))
+        plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
+        runner, real = self.verify(plan, e)
+        if free + real > self.dm.free_for(0):
+            raise ValueError(f"the step's temporaries grow with the pool ({real} bytes beside "
+                             f"{free} bytes of pools) past the {self.dm.free_for(0)} bytes "
+                             "free: set a smaller --kv-cache-memory")
+        return plan, free, runner, real
+
+    def _check_room(self, free: int, e: EngineConfig) -> None:
+        if free <= 0:
+            raise ValueError(
+                f"nothing is left for the KV cache: the weights ({self.dm.in_use / GiB:.2f} "
+                f"GiB), the step's peak temporaries and the margin fill the "
+                f"{self.dm.capacity / GiB:.2f} GiB that gpu_memory_utilization="
+                f"{e.gpu_memory_utilization} allows; raise --gpu-memory-utilization or lower "
+                "--max-num-batched-tokens")
+
+    def _fit_sequences(self, e: EngineConfig, free: int) -> EngineConfig:
+        """Fewer running sequences (unset by the user) while their state slots would take
+        more than ``SLOT_SHARE`` of ``free``."""
+        self._check_room(free, e)
+        per_slot = self.layout.bytes_per_slot()
+        seqs = e.max_num_seqs
+        if self.layout.slots and not self.asked.max_num_seqs:
+            while seqs > 1 and (seqs + EXTRA_SLOTS) * per_slot > SLOT_SHARE * free:
+                seqs //= 2
+            if seqs != e.max_num_seqs:
+                log.info("max_num_seqs %d -> %d: %d bytes of state per sequence would take "
+                         "more than a quarter of the %.2f GiB of pools", e.max_num_seqs, seqs,
+                         per_slot, free / GiB)
+        return dataclasses.replace(e, max_num_seqs=seqs)
+
+    def _fit_context(self, e: EngineConfig, free: int) -> EngineConfig:
+        """``max_model_len`` (unset by the user) lowered to what the pages hold."""
+        if self.asked.max_model_len:
+            return e
+        slots = (e.max_num_seqs + EXTRA_SLOTS) * self.layout.bytes_per_slot() \
+            if self.layout.slots else 0
+        pages = (free - slots - self.layout.fixed_bytes()) // self.layout.bytes_per_page(self.ps)
+        fits = pages * self.ps
+        if fits >= e.max_model_len:
+            return e
+        if fits < self.ps:
+            self._check_room(0, e)
+        log.warning("max_model_len %d -> %d: the pools hold %d tokens (%.2f GiB); raise "
+                    "--gpu-memory-utilization or lower --max-num-seqs for more",
+                    e.max_model_len, fits, fits, free / GiB)
+        return dataclasses.replace(e, max_model_len=fits)

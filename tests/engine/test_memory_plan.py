@@ -1,0 +1,210 @@
+"""The memory plan (``engine/memory.py``, ``engine/capacity.py``) without a device: a fake
+GPU's allocator limit, a fake runner whose executables' peak is a known function of their
+shapes, real layouts of tiny presets. Pools = capacity - weights - measured peak - margin;
+defaults left unset adapt (prefill tokens, sequences, max_model_len); values set are kept or
+refused naming what fits; a probe measured once is not measured again."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from jfp8kv.config import EngineConfig, ModelConfig
+from jfp8kv.engine import capacity, memory
+from jfp8kv.engine.device_policy import device_defaults
+from jfp8kv.kvcache.layout import EXTRA_SLOTS, CacheRequest, plan_cache
+from jfp8kv.models import families
+from jfp8kv.models.presets import PRESETS
+
+GiB = 1 << 30
+
+
+class FakeGPU:
+    platform = "gpu"
+
+    def __init__(self, limit: int, in_use: int):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+DECODE_PEAK = 1 << 20
+
+
+class FakeRunner:
+    """The runner's surface the sizing compiles through: ``warmup_shapes`` (one decode and
+    one prefill shape), ``variants`` (one per kind), ``compile_variant`` (an executable whose
+    memory analysis gives a prefill shape ``per_token`` bytes per token, a decode shape
+    ``DECODE_PEAK``, each plus ``per_pool_page`` per page of the pool it is compiled against:
+    0, temporaries that do not grow with the pool). ``log``: (shape as "decode" /
+    "prefill<tokens>", pool pages, registered) per compile."""
+
+    tp = None
+
+    def __init__(self, plan, engine, log, per_token, per_pool_page):
+        self.plan, self.engine, self.log = plan, engine, log
+        self.per_token, self.per_pool_page = per_token, per_pool_page
+        self.variants = SimpleNamespace(of=lambda kind: ((None, True),))
+
+    def warmup_shapes(self, seqs, tokens, steps):
+        return [("decode", seqs, steps[0], 8), ("prefill", 1, tokens, 8)]
+
+    def compile_variant(self, shape, greedy, switched, abstract, store=None, register=False):
+        kind, _, t, _ = shape
+        self.log.append(("decode" if kind == "decode" else f"prefill{t}",
+                         self.plan.num_pages, register))
+        peak = (t * self.per_token if kind == "prefill" else DECODE_PEAK) \
+            + self.plan.num_pages * self.per_pool_page
+        analysis = SimpleNamespace(temp_size_in_bytes=peak, generated_code_size_in_bytes=0,
+                                   output_size_in_bytes=0, alias_size_in_bytes=0)
+        return SimpleNamespace(memory_analysis=lambda: analysis)
+
+
+def _sizer(preset="qwen3-tiny", *, limit=40 * GiB, in_use=10 * GiB, per_token=1 << 20,
+           per_pool_page=0, memo_dir=None, storage="float8_e4m3fn", **asked):
+    cfg = ModelConfig(**PRESETS[preset], name=preset)
+    family = families.of(cfg)
+    layout = family.cache_layout(cfg, CacheRequest(storage), "reference")
+    asked = EngineConfig(**asked)
+    dev = FakeGPU(limit, in_use)
+    engine = device_defaults(asked, dev)
+    log = []
+    dm = memory.device_memory(dev, engine.gpu_memory_utilization, in_use)
+    sizer = capacity.Sizer(cfg, layout, engine, asked, dm,
+                           lambda plan, e: FakeRunner(plan, e, log, per_token, per_pool_page),
+                           memory.PeakMemo(memo_dir), family_default=family.default_max_model_len)
+    return sizer, log, layout
+
+
+@pytest.fixture(autouse=True)
+def _jax_fraction(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+
+def test_capacity_is_the_utilization_of_the_device():
+    dm = memory.device_memory(FakeGPU(90 * GiB, 5 * GiB), 0.9, 1)
+    assert dm.capacity == 90 * GiB and dm.in_use == 5 * GiB  # limit = 0.9 x 100 GiB
+    dm = memory.device_memory(FakeGPU(90 * GiB, 5 * GiB), 0.5, 1)
+    assert dm.capacity == 50 * GiB
+    assert dm.margin == max(memory.MIN_MARGIN, int(memory.MARGIN_FRACTION * dm.capacity))
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        memory.device_memory(FakeGPU(1, 0), 1.5, 0)
+
+
+def test_default_pool_is_what_the_measured_peak_leaves():
+    sizer, log, layout = _sizer(max_model_len=4096)
+    sizing, runner = sizer.size()
+    dm = sizer.dm
+    peak = 8192 * (1 << 20)  # the GPU default of 8,192 prefill tokens
+    assert sizing.memory.peak == peak and sizing.memory.source == "measured"
+    assert sizing.memory.pool_budget == dm.capacity - dm.in_use - peak - dm.margin
+    want = plan_cache(layout, sizing.memory.pool_budget, 16, 64, 4096)
+    assert sizing.plan == want and sizing.engine.kv_cache_memory == sizing.memory.pool_budget
+    # the probe (a two-page pool, shape by shape), then the executables at the planned
+    # pool, registered for the warm-up
+    assert log == [("decode", 2, False), ("prefill8192", 2, False),
+                   ("decode", want.num_pages, True), ("prefill8192", want.num_pages, True)]
+    assert runner.plan == want
+
+
+def test_the_prefill_budget_halves_while_its_temporaries_crowd_the_memory():
+    # 24 GiB left after the weights: 8,192 tokens x 4 MiB = 32 GiB > a third; 2,048 tokens
+    # (8 GiB) is the first that fits under 8 GiB: predicted from the first probe, confirmed
+    # by a second (the decode shape, unchanged, is not compiled again)
+    sizer, log, _ = _sizer(per_token=4 << 20, limit=34 * GiB, max_model_len=4096)
+    sizing, _ = sizer.size()
+    assert sizing.engine.max_num_batched_tokens == 2048
+    assert [name for name, _, registered in log if not registered] == [
+        "decode", "prefill8192", "prefill2048"]
+    kept, _, _ = _sizer(per_token=4 << 20, limit=80 * GiB, max_model_len=4096,
+                        max_num_batched_tokens=8192)
+    assert kept.size()[0].engine.max_num_batched_tokens == 8192  # the user's value stays
+    tight, _, _ = _sizer(per_token=4 << 20, limit=34 * GiB, max_model_len=4096,
+                         max_num_batched_tokens=8192)
+    with pytest.raises(ValueError, match="nothing is left.*lower --max-num-batched-tokens"):
+        tight.size()
+
+
+def test_slot_families_run_fewer_sequences_when_their_state_would_crowd_the_pool():
+    sizer, _, layout = _sizer("qwen3.6-tiny", per_token=1, max_model_len=4096)
+    per_slot = layout.bytes_per_slot()  # pools of 205 slots' bytes: 64 + 2 take > a quarter
+    sizer.dm = dataclasses.replace(sizer.dm, capacity=sizer.dm.in_use + memory.MIN_MARGIN
+                                   + DECODE_PEAK + 205 * per_slot)
+    assert sizer.dm.margin == memory.MIN_MARGIN
+    sizing, _ = sizer.size()
+    seqs = sizing.engine.max_num_seqs
+    free = sizing.memory.pool_budget
+    assert seqs < 64 and (seqs + EXTRA_SLOTS) * per_slot <= free / 4
+    assert (2 * seqs + EXTRA_SLOTS) * per_slot > free / 4  # halved no further than needed
+    assert sizing.plan.sequence_slots == seqs
+
+
+def test_context_follows_the_pool_unless_set():
+    limit = 11 * GiB + (5 << 20)  # 5 MiB of pools: ~18k fp8 tokens of qwen3-tiny
+    sizer, _, layout = _sizer(limit=limit, per_token=1)
+    sizing, _ = sizer.size()  # qwen3-tiny's context is 40,960 tokens
+    assert 16 <= sizing.engine.max_model_len < 40960
+    assert sizing.engine.max_model_len == sizing.plan.max_tokens
+    too_long, _, _ = _sizer(limit=limit, per_token=1, max_model_len=40960)
+    with pytest.raises(ValueError, match="max_model_len=40960.*give at least"):
+        too_long.size()
+    with pytest.raises(ValueError, match="longer than the model's context.*at most 40960"):
+        _sizer(max_model_len=50000)[0].size()
+
+
+def test_kv_cache_memory_is_kept_or_refused_naming_what_fits():
+    sizer, log, layout = _sizer(kv_cache_memory=2 * GiB, max_model_len=4096)
+    sizing, _ = sizer.size()
+    assert sizing.memory.pool_budget == 2 * GiB and sizing.memory.source == "kv_cache_memory"
+    assert sizing.plan == plan_cache(layout, 2 * GiB, 16, 64, 4096)
+    # measured at the pool itself, nothing probed
+    pages = sizing.plan.num_pages
+    assert log == [("decode", pages, True), ("prefill8192", pages, True)]
+    big, _, _ = _sizer(kv_cache_memory=30 * GiB, max_model_len=4096)
+    with pytest.raises(ValueError, match=r"kv_cache_memory=32212254720 bytes does not fit.*"
+                                         r"at most \d+ bytes fit"):
+        big.size()
+
+
+def test_temporaries_that_grow_with_the_pool_are_measured_at_the_pool():
+    sizer, log, layout = _sizer(per_token=1, per_pool_page=1 << 12, max_model_len=4096)
+    sizing, _ = sizer.size()
+    pages = sizing.plan.num_pages
+    assert sizing.memory.peak == DECODE_PEAK + pages * (1 << 12)  # at the final pool
+    # pools and their temporaries fit together, with less than a page's worth to spare
+    spare = sizer.dm.free_for(0) - sizing.memory.pool_budget - sizing.memory.peak
+    assert 0 <= spare <= layout.bytes_per_page(16) + (1 << 12) + DECODE_PEAK
+    # the probe, then two verifications: at the first plan and after re-planning
+    assert [registered for _, _, registered in log] == [False, False] + [True] * 4
+
+
+def test_a_measured_probe_is_kept(tmp_path):
+    first, log1, _ = _sizer(max_model_len=4096, memo_dir=tmp_path)
+    first.size()
+    again, log2, _ = _sizer(max_model_len=4096, memo_dir=tmp_path)
+    sizing, _ = again.size()
+    assert [e for e in log1 if not e[2]] and not [e for e in log2 if not e[2]]  # no probe
+    assert sizing.memory.peak == 8192 * (1 << 20)  # the prefill's, remembered
+
+
+def test_cpu_default_is_the_bounded_formula_and_compiles_nothing():
+    cfg = ModelConfig(**PRESETS["qwen3-tiny"], name="qwen3-tiny")
+    layout = families.DENSE.cache_layout(cfg, CacheRequest("bfloat16"), "reference")
+
+    class CPU:
+        platform = "cpu"
+
+    asked = EngineConfig(max_model_len=512)
+    engine = device_defaults(asked, CPU())
+    dm = memory.device_memory(CPU(), 0.9, 1 << 20)
+    sizer = capacity.Sizer(cfg, layout, engine, asked, dm,
+                           lambda *a: pytest.fail("no compile for the CPU default"),
+                           memory.PeakMemo(None))
+    sizing, runner = sizer.size()
+    assert runner is None and sizing.memory.source == "cpu default"
+    budget = capacity.cpu_default_budget(layout, 16, 512, engine.max_num_seqs)
+    assert budget == 512 * 512 * 16  # bf16 K and V, 2 layers x 2 heads x 32: 16 sequences
+    assert sizing.plan == plan_cache(layout, budget, 16, engine.max_num_seqs, 512)
