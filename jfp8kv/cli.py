@@ -5,7 +5,8 @@ Flags: every field of ``LoadConfig``, ``CacheOptions`` and ``EngineConfig`` is o
 metadata in ``jfp8kv.config``; a knob added there appears in ``generate``, ``serve`` and
 ``LLM`` at once. Start-up: logging with JAX's backend probe kept quiet, and errors a user
 causes while the engine is built (a missing model path, an option that does not fit) shown
-as one line with exit code 2, as argparse does for a bad flag.
+as one line with exit code 2, as argparse does for a bad flag; a bad flag itself is one line
+too (``ArgumentParser``), not argparse's whole usage text.
 """
 
 from __future__ import annotations
@@ -25,6 +26,23 @@ log = logging.getLogger(__name__)
 _GROUP_TITLES = {LoadConfig: "model", CacheOptions: "KV cache", EngineConfig: "engine"}
 # Loggers whose start-up chatter is noise to a user (JAX probing for TPU/GPU plugins).
 _NOISY_LOGGERS = ("jax._src.xla_bridge",)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: ``PROG: error: MESSAGE`` and exit code 2,
+    without the usage block (dozens of lines for the engine's flags) that would push the
+    message off the screen. argparse's messages name what would work (an invalid choice
+    lists the choices); ``--help`` still prints the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, f"{message} (--help lists the flags)")
+
+
+def check_port(p: argparse.ArgumentParser, port: int) -> None:
+    """A TCP port the server can listen on (0 picks a free one), checked with the other
+    flags, before anything loads."""
+    if not 0 <= port <= 65535:
+        p.error(f"argument --port: {port} is not a TCP port (0-65535)")
 
 
 def flag_name(field: dataclasses.Field) -> str:

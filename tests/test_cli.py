@@ -111,3 +111,56 @@ def test_serve_help_lists_every_flag(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--decode-gemm-autotune" in out and "~4% faster" in out and "--warmup" in out
+
+
+@pytest.mark.parametrize("command,argv,choice", [
+    ("serve", ["--kv-cache-dtype", "fp9"], "'fp8_e4m3'"),
+    ("generate", ["hi", "--kv-cache-dtype", "fp9"], "'fp8_e4m3'"),
+    ("calibrate", ["--text", "t", "--out", "o", "--kv-rotation", "fp9"], "'smooth'"),
+])
+def test_a_bad_flag_is_one_line_not_the_whole_usage(command, argv, choice, capsys):
+    """argparse prints its usage (dozens of lines for the engine's flags) before the error;
+    the commands print the error alone, naming the choices."""
+    from jfp8kv.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "usage:" not in err[0], err
+    assert err[0].startswith(f"python -m jfp8kv{'.' if command != 'generate' else ' '}"
+                             f"{command}: error: ")
+    assert "invalid choice: 'fp9'" in err[0] and choice in err[0] and "--help" in err[0]
+
+
+def test_port_out_of_range_fails_before_the_model_loads(tmp_path, capsys):
+    """``--port 99999`` used to load the model, then die in ``bind`` with a traceback: now
+    the flags are checked first (the missing model is never looked at)."""
+    from jfp8kv.serve.__main__ import main
+
+    for port in ("99999", "-1"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", str(tmp_path / "no-such-model"), "--port", port])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"python -m jfp8kv.serve: error: argument --port: {port} is not a TCP "
+                       "port (0-65535) (--help lists the flags)"]
+
+
+def test_busy_port_fails_before_the_model_loads(tmp_path, capsys):
+    """The socket is bound before loading: a busy port fails in a second, not after the
+    model's load (the missing model is never looked at)."""
+    import socket
+
+    from jfp8kv.serve.__main__ import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", str(tmp_path / "no-such-model"), "--port", str(port)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0], err
+

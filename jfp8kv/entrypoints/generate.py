@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jfp8kv.cli import add_engine_args, build_llm, setup_logging
+from jfp8kv.cli import ArgumentParser, add_engine_args, build_llm, setup_logging
 
 PROG = "python -m jfp8kv generate"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    p = ArgumentParser(prog=PROG, description=__doc__)
     p.add_argument("prompts", nargs="+", help="one or more prompts")
     add_engine_args(p, defaults={"max_model_len": 2048})
     s = p.add_argument_group("sampling")

@@ -24,7 +24,8 @@ import time
 
 import uvicorn
 
-from jfp8kv.cli import add_engine_args, build_llm, fail, setup_logging
+from jfp8kv.cli import (ArgumentParser, add_engine_args, build_llm, check_port, fail,
+                        setup_logging)
 from jfp8kv.serve.app import build_app
 from jfp8kv.serve.async_engine import AsyncEngine
 from jfp8kv.serve.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
@@ -34,13 +35,13 @@ PROG = "python -m jfp8kv.serve"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, defaults={"max_queue_len": None})
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: the engine's model name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (default: 8000)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to wait for in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -70,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "as the server closes the connection fails with a reset "
                           "(default: %(default)s)")
     args = p.parse_args(argv)
+    check_port(p, args.port)
     if not args.timeout_keep_alive > 0:
         p.error(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.max_queue_len is None:
@@ -78,8 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the warm-up so a busy port fails in seconds, not
-    after compiling (uvicorn serves on it: no window for another process to take it)."""
+    """The listening socket, bound before the model loads so a busy port fails in seconds,
+    not after loading and compiling (uvicorn serves on it: no window for another process to
+    take it; until uvicorn listens, a client's connection is refused)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -168,8 +171,8 @@ def main(argv=None) -> None:
                               request_timeout_s=args.request_timeout)
     except ValueError as e:
         fail(PROG, str(e))
+    sock = bind_socket(args.host, args.port)  # before loading and the warm-up's compiling
     llm = load_llm(args, PROG)  # logs the one KV-cache summary line
-    sock = bind_socket(args.host, args.port)  # before the warm-up's minutes of compiling
     limits = dataclasses.replace(limits, pool_tokens=llm.cache_config.max_tokens)
     check_chat_template(llm.chat_prompt)
     if args.warmup in ("on", "auto"):
