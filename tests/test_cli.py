@@ -164,3 +164,27 @@ def test_busy_port_fails_before_the_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0], err
 
+
+def test_unknown_random_preset_lists_every_preset(capsys):
+    """The list names the DeepSeek-V4 presets too (they are resolved apart from the others),
+    and every name in it loads."""
+    from jfp8kv.entrypoints.generate import main
+    from jfp8kv.models.presets import PRESETS
+    from jfp8kv.models.v4_presets import v4_config
+
+    with pytest.raises(SystemExit) as exc:
+        main(["hi", "--model", "random:nosuchpreset"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    head = "python -m jfp8kv generate: error: unknown random preset 'nosuchpreset'; choose one of "
+    assert err[0].startswith(head)
+    names = [n.split(" (")[0] for n in err[0][len(head):].split(", ")]
+    assert all(n.startswith("random:") for n in names), names
+    names = [n[len("random:"):] for n in names]
+    assert set(PRESETS) < set(names)
+    v4 = set(names) - set(PRESETS)
+    assert v4 == {"deepseek-v4-flash", "deepseek-v4-flash-<N>l", "deepseek-v4-tiny"}
+    for name in v4:
+        assert v4_config(name.replace("<N>", "2")).name == "random:" + name.replace("<N>", "2")
+

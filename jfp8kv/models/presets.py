@@ -132,8 +132,12 @@ def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: in
     if key.startswith("deepseek-v4"):
         return _load_random_v4(key, dtype, seed, tensor_parallel_size)
     if key not in PRESETS:
+        from jfp8kv.models.v4_presets import FLASH
+
+        names = [*PRESETS, "deepseek-v4-flash", f"deepseek-v4-flash-<N>l (its first N of "
+                 f"{FLASH['num_hidden_layers']} layers)", "deepseek-v4-tiny"]
         raise ValueError(f"unknown random preset {preset!r}; choose one of "
-                         f"{['random:' + k for k in PRESETS]}")
+                         + ", ".join("random:" + k for k in names))
     cfg = ModelConfig(**PRESETS[key], name=f"random:{key}")
     tp = sharding.plan(cfg, tensor_parallel_size)
     params = init_random_params(cfg, jax.random.PRNGKey(seed), dtype=dtype,
