@@ -57,10 +57,12 @@ def _value_parser(cls, field: dataclasses.Field):
     return kinds[0] if kinds[0] in (int, float, str) else str
 
 
-def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None = None):
+def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None = None,
+                    notes: dict | None = None):
     """Add one flag per field of each config class (one argument group per class).
-    ``defaults`` overrides a field's default for this command only."""
-    defaults = defaults or {}
+    ``defaults`` overrides a field's default for this command only; ``notes`` adds a word
+    after such a default in the help (e.g. how it differs from the other commands')."""
+    defaults, notes = defaults or {}, notes or {}
     for cls in classes:
         group = p.add_argument_group(_GROUP_TITLES.get(cls, cls.__name__))
         for f in dataclasses.fields(cls):
@@ -68,6 +70,8 @@ def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None 
             help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats it
             if f.name in defaults:  # this command's own default replaces the field's
                 help_text = help_text.split(" (default")[0]
+            if f.name in notes:
+                help_text += " (default: %(default)s; " + notes[f.name].replace("%", "%%") + ")"
             if default is not None and "(default" not in help_text:
                 help_text += " (default: %(default)s)"
             if isinstance(f.default, bool):  # --name / --no-name
@@ -80,9 +84,10 @@ def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None 
     return p
 
 
-def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None):
+def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None,
+                    notes: dict | None = None):
     """The flags of ``LLM``: model, KV cache and engine options."""
-    return add_config_args(p, *OPTION_CLASSES, defaults=defaults)
+    return add_config_args(p, *OPTION_CLASSES, defaults=defaults, notes=notes)
 
 
 def configs_from_args(args: argparse.Namespace):

@@ -188,3 +188,20 @@ def test_unknown_random_preset_lists_every_preset(capsys):
     for name in v4:
         assert v4_config(name.replace("<N>", "2")).name == "random:" + name.replace("<N>", "2")
 
+
+def test_help_states_each_commands_max_model_len_default(capsys):
+    """``generate`` keeps a short default (2048); the server and ``LLM`` use the model's
+    context length. Each ``--help`` says which."""
+    from jfp8kv.entrypoints.generate import parse_args as generate_args
+    from jfp8kv.serve.__main__ import parse_args as serve_args
+
+    outs = {}
+    for name, parse in (("generate", generate_args), ("serve", serve_args)):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        outs[name] = " ".join(capsys.readouterr().out.split())
+    assert ("tokens per sequence, prompt plus output (default: 2048; this command's own, a "
+            "short pool for a few prompts; the server and jfp8kv.LLM default to the model's "
+            "context length)") in outs["generate"]
+    assert ("tokens per sequence, prompt plus output (default: the model's context length)"
+            in outs["serve"])
