@@ -867,7 +867,7 @@ def main(argv=None):
                           kv_cache_memory=memory, page_size=page, max_num_seqs=seqs,
                           max_num_batched_tokens=tokens,
                           attention_backend=args.attention_backend, loaded=loaded,
-                          min_prefill_chunk=chunk)
+                          min_prefill_chunk=chunk, warmup=False)
 
     write()
     by_name = {c["name"]: c for c in configs}

@@ -104,12 +104,15 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
 
 
 def build_llm(args: argparse.Namespace, prog: str):
-    """The ``LLM`` the flags describe; user errors end the process (see ``user_errors``)."""
+    """The ``LLM`` the flags describe, not warmed up (the server warms it up as its
+    ``--warmup`` says; ``generate`` compiles what its prompts use); user errors end the
+    process (see ``user_errors``)."""
     with user_errors(prog):
         load, cache, engine = configs_from_args(args)
         from jfp8kv.engine.llm import LLM
 
-        return LLM(load.model, load.dtype, cache_options=cache, engine_config=engine)
+        return LLM(load.model, load.dtype, cache_options=cache, engine_config=engine,
+                   warmup=False)
 
 
 def setup_logging(level: str | int = "INFO",
