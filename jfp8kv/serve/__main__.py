@@ -1,6 +1,6 @@
 """``python -m jfp8kv.serve``: run the OpenAI-compatible server (flag names follow vLLM's).
 
-Network-facing limits (docs/serving.md): ``--api-key`` (or JFP8KV_API_KEY) guards every
+Network-facing limits (docs/guide/serving.md): ``--api-key`` (or JFP8KV_API_KEY) guards every
 route but /health and /metrics; ``--max-queued-requests`` bounds the waiting requests (503
 with Retry-After past it); ``--max-request-body-bytes`` (413) and ``--request-timeout``
 (408, the request aborted and its pages freed). Start-up errors an operator causes (port in
@@ -146,7 +146,7 @@ def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
     """uvicorn's settings from the parsed flags. The keep-alive outlasts the clients' pools:
     at uvicorn's 5 s (httpx's expiry too) a pooled connection reused just as the server's
     timer closes it ends in a reset: the likely cause of the H100 soak's ReadErrors
-    (docs/serving.md)."""
+    (docs/guide/serving.md)."""
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_keep_alive=args.timeout_keep_alive)
 

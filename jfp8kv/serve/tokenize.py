@@ -3,7 +3,7 @@
 Request and response shapes are vLLM's, so clients written for it work unchanged; in
 particular lm-evaluation-harness's ``tokenizer_backend=remote`` (``local-completions``,
 ``local-chat-completions``) tokenizes through these routes, and a user of the default GGUF
-model needs no Hugging Face tokenizer folder (docs/lm-eval.md).
+model needs no Hugging Face tokenizer folder (docs/guide/lm-eval.md).
 
 * ``POST /tokenize``: ``{"prompt": str, "add_special_tokens": true}`` (as /v1/completions
   encodes) or ``{"messages": [...], "add_generation_prompt": true}`` (as

@@ -85,7 +85,7 @@ def batched_prefill(llm):
 def test_prefill_groups_stay_within_the_area(llama_bf16):
     """Groups are consecutive, within the area, and pad only chunks of one chunk bucket
     (the scheduler hands chunks over longest first, so a step's short remainder gets its own
-    small dispatch instead of a row padded to the longest chunk: docs/engine-notes.md)."""
+    small dispatch instead of a row padded to the longest chunk: docs/lab/engine-notes.md)."""
     runner = batched_prefill(make(llama_bf16, max_model_len=1024)).engine.runner
     area = runner.prefill_area()
     assert area == runner.chunk_bucket(64)
