@@ -146,7 +146,7 @@ def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
     """uvicorn's settings from the parsed flags. The keep-alive outlasts the clients' pools:
     at uvicorn's 5 s (httpx's expiry too) a pooled connection reused just as the server's
     timer closes it ends in a reset: the likely cause of the H100 soak's ReadErrors
-    (docs/guide/serving.md)."""
+    (docs/lab/serving-notes.md)."""
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_keep_alive=args.timeout_keep_alive)
 
