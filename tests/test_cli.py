@@ -111,6 +111,9 @@ def test_serve_help_lists_every_flag(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--decode-gemm-autotune" in out and "~4% faster" in out and "--warmup" in out
+    # /tokenize's token strings are opt-in, as in vLLM: the help says so
+    assert '"token_strs" (each token\'s string) is null unless the request sends' in out
+    assert '"return_token_strs": true' in out
 
 
 @pytest.mark.parametrize("command,argv,choice", [

@@ -1,11 +1,17 @@
 """``python -m jfp8kv.serve``: run the OpenAI-compatible server (flag names follow vLLM's).
 
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and vLLM's
+/tokenize, /detokenize, /tokenizer_info. /tokenize answers {"count", "max_model_len",
+"tokens", "token_strs"}; "token_strs" (each token's string) is null unless the request sends
+"return_token_strs": true, as in vLLM.
+
 Network-facing limits (docs/guide/serving.md): ``--api-key`` (or JFP8KV_API_KEY) guards every
 route but /health and /metrics; ``--max-queued-requests`` bounds the waiting requests (503
 with Retry-After past it); ``--max-request-body-bytes`` (413) and ``--request-timeout``
-(408, the request aborted and its pages freed). Start-up errors an operator causes (port in
-use, a missing or unreadable model, a pool larger than free GPU memory) end the process with
-one line on stderr and exit code 2.
+(408, the request aborted and its pages freed). Start-up errors an operator causes (a bad
+flag value, a port in use, a missing or unreadable model, a pool larger than free GPU memory)
+end the process with one line on stderr and exit code 2; flags and the port are checked
+before the model loads.
 
 Shutdown: the first SIGTERM/SIGINT starts a drain: new requests get 503 (with Retry-After),
 requests in flight run to completion (at most ``--drain-timeout`` seconds), then uvicorn
