@@ -3,6 +3,7 @@
 Prompts are wrapped in the model's chat template unless ``--raw`` is given. The engine
 flags are the server's and ``jfp8kv.LLM``'s, with one default of this command's own:
 ``--max-model-len 2048`` (they use the model's context length, 8192 for the default model).
+Each shape compiles on its first use (no warm-up: one command, a few prompts).
 """
 
 from __future__ import annotations
