@@ -64,7 +64,7 @@ def measure(model, kv, mode, batch, context, steps, reps, dtype, profile=False, 
     cfg = loaded.config
     bpt = internals.kv_bytes_per_token(cfg, kv, mode, dtype)
     mem = (batch * pages_per_seq + 2) * page_size * bpt + (1 << 24)
-    llm = LLM(loaded=loaded, **probe, kv_cache_memory=mem)
+    llm = LLM(loaded=loaded, **probe, kv_cache_memory=mem, warmup=False)
     internals.fill_cache_random(llm, jax.random.PRNGKey(1))
     rows = [(7 + i, context, list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)),
              context + steps) for i in range(batch)]

@@ -1,7 +1,7 @@
 """Decode-sized dense GEMMs: XLA's dot against a Pallas skinny-GEMM prototype (issue 12).
 
 The Qwen3-0.6B decode step spends 22 us per layer in its four GEMMs (M = 32 rows; 30 MB of
-weights, 8 us at the copy rate; docs/engine-notes.md). Is that XLA's tiling, or the floor
+weights, 8 us at the copy rate; docs/lab/engine-notes.md). Is that XLA's tiling, or the floor
 of a few-MB GEMM on this GPU? This bench answers it for the step's shapes: per shape, XLA's
 ``einsum(..., preferred_element_type=f32).astype(bf16)`` (as ``models/transformer._linear``)
 and a sweep of a plain Pallas Triton kernel (grid: column blocks of ``bn`` x ``splits``

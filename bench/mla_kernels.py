@@ -53,7 +53,7 @@ SWEEP = dict(block_k=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3))
 # (the default) 4 / 32 splits (a ~205 KB program takes a whole SM: one program an SM at a
 # time); hb8: two programs of 8 heads per row (the latent read twice, the second mostly from
 # L2), where fp8 fits 3 stages. (``st3 alias tp128``, O^T staged in the slots' memory, lost
-# to st2 on 2026-12-03 and left the kernel: docs/mla-moe.md.)
+# to st2 on 2026-12-03 and left the kernel: docs/lab/mla-moe.md.)
 BF16, TOKEN, BLOCK = "bf16", "fp8_e4m3:token", "fp8_e4m3:block"
 MOSAIC_SETTINGS = (("st2 tp128", dict(target_programs=128), (BF16, TOKEN, BLOCK)),
                    ("st2 tp132", dict(target_programs=132), (BF16,)),

@@ -371,7 +371,8 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None,
     kw = dict(loaded=loaded, dtype=args.dtype, kv_cache_dtype=kv,
               kv_scale_mode=args.kv_scale_mode if kv.startswith("fp8") else None,
               kv_cache_memory=parse_bytes(args.kv_cache_memory), seed=args.seed,
-              attention_backend=args.attention_backend, decode_steps=args.decode_steps)
+              attention_backend=args.attention_backend, decode_steps=args.decode_steps,
+              warmup=False)  # --warmup decides (build_s stays the build alone)
     if args.overlap_scheduling is not None:
         kw["overlap_scheduling"] = args.overlap_scheduling == "on"
     if admission is not None:

@@ -50,7 +50,7 @@ def simulate(prompts: int, input_len: int, output_len: int, pool_tokens: int | N
              decode_steps: int = 8, admission: str = "greedy") -> dict:
     """Run the scheduler to completion; every step's sampled tokens are applied as the
     engine applies them. Returns the prefill counts. ``admission``: the engine's default;
-    the numbers in docs/engine-notes.md section 1 were taken under greedy admission."""
+    the numbers in docs/lab/engine-notes.md section 1 were taken under greedy admission."""
     runner = gpu_shape_policy(budget)
     pages = (pool_tokens // page_size if pool_tokens
              else prompts * -(-(input_len + output_len) // page_size)) + 1

@@ -44,7 +44,7 @@ def measure(args, kv: str, mode: str | None, rate_tflops: float) -> dict:
               kv_scales=0.05 if mode in ("tensor", "channel") else None,
               max_model_len=total + ps, max_num_seqs=rows,
               max_num_batched_tokens=max(rows * args.chunk, 16), page_size=ps,
-              kv_cache_memory=memory)
+              kv_cache_memory=memory, warmup=False)
     pools = llm.engine.runner.cache.pools
     if set(pools) == {"kv"}:  # a dense paged cache: random pages to read
         internals.fill_cache_random(llm, jax.random.PRNGKey(1))

@@ -80,7 +80,7 @@ def compile_ptx(ttir: str, num_warps: int, num_stages: int):
     return k.asm["ptx"], r.stdout + r.stderr, k.metadata.shared, k.asm["cubin"]
 
 
-# SASS ops that PTX hides or that mark the costs discussed in docs/kernels-notes.md: a PTX
+# SASS ops that PTX hides or that mark the costs discussed in docs/lab/kernels-notes.md: a PTX
 # ``rcp.rn.f32`` is one line but a MUFU.RCP plus a slow-path CALL in SASS; LDS.U8 / PRMT are
 # the byte transposes of fp8 B operands
 SASS_KEY_OPS = ("MUFU", "CALL", "BRA", "BAR", "LDS.U8", "PRMT", "HMMA", "F2FP", "LDGSTS")

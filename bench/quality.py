@@ -12,7 +12,7 @@
 shipped in PyPI wheels (``bench.second_model``), loaded by jfp8kv's own loaders; results go
 to ``bench/results/quality-<model>.json``.
 
-``--decide`` is issue 36's run (docs/quality.md section 6): the ``decide`` configs (bf16,
+``--decide`` is issue 36's run (docs/lab/quality.md section 6): the ``decide`` configs (bf16,
 e4m3 token, then the seven candidates in the rule's order), at least 64,000 scored
 positions per context in consecutive windows of the text before the calibration slice (the
 same tokens at 1k, 4k and 8k), every mean with a standard error from blocks of
@@ -622,7 +622,7 @@ def arg_parser() -> argparse.ArgumentParser:
                          "--keys 40 (5 depths: 200 prompts per length), --passkey-for "
                          "text-pass; any of them can still be given")
     ap.add_argument("--decide-from", default=None, metavar="JSON,JSON,JSON",
-                    help="run nothing: apply the decision rule (docs/quality.md section 6) to "
+                    help="run nothing: apply the decision rule (docs/lab/quality.md section 6) to "
                          "these models' --decide results; writes --out (default "
                          "bench/results/quality-decision.json)")
     ap.add_argument("--costs", default=None, metavar="JSON",
@@ -732,7 +732,7 @@ def text_groups(tok, st: dict) -> tuple[dict, dict]:
         layout = {"layout": f"context i's windows from the paragraph after character "
                             f"i x {WINDOW_STRIDE}"}
     # the pydoc topics differ between Python versions (3.11.7 and 3.12.3 part at character
-    # 15,224: docs/quality-smooth.md), so the text's hash says whether two runs scored the same
+    # 15,224: docs/lab/quality-smooth.md), so the text's hash says whether two runs scored the same
     return groups, {"source": "pydoc_data.topics", "python": platform.python_version(),
                     "sha256": hashlib.sha256(natural_text().encode()).hexdigest(), **layout,
                     "windows": {str(c): len(w) for c, w in groups.items()},
@@ -867,7 +867,7 @@ def main(argv=None):
                           kv_cache_memory=memory, page_size=page, max_num_seqs=seqs,
                           max_num_batched_tokens=tokens,
                           attention_backend=args.attention_backend, loaded=loaded,
-                          min_prefill_chunk=chunk)
+                          min_prefill_chunk=chunk, warmup=False)
 
     write()
     by_name = {c["name"]: c for c in configs}

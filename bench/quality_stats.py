@@ -22,7 +22,7 @@ difference of accuracies is the mean of d_i = ok_config,i - ok_bf16,i in {-1, 0,
 standard error sd(d) / sqrt(n) (paired); each accuracy also carries its binomial standard
 error sqrt(p (1 - p) / n).
 
-The rule itself (docs/quality.md, section 6, written before any issue-36 number):
+The rule itself (docs/lab/quality.md, section 6, written before any issue-36 number):
 ``evaluate`` applies the targets to one model's result, ``decide`` picks the default across
 models.
 """
@@ -41,7 +41,7 @@ REFERENCE = "fp8_e4m3:token"  # today's default fp8 cache (token scales, no K tr
 SE_BLOCK = 1024         # positions per block for the standard errors
 MIN_SCORED = 64_000     # --decide: at least this many scored positions per context
 
-# Candidates in the rule's order of preference (docs/quality.md section 6): no calibration
+# Candidates in the rule's order of preference (docs/lab/quality.md section 6): no calibration
 # before calibration (smooth needs K means), then more capacity at the Qwen3-8B shape
 # (token: 4 B of scales per head and token; block: 8 B at head_dim 128), then fewer
 # transforms (hadamard rotates K at store and Q in the kernels). Smooth configs use the
@@ -214,7 +214,7 @@ def passkey_order(targets: dict | None, limit: int) -> list[str]:
 
 # -- across models --------------------------------------------------------------------------
 def decide(docs: list[dict], costs: dict | None = None, models_required: int = 3) -> dict:
-    """The default across models (docs/quality.md section 6): the first of CANDIDATES, in
+    """The default across models (docs/lab/quality.md section 6): the first of CANDIDATES, in
     order, that meets every target (``evaluate``: text and passkey) on every model and, when
     ``costs`` ({config: {"decode_step_pct": x, "capacity_pct": y}} against the reference,
     positive = worse) are given, costs at most 3% in each. None meeting: the reference stays,

@@ -22,7 +22,7 @@ unrotated): KL <= 0.5x of it and NLL increase <= +0.10%.
 
 float32 compute (what people run): the NLL increase carries a first-order term that changes
 sign with the realization of the rounding noise (0.1-0.3 pp per 2k-token window, see
-docs/quality.md); KL is second order and stable, so it decides.
+docs/lab/quality.md); KL is second order and stable, so it decides.
 """
 
 from __future__ import annotations

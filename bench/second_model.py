@@ -195,7 +195,7 @@ def check(key: str, tokens: int = 128, new_tokens: int = 8, out: str | None = No
     path, _ = source(key)
     t0 = time.time()
     llm = jfp8kv.LLM(model=str(path), dtype="float32", max_model_len=1024,
-                     kv_cache_memory=256 << 20, max_num_batched_tokens=256)
+                     kv_cache_memory=256 << 20, max_num_batched_tokens=256, warmup=False)
     load_s = time.time() - t0
     tok = llm.tokenizer
     ids = natural_text_ids(tok, tokens)

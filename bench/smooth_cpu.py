@@ -1,6 +1,6 @@
 """K smoothing through both measurement paths on CPU: why they disagree (issue 36, point 2).
 
-The two ways this project measures ``kv_rotation=smooth`` (docs/quality-smooth.md):
+The two ways this project measures ``kv_rotation=smooth`` (docs/lab/quality-smooth.md):
 
 * ``fake32``: transformers in float32 with the independent fake quantization
   (``bench.fakequant``; what ``bench.rotation_cpu`` runs), against its own float32 model;

@@ -5,6 +5,22 @@ as ``jfp8kv.kvcache.allocator`` or ``jfp8kv.engine.scheduler`` does not import J
 """
 
 import importlib as _importlib
+import logging as _logging
+
+
+class _NoTorchNotice(_logging.Filter):
+    """Drops transformers' "PyTorch was not found. Models won't be available ..." notice,
+    logged at its import when torch is absent: jfp8kv uses transformers for tokenizers and
+    configs only, so the notice is true of every jfp8kv run and says nothing to act on. Only
+    that record is dropped; transformers' other warnings pass."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found.")
+
+
+# On the library logger transformers logs that notice to (its own root, "transformers");
+# installed here because every jfp8kv path that imports transformers imports jfp8kv first.
+_logging.getLogger("transformers").addFilter(_NoTorchNotice())
 
 # public name -> module that defines it
 _EXPORTS = {

@@ -5,7 +5,8 @@ Flags: every field of ``LoadConfig``, ``CacheOptions`` and ``EngineConfig`` is o
 metadata in ``jfp8kv.config``; a knob added there appears in ``generate``, ``serve`` and
 ``LLM`` at once. Start-up: logging with JAX's backend probe kept quiet, and errors a user
 causes while the engine is built (a missing model path, an option that does not fit) shown
-as one line with exit code 2, as argparse does for a bad flag.
+as one line with exit code 2, as argparse does for a bad flag; a bad flag itself is one line
+too (``ArgumentParser``), not argparse's whole usage text.
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ _GROUP_TITLES = {LoadConfig: "model", CacheOptions: "KV cache", EngineConfig: "e
 _NOISY_LOGGERS = ("jax._src.xla_bridge",)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: ``PROG: error: MESSAGE`` and exit code 2,
+    without the usage block (dozens of lines for the engine's flags) that would push the
+    message off the screen. argparse's messages name what would work (an invalid choice
+    lists the choices); ``--help`` still prints the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, f"{message} (--help lists the flags)")
+
+
+def check_port(p: argparse.ArgumentParser, port: int) -> None:
+    """A TCP port the server can listen on (0 picks a free one), checked with the other
+    flags, before anything loads."""
+    if not 0 <= port <= 65535:
+        p.error(f"argument --port: {port} is not a TCP port (0-65535)")
+
+
 def flag_name(field: dataclasses.Field) -> str:
     return "--" + field.name.replace("_", "-")
 
@@ -39,10 +57,12 @@ def _value_parser(cls, field: dataclasses.Field):
     return kinds[0] if kinds[0] in (int, float, str) else str
 
 
-def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None = None):
+def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None = None,
+                    notes: dict | None = None):
     """Add one flag per field of each config class (one argument group per class).
-    ``defaults`` overrides a field's default for this command only."""
-    defaults = defaults or {}
+    ``defaults`` overrides a field's default for this command only; ``notes`` adds a word
+    after such a default in the help (e.g. how it differs from the other commands')."""
+    defaults, notes = defaults or {}, notes or {}
     for cls in classes:
         group = p.add_argument_group(_GROUP_TITLES.get(cls, cls.__name__))
         for f in dataclasses.fields(cls):
@@ -50,6 +70,8 @@ def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None 
             help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats it
             if f.name in defaults:  # this command's own default replaces the field's
                 help_text = help_text.split(" (default")[0]
+            if f.name in notes:
+                help_text += " (default: %(default)s; " + notes[f.name].replace("%", "%%") + ")"
             if default is not None and "(default" not in help_text:
                 help_text += " (default: %(default)s)"
             if isinstance(f.default, bool):  # --name / --no-name
@@ -62,9 +84,10 @@ def add_config_args(p: argparse.ArgumentParser, *classes, defaults: dict | None 
     return p
 
 
-def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None):
+def add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None,
+                    notes: dict | None = None):
     """The flags of ``LLM``: model, KV cache and engine options."""
-    return add_config_args(p, *OPTION_CLASSES, defaults=defaults)
+    return add_config_args(p, *OPTION_CLASSES, defaults=defaults, notes=notes)
 
 
 def configs_from_args(args: argparse.Namespace):
@@ -81,12 +104,15 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
 
 
 def build_llm(args: argparse.Namespace, prog: str):
-    """The ``LLM`` the flags describe; user errors end the process (see ``user_errors``)."""
+    """The ``LLM`` the flags describe, not warmed up (the server warms it up as its
+    ``--warmup`` says; ``generate`` compiles what its prompts use); user errors end the
+    process (see ``user_errors``)."""
     with user_errors(prog):
         load, cache, engine = configs_from_args(args)
         from jfp8kv.engine.llm import LLM
 
-        return LLM(load.model, load.dtype, cache_options=cache, engine_config=engine)
+        return LLM(load.model, load.dtype, cache_options=cache, engine_config=engine,
+                   warmup=False)
 
 
 def setup_logging(level: str | int = "INFO",

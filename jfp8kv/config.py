@@ -317,7 +317,7 @@ class EngineConfig:
         "greedy", "when a waiting request starts: reserve (only if the free pages cover the "
         "running requests' expected growth, so the pool stays full without preempting) or "
         "greedy (as soon as its first prefill chunk fits; preempts the newest when decode "
-        "runs out of pages; the default until an H200 A/B decides: docs/engine-notes.md)",
+        "runs out of pages; the default until an H200 A/B decides: docs/lab/engine-notes.md)",
         choices=ADMISSION_POLICIES)
     feature_executables: str = _knob(
         "switched", "requests with log-probs, penalties, min_tokens or prompt scoring: switched "

@@ -1,6 +1,6 @@
 """Paged decode attention over fp8 pages on Pallas Mosaic GPU (Hopper, sm_90a): a prototype
 beside ``pallas_decode`` that the engine does not use (it takes 1.6-2.3x the Triton kernel's
-time on the H200; docs/kernels-notes.md has the measurements and what limits it).
+time on the H200; docs/lab/kernels-notes.md has the measurements and what limits it).
 
 FlashAttention-3's structure: one *memory* warpgroup walks the split's page table (staged in
 shared memory) and copies each 64-key tile's pages (K, V and, in token mode, their scales)

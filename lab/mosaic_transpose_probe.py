@@ -1,6 +1,6 @@
 """Probe (not a benchmark): can P^T, a wgmma accumulator [64 keys, N heads], reach a [N, 64]
 shared-memory buffer so that O^T = V^T P^T runs with N = 8 or 16 (decode with the products
-transposed, docs/kernels-notes.md)? For each lowering semantics (lane, warpgroup), N and way
+transposed, docs/lab/kernels-notes.md)? For each lowering semantics (lane, warpgroup), N and way
 of storing P^T, lowers a one-tile kernel for CUDA (works on the CPU) and, on a GPU, runs it
 against numpy. Usage: ``python -m lab.mosaic_transpose_probe`` (needs absl-py); the
 H200 output is bench/results/mosaic-transpose-probe-h200.txt."""

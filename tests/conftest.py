@@ -100,7 +100,7 @@ def _children_jax_cache() -> str:
 # The pytest processes use the same per-run cache: a module's engines compile mostly what an
 # earlier module's (same tiny models, same shapes) compiled, and the second compile becomes a
 # load (tests/engine test_llm + test_prefix_cache_llm + test_overlap under -n 2: 534 -> 380
-# CPU-s; docs/testing.md has the suite's numbers). It was off from 06e11c6 to
+# CPU-s; docs/lab/testing.md has the suite's numbers). It was off from 06e11c6 to
 # this change after crashes loading cached executables, whose cause turned out to be
 # vm.max_map_count (b39aae2, fixed by ``_release_executables`` below).
 # ``JFP8KV_TEST_INPROCESS_CACHE=0`` turns it off for these processes.
@@ -178,7 +178,7 @@ def pytest_collection_modifyitems(config, items):
     run_lab = _selected(config, "lab")
     skip_lab = pytest.mark.skip(reason="a lab prototype's interpret run: pytest -m lab tests/lab")
     # slow: interpret runs that repeat what a default case covers, one knob at a time (each
-    # listed in docs/testing.md with where it still runs): under -m slow only
+    # listed in docs/lab/testing.md with where it still runs): under -m slow only
     run_slow = _selected(config, "slow")
     skip_slow = pytest.mark.skip(reason="a redundant slow CPU case: pytest -m slow")
     for item in items:

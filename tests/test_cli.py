@@ -111,3 +111,100 @@ def test_serve_help_lists_every_flag(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--decode-gemm-autotune" in out and "~4% faster" in out and "--warmup" in out
+    # /tokenize's token strings are opt-in, as in vLLM: the help says so
+    assert '"token_strs" (each token\'s string) is null unless the request sends' in out
+    assert '"return_token_strs": true' in out
+
+
+@pytest.mark.parametrize("command,argv,choice", [
+    ("serve", ["--kv-cache-dtype", "fp9"], "'fp8_e4m3'"),
+    ("generate", ["hi", "--kv-cache-dtype", "fp9"], "'fp8_e4m3'"),
+    ("calibrate", ["--text", "t", "--out", "o", "--kv-rotation", "fp9"], "'smooth'"),
+])
+def test_a_bad_flag_is_one_line_not_the_whole_usage(command, argv, choice, capsys):
+    """argparse prints its usage (dozens of lines for the engine's flags) before the error;
+    the commands print the error alone, naming the choices."""
+    from jfp8kv.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "usage:" not in err[0], err
+    assert err[0].startswith(f"python -m jfp8kv{'.' if command != 'generate' else ' '}"
+                             f"{command}: error: ")
+    assert "invalid choice: 'fp9'" in err[0] and choice in err[0] and "--help" in err[0]
+
+
+def test_port_out_of_range_fails_before_the_model_loads(tmp_path, capsys):
+    """``--port 99999`` used to load the model, then die in ``bind`` with a traceback: now
+    the flags are checked first (the missing model is never looked at)."""
+    from jfp8kv.serve.__main__ import main
+
+    for port in ("99999", "-1"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", str(tmp_path / "no-such-model"), "--port", port])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"python -m jfp8kv.serve: error: argument --port: {port} is not a TCP "
+                       "port (0-65535) (--help lists the flags)"]
+
+
+def test_busy_port_fails_before_the_model_loads(tmp_path, capsys):
+    """The socket is bound before loading: a busy port fails in a second, not after the
+    model's load (the missing model is never looked at)."""
+    import socket
+
+    from jfp8kv.serve.__main__ import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", str(tmp_path / "no-such-model"), "--port", str(port)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0], err
+
+
+def test_unknown_random_preset_lists_every_preset(capsys):
+    """The list names the DeepSeek-V4 presets too (they are resolved apart from the others),
+    and every name in it loads."""
+    from jfp8kv.entrypoints.generate import main
+    from jfp8kv.models.presets import PRESETS
+    from jfp8kv.models.v4_presets import v4_config
+
+    with pytest.raises(SystemExit) as exc:
+        main(["hi", "--model", "random:nosuchpreset"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    head = "python -m jfp8kv generate: error: unknown random preset 'nosuchpreset'; choose one of "
+    assert err[0].startswith(head)
+    names = [n.split(" (")[0] for n in err[0][len(head):].split(", ")]
+    assert all(n.startswith("random:") for n in names), names
+    names = [n[len("random:"):] for n in names]
+    assert set(PRESETS) < set(names)
+    v4 = set(names) - set(PRESETS)
+    assert v4 == {"deepseek-v4-flash", "deepseek-v4-flash-<N>l", "deepseek-v4-tiny"}
+    for name in v4:
+        assert v4_config(name.replace("<N>", "2")).name == "random:" + name.replace("<N>", "2")
+
+
+def test_help_states_each_commands_max_model_len_default(capsys):
+    """``generate`` keeps a short default (2048); the server and ``LLM`` use the model's
+    context length. Each ``--help`` says which."""
+    from jfp8kv.entrypoints.generate import parse_args as generate_args
+    from jfp8kv.serve.__main__ import parse_args as serve_args
+
+    outs = {}
+    for name, parse in (("generate", generate_args), ("serve", serve_args)):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        outs[name] = " ".join(capsys.readouterr().out.split())
+    assert ("tokens per sequence, prompt plus output (default: 2048; this command's own, a "
+            "short pool for a few prompts; the server and jfp8kv.LLM default to the model's "
+            "context length)") in outs["generate"]
+    assert ("tokens per sequence, prompt plus output (default: the model's context length)"
+            in outs["serve"])

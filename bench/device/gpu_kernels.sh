@@ -25,7 +25,7 @@ stage store ${STORE_LIMIT:-150} python3 -m bench.kernels --compare store,prologu
 stage decode ${DECODE_LIMIT:-200} python3 -m bench.kernels --compare decode --budget-s $(( ${DECODE_LIMIT:-200} - 40 )) \
   --out "$OUT/kernels-h200.json"
 # STAGES=pages / splits (not defaults): decode at page sizes 16/32/64; the one-wave no-split
-# rule against the split rule, and whole-wave split counts (docs/kernels-notes.md)
+# rule against the split rule, and whole-wave split counts (docs/lab/kernels-notes.md)
 stage pages ${PAGES_LIMIT:-150} python3 -m bench.kernels --compare pages --budget-s $(( ${PAGES_LIMIT:-150} - 40 )) \
   --out "$OUT/kernels-h200.json"
 stage splits ${SPLITS_LIMIT:-200} python3 -m bench.kernels --compare splits,waves --budget-s $(( ${SPLITS_LIMIT:-200} - 40 )) \

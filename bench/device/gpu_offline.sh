@@ -36,10 +36,10 @@ stage cap1024-fp8 ${CAP_LIMIT:-220} python3 -m bench.offline --model random:qwen
   --input-len 4096 --output-len 1024 --kv-cache-memory 16e9 --kv-cache-dtype fp8 --out "$json" --append
 stage cap1024-bf16 ${CAP_LIMIT:-220} python3 -m bench.offline --model random:qwen3-8b --num-prompts 96 \
   --input-len 4096 --output-len 1024 --kv-cache-memory 16e9 --kv-cache-dtype bfloat16 --out "$json" --append
-# decode step against its floor with kernels per step (docs/engine-notes.md)
+# decode step against its floor with kernels per step (docs/lab/engine-notes.md)
 stage profile ${PROFILE_LIMIT:-120} python3 -m bench.decode_floor --model random:qwen3-0.6b --batch 32 \
   --context 512 --configs bfloat16:,fp8_e4m3:token --profile --out "$OUT/decode-floor-06b-h200.json"
-# one engine prefill step of the 8B shape (2 x 4096 tokens), kernels by kind (docs/engine-notes.md)
+# one engine prefill step of the 8B shape (2 x 4096 tokens), kernels by kind (docs/lab/engine-notes.md)
 stage prefill-profile ${PPROF_LIMIT:-150} python3 -m bench.prefill_profile --model random:qwen3-8b \
   --rows 2 --chunk 4096 --configs bfloat16:,fp8_e4m3:token,fp8_e4m3:tensor \
   --out "$OUT/prefill-profile-h200.json"
@@ -55,7 +55,7 @@ stage moe-30b ${MOE_30B_LIMIT:-420} python3 -m bench.offline --model random:qwen
   --num-prompts 64 --input-len 2048 --output-len 256 --kv-cache-memory ${MOE_30B_KV:-8e9} \
   --kv-cache-dtype bfloat16,fp8 --out "$moe_json" --append
 # STAGES=hybrid (or hybrid-bfloat16 / hybrid-fp8 / hybrid-131k): random-weight Qwen3.6-35B-A3B
-# (Gated DeltaNet + gated attention + MoE, 69 GB of bf16 weights; docs/qwen3-hybrid.md).
+# (Gated DeltaNet + gated attention + MoE, 69 GB of bf16 weights; docs/lab/qwen3-hybrid.md).
 # Fixed 3.0e9 B budget = 34 float32 DeltaNet state slots (2.24e9) + pages: 10 attention
 # layers x 2 KV heads x 256 = 20,480 B/token bf16 vs 10,400 fp8 (token scales), so bf16 holds
 # ~17 of the 32 sequences of 2,176 tokens and fp8 all 32. hybrid-131k: one 131,072-token

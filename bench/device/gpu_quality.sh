@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fp8 KV quality on the GPU (bench/quality.py): issue 36's decision run over three models (the
-# stages below, docs/quality.md section 7), and issue 6's / 14's runs (device call 2 of 2 for SmolLM2).
+# stages below, docs/lab/quality.md section 7), and issue 6's / 14's runs (device call 2 of 2 for SmolLM2).
 #
 # The model's GGUF (98 MB) is larger than one call may carry (64 MiB), so bench/device/split_gguf.sh
 # cuts it in two: call 1 carries .carry (part 1) and stores it outside the repo while the machine
@@ -21,7 +21,7 @@
 # quality-<model>.json (+ the two PNGs) and rotation-<model>.log. Qwen2.5-Coder-0.5B's GGUF
 # (491 MB, bench/second_model.py) is carried in parts by earlier calls into QWEN_PARTS
 # (default /tmp/gguf-qwen, files qwen.part*, joined in name order and checked against
-# bench.second_model.SHA256; docs/quality.md says how); SmolLM2's GGUF is needed only when
+# bench.second_model.SHA256; docs/lab/quality.md says how); SmolLM2's GGUF is needed only when
 # a stage runs it.
 # Env: QUALITY_BUDGET (s, default 450: quality.py starts no config it expects to end later),
 #      QUALITY_LIMIT (s, default 540: hard stage timeout), GGUF_PART1 (default: /tmp/gguf/gguf.part1,
@@ -51,7 +51,7 @@ has_stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 # travel in 60 MB parts, one per device call (python -m bench.second_model split MODEL writes
 # .carry/MODEL-NN/); a background worker (setsid: it outlives the call) joins each model as
 # its last part lands and runs `bench.quality --decide` on it, models one after another,
-# while later calls bring the next model's parts. docs/quality.md section 7 has the calls.
+# while later calls bring the next model's parts. docs/lab/quality.md section 7 has the calls.
 #   setup   install the carried wheels (.whl: gguf) into /tmp/site, print the GPU
 #   part    copy every carried .carry/*/ part (and its SHA256SUMS, .target) into $PARTS_DIR,
 #           checking each part's sha256
@@ -237,7 +237,7 @@ qwen_gguf() {  # join the carried parts into $JFP8KV_CACHE, where bench.second_m
   want=$(python3 -c "from bench.second_model import SHA256; print(SHA256)")
   tgt=$JFP8KV_CACHE/$(python3 -c "from bench.second_model import FILENAME; print(FILENAME)")
   if [ -f "$tgt" ] && [ "$(sha256sum < "$tgt" | cut -d' ' -f1)" = "$want" ]; then return 0; fi
-  ls "$dir"/qwen.part* >/dev/null 2>&1 || { echo "no Qwen GGUF parts in $dir (see docs/quality.md)"; return 1; }
+  ls "$dir"/qwen.part* >/dev/null 2>&1 || { echo "no Qwen GGUF parts in $dir (see docs/lab/quality.md)"; return 1; }
   mkdir -p "$JFP8KV_CACHE" && cat $(ls "$dir"/qwen.part* | sort) > "$tgt.tmp$$"
   got=$(sha256sum < "$tgt.tmp$$" | cut -d' ' -f1)
   [ "$got" = "$want" ] || { rm -f "$tgt.tmp$$"; echo "joined Qwen GGUF: sha256 $got, want $want"; return 1; }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for DeepSeek-V4 through the engine (issue 40; docs/deepseek-v4.md).
+# One device call for DeepSeek-V4 through the engine (issue 40; docs/lab/deepseek-v4.md).
 # Usage (on the GPU machine, repo root): OUT=/some/dir bash bench/device/gpu_v4.sh
 # STAGES (default "v4-tests v4-pair v4-serve") picks stages; each is bounded in time and a
 # failing stage does not stop the rest:

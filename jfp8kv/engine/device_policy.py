@@ -20,10 +20,10 @@ GPU_MIN_CHUNK = 128
 GPU_DECODE_STEPS = 8
 # Tokens per step: a prefill chunk long enough for full-rate matmuls, and so few prefill
 # steps that decode rows interleaved with them stay few (each step reads every weight).
-# On an H200, 8B shape, 64 x 4096 in / 256 out: docs/results-history.md's offline table.
+# On an H200, 8B shape, 64 x 4096 in / 256 out: docs/lab/results-history.md's offline table.
 GPU_BATCHED_TOKENS = 8192
 # CPU shape policy: every shape compiles before /health (~15 s a decode shape, ~30 s a
-# prefill one at SmolLM2-135M on one core: docs/cpu-serving.md), so the set is small: one-row
+# prefill one at SmolLM2-135M on one core: docs/lab/cpu-serving.md), so the set is small: one-row
 # prefill chunks of 16/64/256 (longer prompts: chunked prefill), decode batches 1/8/64 at
 # page-table widths of 256 tokens and max_model_len (reference attention reads every page).
 CPU_BATCHED_TOKENS = 256

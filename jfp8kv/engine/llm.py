@@ -37,6 +37,17 @@ class LLM:
     ``DEFAULT_FP8_SCALE_MODE``). ``kv_scales`` (static modes): a float for every layer, a
     scales JSON path, or None (checkpoint scales, else calibration at start-up).
     ``loaded`` (a LoadedModel) skips loading; ``device`` defaults to JAX's first device.
+
+    Compiling: every batch size, prompt-chunk length and page-table width the engine pads a
+    step to is one XLA executable. ``warmup`` (default None: True on a GPU, False on a CPU)
+    compiles them all at construction, behind a progress bar, as the server does before
+    /health, so no ``generate`` waits for a compile (this takes a minute or more for an 8B
+    model: docs/guide/gpu-quickstart.md). With ``warmup=False``, or on a CPU by default,
+    each shape compiles on its first use instead: a call that meets a new shape waits for
+    that compile (on a 2-core CPU, tens of seconds for the default model's first
+    ``generate`` and first ``nll``), which one INFO log line at construction says;
+    ``warmup()`` compiles them all later. Compiled code is kept in the persistent
+    compilation cache (``compile_cache``), so a later process mostly loads it.
     """
 
     def __init__(self, model: str | None = None, dtype: str | None = None,
@@ -44,7 +55,7 @@ class LLM:
                  kv_cache_memory: int | None = None, page_size: int | None = None,
                  seed: int | None = None, *, engine_config: EngineConfig | None = None,
                  cache_options: CacheOptions | None = None, device=None, loaded=None,
-                 **options):
+                 warmup: bool | None = None, **options):
         positional = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                           max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                           page_size=page_size, seed=seed)
@@ -65,6 +76,14 @@ class LLM:
         self.kv_scales_source = built.kv_scales_source
         self._built = built
         self._ids = itertools.count()
+        if warmup is None:  # a GPU warms up, as the server does; a CPU says it does not
+            warmup = not self.engine.runner.on_cpu
+            if not warmup:
+                log.info("on a CPU, shapes compile on first use (a generate or nll meeting a "
+                         "new batch or prompt shape waits for it); LLM(warmup=True) or "
+                         "llm.warmup() compiles them all up front")
+        if warmup:
+            self.warmup()
 
     def _shapes(self):
         sched = self.engine.scheduler

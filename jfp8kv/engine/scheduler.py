@@ -33,7 +33,7 @@ chunks of one length bucket. A step without prefill decodes up to ``decode_steps
 one dispatch; a step with prefill decodes one (``ScheduledStep.num_steps``): every decode
 iteration reads all the weights, so iterations spent on the few rows running while the
 others' prompts are prefilled would cost nearly what iterations over the full batch cost
-later (on an H200, Qwen3-8B 64 x 4096 in / 256 out: docs/results-history.md, offline).
+later (on an H200, Qwen3-8B 64 x 4096 in / 256 out: docs/lab/results-history.md, offline).
 """
 
 from __future__ import annotations

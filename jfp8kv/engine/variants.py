@@ -7,7 +7,7 @@ the step's argument structure, and so its executable. Two ways to carry them:
   fields, ``Scoring``), and the sampler mode ``all_greedy`` is static. Nothing is computed
   that no row asked for, but each mix is its own executable, compiled on first use: on a
   GPU server each one stalls every running request (the H100 soak's 7 compiles after
-  /health, docs/serving.md).
+  /health, docs/lab/serving-notes.md).
 * switched: every feature's arrays are always there (``SamplingArrays.switched``,
   ``Scoring`` with a switch) and bool device scalars pick what runs (``sampler.branch``),
   greedy or sampled too (``all_greedy=None``): one executable per shape serves every mix,

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jfp8kv.cli import add_config_args, setup_logging, user_errors
+from jfp8kv.cli import ArgumentParser, add_config_args, setup_logging, user_errors
 from jfp8kv.config import KV_ROTATIONS, LoadConfig
 
 PROG = "python -m jfp8kv.calibrate"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    p = ArgumentParser(prog=PROG, description=__doc__)
     add_config_args(p, LoadConfig, defaults={"dtype": "float32"})
     p.add_argument("--text", nargs="+", required=True, help="text files to calibrate on")
     p.add_argument("--out", required=True)

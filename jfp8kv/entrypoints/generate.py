@@ -1,6 +1,9 @@
 """``python -m jfp8kv generate "prompt" ...``: generate from the command line.
 
-Prompts are wrapped in the model's chat template unless ``--raw`` is given.
+Prompts are wrapped in the model's chat template unless ``--raw`` is given. The engine
+flags are the server's and ``jfp8kv.LLM``'s, with one default of this command's own:
+``--max-model-len 2048`` (they use the model's context length, 8192 for the default model).
+Each shape compiles on its first use (no warm-up: one command, a few prompts).
 """
 
 from __future__ import annotations
@@ -8,15 +11,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jfp8kv.cli import add_engine_args, build_llm, setup_logging
+from jfp8kv.cli import ArgumentParser, add_engine_args, build_llm, setup_logging
 
 PROG = "python -m jfp8kv generate"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    p = ArgumentParser(prog=PROG, description=__doc__)
     p.add_argument("prompts", nargs="+", help="one or more prompts")
-    add_engine_args(p, defaults={"max_model_len": 2048})
+    add_engine_args(p, defaults={"max_model_len": 2048}, notes={
+        "max_model_len": "this command's own, a short pool for a few prompts; the server "
+                         "and jfp8kv.LLM default to the model's context length"})
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0)

@@ -134,10 +134,12 @@ def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: in
     elif key in PRESETS:
         cfg = ModelConfig(**PRESETS[key], name=f"random:{key}")
     else:
+        from jfp8kv.models.v4_presets import FLASH
+
+        names = [*PRESETS, "deepseek-v4-flash", f"deepseek-v4-flash-<N>l (its first N of "
+                 f"{FLASH['num_hidden_layers']} layers)", "deepseek-v4-tiny"]
         raise ValueError(f"unknown random preset {preset!r}; choose one of "
-                         f"{['random:' + k for k in PRESETS]} or a DeepSeek-V4 one "
-                         "(random:deepseek-v4-flash, random:deepseek-v4-flash-<N>l, "
-                         "random:deepseek-v4-tiny)")
+                         + ", ".join("random:" + k for k in names))
     tp = sharding.plan(cfg, tensor_parallel_size)
     params = families.random_params(cfg, jax.random.PRNGKey(seed), dtype,
                                     sharding_of=None if tp is None else tp.sharding)

@@ -1,11 +1,17 @@
 """``python -m jfp8kv.serve``: run the OpenAI-compatible server (flag names follow vLLM's).
 
-Network-facing limits (docs/serving.md): ``--api-key`` (or JFP8KV_API_KEY) guards every
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and vLLM's
+/tokenize, /detokenize, /tokenizer_info. /tokenize answers {"count", "max_model_len",
+"tokens", "token_strs"}; "token_strs" (each token's string) is null unless the request sends
+"return_token_strs": true, as in vLLM.
+
+Network-facing limits (docs/guide/serving.md): ``--api-key`` (or JFP8KV_API_KEY) guards every
 route but /health and /metrics; ``--max-queued-requests`` bounds the waiting requests (503
 with Retry-After past it); ``--max-request-body-bytes`` (413) and ``--request-timeout``
-(408, the request aborted and its pages freed). Start-up errors an operator causes (port in
-use, a missing or unreadable model, a pool larger than free GPU memory) end the process with
-one line on stderr and exit code 2.
+(408, the request aborted and its pages freed). Start-up errors an operator causes (a bad
+flag value, a port in use, a missing or unreadable model, a pool larger than free GPU memory)
+end the process with one line on stderr and exit code 2; flags and the port are checked
+before the model loads.
 
 Shutdown: the first SIGTERM/SIGINT starts a drain: new requests get 503 (with Retry-After),
 requests in flight run to completion (at most ``--drain-timeout`` seconds), then uvicorn
@@ -24,7 +30,8 @@ import time
 
 import uvicorn
 
-from jfp8kv.cli import add_engine_args, build_llm, fail, setup_logging
+from jfp8kv.cli import (ArgumentParser, add_engine_args, build_llm, check_port, fail,
+                        setup_logging)
 from jfp8kv.serve.app import build_app
 from jfp8kv.serve.async_engine import AsyncEngine
 from jfp8kv.serve.limits import DEFAULT_MAX_BODY_BYTES, ServerLimits
@@ -34,13 +41,13 @@ PROG = "python -m jfp8kv.serve"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, defaults={"max_queue_len": None})
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: the engine's model name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (default: 8000)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to wait for in-flight requests on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -70,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "as the server closes the connection fails with a reset "
                           "(default: %(default)s)")
     args = p.parse_args(argv)
+    check_port(p, args.port)
     if not args.timeout_keep_alive > 0:
         p.error(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.max_queue_len is None:
@@ -78,8 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the warm-up so a busy port fails in seconds, not
-    after compiling (uvicorn serves on it: no window for another process to take it)."""
+    """The listening socket, bound before the model loads so a busy port fails in seconds,
+    not after loading and compiling (uvicorn serves on it: no window for another process to
+    take it; until uvicorn listens, a client's connection is refused)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,7 +152,7 @@ def uvicorn_config(app, args: argparse.Namespace) -> uvicorn.Config:
     """uvicorn's settings from the parsed flags. The keep-alive outlasts the clients' pools:
     at uvicorn's 5 s (httpx's expiry too) a pooled connection reused just as the server's
     timer closes it ends in a reset: the likely cause of the H100 soak's ReadErrors
-    (docs/serving.md)."""
+    (docs/lab/serving-notes.md)."""
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_keep_alive=args.timeout_keep_alive)
 
@@ -168,8 +177,8 @@ def main(argv=None) -> None:
                               request_timeout_s=args.request_timeout)
     except ValueError as e:
         fail(PROG, str(e))
+    sock = bind_socket(args.host, args.port)  # before loading and the warm-up's compiling
     llm = load_llm(args, PROG)  # logs the one KV-cache summary line
-    sock = bind_socket(args.host, args.port)  # before the warm-up's minutes of compiling
     limits = dataclasses.replace(limits, pool_tokens=llm.cache_plan.max_tokens)
     check_chat_template(llm.chat_prompt)
     if args.warmup in ("on", "auto"):

@@ -3,12 +3,13 @@
 Request and response shapes are vLLM's, so clients written for it work unchanged; in
 particular lm-evaluation-harness's ``tokenizer_backend=remote`` (``local-completions``,
 ``local-chat-completions``) tokenizes through these routes, and a user of the default GGUF
-model needs no Hugging Face tokenizer folder (docs/lm-eval.md).
+model needs no Hugging Face tokenizer folder (docs/guide/lm-eval.md).
 
 * ``POST /tokenize``: ``{"prompt": str, "add_special_tokens": true}`` (as /v1/completions
   encodes) or ``{"messages": [...], "add_generation_prompt": true}`` (as
-  /v1/chat/completions renders and encodes); ``"return_token_strs": true`` adds each token's
-  string. Answers ``{"count", "max_model_len", "tokens", "token_strs"}``.
+  /v1/chat/completions renders and encodes). Answers ``{"count", "max_model_len", "tokens",
+  "token_strs"}``; ``token_strs`` (each token's string) is null unless the request sends
+  ``"return_token_strs": true`` (vLLM's default: false).
 * ``POST /detokenize``: ``{"tokens": [int]}`` answers ``{"prompt": str}``.
 * ``GET /tokenizer_info``: special tokens, the chat template and ``model_max_length``.
 

@@ -1,6 +1,7 @@
 """CPU shape policy: page-table width buckets and a warm-up that covers every dispatch."""
 
 import contextlib
+import logging
 
 import jax
 import numpy as np
@@ -84,7 +85,7 @@ def batched_prefill(llm):
 def test_prefill_groups_stay_within_the_area(llama_bf16):
     """Groups are consecutive, within the area, and pad only chunks of one chunk bucket
     (the scheduler hands chunks over longest first, so a step's short remainder gets its own
-    small dispatch instead of a row padded to the longest chunk: docs/engine-notes.md)."""
+    small dispatch instead of a row padded to the longest chunk: docs/lab/engine-notes.md)."""
     runner = batched_prefill(make(llama_bf16, max_model_len=1024)).engine.runner
     area = runner.prefill_area()
     assert area == runner.chunk_bucket(64)
@@ -179,3 +180,50 @@ def test_compile_only_entries_are_what_first_use_loads(llama_bf16, tmp_path):
         jax.config.update("jax_enable_compilation_cache", old[1])
         compilation_cache.reset_cache()
     assert events.count("/jax/compilation_cache/cache_hits") >= len(shapes)
+
+
+def test_warmup_at_construction_leaves_nothing_to_compile(llama_bf16):
+    """``LLM(warmup=True)`` (the default on a GPU) compiles every shape before it returns:
+    generate then compiles nothing, whatever the batch and prompt lengths."""
+    llm = make(llama_bf16, max_model_len=256, warmup=True)
+    rng = np.random.default_rng()
+    vocab = llama_bf16.config.vocab_size
+    with backend_compiles() as compiles:
+        for n_req, plen in [(1, 3), (3, 20), (8, 90)]:
+            ps = [rng.integers(3, vocab, plen + i).tolist() for i in range(n_req)]
+            outs = llm.generate(ps, SamplingParams(max_tokens=20, temperature=0,
+                                                   ignore_eos=True))
+            assert all(len(o.token_ids) == 20 for o in outs)
+    assert compiles == []
+
+
+def test_default_warmup_runs_on_a_gpu_and_not_on_a_cpu(llama_bf16, monkeypatch, caplog):
+    """``warmup=None`` warms up when the runner is on a GPU (faked here: the flag the runner
+    sets from its weights' devices); on a CPU it does not, and one INFO line says that shapes
+    compile on first use. ``warmup=False`` (the server, which warms up per ``--warmup``)
+    says nothing."""
+    from jfp8kv.engine import runner as runner_module
+
+    calls = []
+    monkeypatch.setattr(LLM, "warmup", lambda self, *a, **kw: calls.append((a, kw)))
+    with caplog.at_level(logging.INFO, logger="jfp8kv.engine.llm"):
+        make(llama_bf16, max_model_len=128)
+    assert calls == []
+    assert [r.getMessage() for r in caplog.records if "compile on first use" in
+            r.getMessage()] != []
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jfp8kv.engine.llm"):
+        make(llama_bf16, max_model_len=128, warmup=False)
+    assert calls == [] and not [r for r in caplog.records if "first use" in r.getMessage()]
+
+    init = runner_module.ModelRunner.__init__
+
+    def on_a_gpu(self, *a, **kw):
+        init(self, *a, **kw)
+        self.on_cpu = False
+
+    monkeypatch.setattr(runner_module.ModelRunner, "__init__", on_a_gpu)
+    make(llama_bf16, max_model_len=128)
+    assert calls == [((), {})]  # LLM.warmup() with its defaults: progress bar on
+    make(llama_bf16, max_model_len=128, warmup=False)
+    assert len(calls) == 1

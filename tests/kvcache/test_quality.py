@@ -13,7 +13,7 @@ Why float64. fp8 rounding makes a quantized forward pass chaotic: in float32, a 
 difference between XLA and PyTorch flips one fp8 rounding, which moves later values across
 other rounding boundaries, and two correct implementations end up with different
 *realizations* of the quantization noise, whose NLL increases differ by 0.1-0.3 pp on one
-2,048-token window (docs/quality.md). Computing in float64 on both sides (quantizing the
+2,048-token window (docs/lab/quality.md). Computing in float64 on both sides (quantizing the
 float32 rounding of K/V, as the contract says) leaves differences of ~1e-13, far below any
 fp8 rounding boundary's reach, so both sides carry the same realization and must agree to
 ~1e-10 pp. ``python -m bench.quality_cpu --dtype float64`` does the measurement; it runs in a

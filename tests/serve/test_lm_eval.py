@@ -1,4 +1,4 @@
-"""docs/lm-eval.md's recipe, run: lm-evaluation-harness against the server on a tiny local task.
+"""docs/guide/lm-eval.md's recipe, run: lm-evaluation-harness against the server on a tiny local task.
 
 ``local-completions`` with ``tokenizer_backend=remote`` scores a multiple-choice task through
 /v1/completions (echo + logprobs, max_tokens 0) and tokenizes through /tokenize; each
