@@ -97,25 +97,12 @@ def test_the_checks_see_what_they_check(tmp_path):
                          "loads") == []
 
 
-# docs/architecture.md is being rewritten apart from the rest of docs/ (its link to
-# engine-notes.md and its mention of docs/kernels-notes.md predate docs/lab/). Strict: once
-# it links right, the mark fails and goes.
-ARCHITECTURE_PENDING = pytest.mark.xfail(
-    strict=True, reason="docs/architecture.md still points at docs/engine-notes.md and "
-                        "docs/kernels-notes.md, now under docs/lab/")
-
-
-def _pages(pending=()):
-    return [pytest.param(p, marks=ARCHITECTURE_PENDING) if _rel(p) in pending else p
-            for p in PAGES]
-
-
-@pytest.mark.parametrize("page", _pages({"docs/architecture.md"}), ids=_rel)
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_relative_links_resolve(page):
     assert broken_links(page) == []
 
 
-@pytest.mark.parametrize("page", _pages({"docs/architecture.md"}), ids=_rel)
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_docs_mentioned_by_path_exist(page):
     text = page.read_text(encoding="utf-8")
     missing = sorted({m for m in DOC_MENTION.findall(text) if not (REPO_ROOT / m).exists()})

@@ -8,7 +8,7 @@ batches into their buckets and calls these.
 * ``DECODE_JITS[...]``: ``num_steps`` decode steps in one ``lax.scan``, sampling on device
   and feeding each token back; one jit per ``EngineConfig.decode_gemm_autotune`` value
   ("exhaustive" has XLA time every Triton tiling of the small-batch GEMMs:
-  docs/engine-notes.md).
+  docs/lab/engine-notes.md).
 * ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
 
 ``tp`` (a ``models.sharding.TensorParallel``, static; None on one device) runs attention

@@ -4,7 +4,7 @@
 * ``"reference"``: the pure-jnp twins (any device, any dtype; XLA emulates fp8 on CPU);
 * ``"pallas"``: Pallas kernels on an NVIDIA GPU: on Hopper (sm_90) the Mosaic GPU prefill
   kernel where it runs (``mosaic_prefill_runs``: 16-bit pages, fp8 pages with token or
-  static scales; faster than Triton in each, docs/kernels-notes.md), with fp8 q.K^T products
+  static scales; faster than Triton in each, docs/lab/kernels-notes.md), with fp8 q.K^T products
   where ``cfg.attention_compute`` is "fp8" (``fp8_products``), Triton for the rest;
 * ``"pallas_triton"``: the Pallas Triton kernels only (Ada, or to compare);
 * ``"pallas_interpret"``: the same Pallas kernels in interpret mode (CPU tests).

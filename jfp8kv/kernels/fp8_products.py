@@ -21,7 +21,7 @@ key tile of ``block_k`` keys, in the order the kernel does it:
    (0 where l = 0).
 
 In the kernel V is transposed exactly into shared memory first (an 8-bit wgmma reads its B
-operand K-major only) and P is quantized into shared memory (docs/kernels-notes.md).
+operand K-major only) and P is quantized into shared memory (docs/lab/kernels-notes.md).
 """
 
 from __future__ import annotations

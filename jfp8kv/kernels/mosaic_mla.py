@@ -28,7 +28,7 @@ bytes).
 Warpgroups: a *memory* warpgroup copies q, the split's page-table slice and each tile's rows
 into ``stages`` slots with TMA; one *compute* warpgroup runs the tiles and writes its split's
 partial state, merged by ``pallas_decode.combine_splits``. Shared memory bounds the stages
-(``smem_bytes``; the arithmetic per setting is in docs/mla-moe.md); more than the H200's
+(``smem_bytes``; the arithmetic per setting is in docs/lab/mla-moe.md); more than the H200's
 block limit is a ValueError naming fewer stages or head block 8.
 """
 

@@ -79,7 +79,7 @@ class MosaicPrefillTuning:
     # one FFMA a logit). ``early_rescale``: the accumulator rescaled, and P cast, before the
     # ping-pong turn (pinned there by an optimization barrier), so the warpgroup's tensor-core
     # turn starts with its wgmma; None: by the pages, as measured on the H200
-    # (docs/kernels-notes.md): on for 16-bit pages (-5% at 8k x 8k, -17% at 2k after 4k) and
+    # (docs/lab/kernels-notes.md): on for 16-bit pages (-5% at 8k x 8k, -17% at 2k after 4k) and
     # token scales (-2%, -8%), off for fp8 with static scales (+2%, +15% with it).
     early_rescale: bool | None = None
     # fp8 pages: warpgroups that upcast each tile. 1: one memory warpgroup copies and

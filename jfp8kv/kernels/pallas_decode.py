@@ -27,7 +27,7 @@ Dequantization happens in registers (the numerics contract of ``reference.py``):
 
 With more than one split, each split writes (unnormalized acc [Gp, D], running max m,
 sum l) and a log-sum-exp merge in plain jnp combines them; with one split the kernel
-writes the final output. Measurements and history: docs/kernels-notes.md.
+writes the final output. Measurements and history: docs/lab/kernels-notes.md.
 """
 
 from __future__ import annotations
@@ -76,12 +76,12 @@ class DecodeTuning(SplitTuning):
 
 
 # One wave without splits: from 1.5 programs per SM up to the three CTAs an SM holds at
-# three stages (72-76 KB of shared memory each); measured in docs/kernels-notes.md.
+# three stages (72-76 KB of shared memory each); measured in docs/lab/kernels-notes.md.
 ONE_WAVE = (3 * NUM_SMS_H200 // 2, 3 * NUM_SMS_H200)
 
 
 def default_tuning(cfg: CacheConfig) -> DecodeTuning:
-    """The measured best per storage family (see docs/kernels-notes.md)."""
+    """The measured best per storage family (see docs/lab/kernels-notes.md)."""
     if cfg.is_fp8:  # head_dim 256: half the tile keeps registers and shared memory in bounds
         bk = 128 if cfg.head_dim <= 128 else 64
         return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, target_programs=528,

@@ -38,7 +38,7 @@ class PrefillTuning:
     """Static launch knobs: ``block_m`` rows (queries x padded group) and ``block_k`` keys.
 
     ``variant``: a ``tiles.Variant`` (short spelling accepted). Page prefetch is off by
-    default for prefill (measured slower, docs/kernels-notes.md).
+    default for prefill (measured slower, docs/lab/kernels-notes.md).
     """
 
     block_m: int = 64

@@ -26,7 +26,7 @@ zeroed inputs) and excluded from the statistics.
 ``prologue_store`` is the same kernel with the attention prologue in front
 (``kernels.prologue``: q/k RMS norm and RoPE): it reads the raw q, k, v heads of one qkv
 array, stores the rotated K and V and writes the rotated queries, so that a layer's slice,
-norm and RoPE kernels disappear into the store (docs/engine-notes.md).
+norm and RoPE kernels disappear into the store (docs/lab/engine-notes.md).
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def _launch(layer, k_new, v_new, slots, cfg, interpret, block_n, num_warps, fp8_
     ks, vs = mode.kernel_scales(layer.k_scale, hkv), mode.kernel_scales(layer.v_scale, hkv)
     if mode.is_static:  # 1/s once per call ([Hkv, D], correctly rounded), not per element:
         # channel mode's per-element rcp.rn took 20 MUFU.RCP and 16 slow-path calls per
-        # program in sm_90 SASS (docs/kernels-notes.md)
+        # program in sm_90 SASS (docs/lab/kernels-notes.md)
         kin, vin = fp8.reciprocal(ks), fp8.reciprocal(vs)
     else:
         kin, vin = ks, vs

@@ -34,7 +34,7 @@ _VARIANT_NAMES = {"pagepf": "page_prefetch", "asm": "asm", "vmask": "vmask",
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """Code-generation flags of the attention kernels: the numbers do not depend on them,
-    the speed does (measured in docs/kernels-notes.md)."""
+    the speed does (measured in docs/lab/kernels-notes.md)."""
 
     page_prefetch: bool = False  # page indices of tile i+1 loaded during tile i ("pagepf")
     asm: bool = False  # fp8 -> f16 by inline PTX, 4 per instruction (GPU only)

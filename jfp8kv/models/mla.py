@@ -11,7 +11,7 @@ Per layer (r = kv_lora_rank, d_n / d_r = qk_nope / qk_rope head dims, d_v = v_he
 
 Prefill, extend and decode all take this absorbed path over the latent pages (the jnp twin
 ``kernels.mla_reference`` or the Pallas kernel ``kernels.pallas_mla``, by backend; a faster
-prefill that expands per-head K/V is open, see docs/mla-moe.md). RoPE: YaRN as
+prefill that expands per-head K/V is open, see docs/lab/mla-moe.md). RoPE: YaRN as
 transformers computes it (``YarnScaling``: blended inverse frequencies, cos/sin times the
 attention factor, softmax scale times mscale(factor, mscale_all_dim)^2); pairwise (even,
 odd) rotation when ``rope_interleave`` (DeepSeek-V2 always), rotate-half otherwise. The
