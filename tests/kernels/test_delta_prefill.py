@@ -173,7 +173,14 @@ def test_jla_kernel_matches_twin_gpu(hopper, b, t, hk, hv, dk, dv, dtype):
     fn = jax.jit(functools.partial(delta_prefill.chunked, impl="jla"))
     out, final = jax.block_until_ready(fn(*args))
     want_out, want = on_cpu(ref_chunked, *args, 64)
-    assert_close(out, want_out)
-    assert_close(final, want)
+    for got, ref in ((out, want_out), (final, want)):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        assert got.shape == ref.shape and np.isfinite(got).all()
+        rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        worst = float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max()))
+        print(f"jla vs twin {got.shape}: relative error {rel:.2e}, max {worst:.2e}")
+        # bf16 operands (T0, the state in q S and k S, the corrections): a few 1e-3 expected;
+        # a convention mismatch is O(1)
+        assert rel <= 2e-2 and worst <= 6e-2, (rel, worst)
     if b > 2:
         assert (np.asarray(final[-1]) == np.asarray(args[-1][-1])).all()
