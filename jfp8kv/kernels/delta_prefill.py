@@ -11,7 +11,10 @@ contract exactly (its arguments and return; shapes in ``delta_rule``'s docstring
   shapes or dtypes it does not take);
 * ``impl="auto"``: "jla" where ``jla_unsupported_reason`` is None, else "xla". Decided in
   Python from the static shapes, the default device and the import (``route``), never by
-  catching a failure of the call.
+  catching a failure of the call;
+* ``impl="triton"``: ``delta_chunk_triton.chunked``, a candidate (XLA's chunk factors, one
+  Pallas Triton kernel for the walk over the chunks; sm_89 and sm_90, default tuning). Only
+  by name: "auto" never picks it until a GPU run has measured it.
 
 jla's conventions, read from its source (wheel sha256 71a97f11...b8dc89; ``jla/ops/
 reference.py``, ``jla/ops/mosaic_gpu/{gated_delta_rule,scalar_gate,scalar_gate_fused,
@@ -68,7 +71,7 @@ import jax.numpy as jnp
 
 from jfp8kv.kernels import delta_rule
 
-IMPLS = ("xla", "jla", "auto")
+IMPLS = ("xla", "jla", "auto", "triton")
 JLA_CHUNK = 64
 JLA_HEAD_DIMS = (64, 128)
 JLA_DTYPES = ("bfloat16", "float16")
@@ -125,12 +128,12 @@ def jla_unsupported_reason(q, k, v, g, beta, state) -> str | None:
 
 
 def route(q, k, v, g, beta, state, impl: str) -> str:
-    """"xla" or "jla" for this call under ``impl`` (see the module docstring); ValueError for
-    an unknown impl, or for "jla" when jla cannot take the call."""
+    """"xla", "jla" or "triton" for this call under ``impl`` (see the module docstring);
+    ValueError for an unknown impl, or for "jla" when jla cannot take the call."""
     if impl not in IMPLS:
         raise ValueError(f"unknown delta-rule prefill impl {impl!r}; choose one of {list(IMPLS)}")
-    if impl == "xla":
-        return "xla"
+    if impl in ("xla", "triton"):
+        return impl
     reason = jla_unsupported_reason(q, k, v, g, beta, state)
     if impl == "jla" and reason is not None:
         raise ValueError(f"impl='jla' cannot run this call: {reason}")
@@ -141,10 +144,15 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64, impl: str = "xla"):
     """``delta_rule.chunked``'s contract: q, k [B, T, Hk, Dk] raw, v [B, T, Hv, Dv], g, beta
     [B, T, Hv] (padding tokens beta = g = 0), state [B, Hv, Dk, Dv] -> (out [B, T, Hv, Dv] in
     v's dtype, final state [B, Hv, Dk, Dv] in the accumulation dtype). Static: chunk (the
-    XLA path's), impl ("xla" | "jla" | "auto", decided by ``route`` at trace time). Nothing
-    is donated."""
-    if route(q, k, v, g, beta, state, impl) == "xla":
+    XLA and Triton paths'), impl ("xla" | "jla" | "auto" | "triton", decided by ``route`` at
+    trace time). Nothing is donated."""
+    path = route(q, k, v, g, beta, state, impl)
+    if path == "xla":
         return delta_rule.chunked(q, k, v, g, beta, state, chunk)
+    if path == "triton":
+        from jfp8kv.kernels import delta_chunk_triton
+
+        return delta_chunk_triton.chunked(q, k, v, g, beta, state, chunk)
     return jla_chunked(q, k, v, g, beta, state)
 
 

@@ -126,12 +126,13 @@ def test_routes_on_this_machine():
     rng = np.random.default_rng()
     args = _case(rng, 2, 40, 1, 2, 64, 64, jnp.bfloat16)
     assert delta_prefill.route(*args, "xla") == "xla"
+    assert delta_prefill.route(*args, "triton") == "triton"  # by name only
     if delta_prefill.jla_unsupported_reason(*args) is not None:
         assert delta_prefill.route(*args, "auto") == "xla"
         with pytest.raises(ValueError, match="impl='jla' cannot run"):
             delta_prefill.route(*args, "jla")
     with pytest.raises(ValueError, match="unknown delta-rule prefill impl"):
-        delta_prefill.route(*args, "triton")
+        delta_prefill.route(*args, "pallas")
     f32 = tuple(x.astype(jnp.float32) for x in args)
     assert "share a dtype" in delta_prefill.jla_unsupported_reason(*f32)
     small = _case(rng, 1, 9, 1, 2, 16, 16, jnp.bfloat16)
