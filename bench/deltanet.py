@@ -36,6 +36,8 @@ value head, float32 state as the engine keeps it). Per case, the median ms of on
   realistic ceiling).
 * ``prefill-jla``: the same call through ``delta_prefill.chunked(impl="jla")`` (jla's Mosaic
   GPU kernel, bf16 tensor-core products), the same FLOP count.
+* ``prefill-triton``: the candidate ``delta_chunk_triton.chunked`` (XLA's chunk factors, one
+  Triton kernel walking the chunks), one row per ``--triton`` tuning (block_v:precision).
 """
 
 from __future__ import annotations
@@ -50,16 +52,18 @@ import jax.numpy as jnp
 
 from bench import common
 from bench.kernels import copy_tbps, timed_interleaved
-from jfp8kv.kernels import delta_decode, delta_prefill, delta_rule
+from jfp8kv.kernels import delta_chunk_triton, delta_decode, delta_prefill, delta_rule
 
 SHAPES = dict(hk=16, hv=32, dk=128, dv=128)
 SMOKE_SHAPES = dict(hk=2, hv=4, dk=16, dv=16)
 # In the default order: the measurements that decide first (the engine's decode step and the
 # in-place kernel against their floor, the chunked prefill in XLA and jla), then what the slot
 # gather/scatter costs. Cases of one group are timed side by side at each size.
-CASES = ("decode", "decode-inplace", "prefill", "prefill-jla", "decode-nogather")
+CASES = ("decode", "decode-inplace", "prefill", "prefill-jla", "prefill-triton",
+         "decode-nogather")
 GROUP = {"decode": "decode", "decode-inplace": "decode", "prefill": "prefill",
-         "prefill-jla": "prefill", "decode-nogather": "decode-nogather"}
+         "prefill-jla": "prefill", "prefill-triton": "prefill",
+         "decode-nogather": "decode-nogather"}
 UNROLL = 8  # decode steps per loop iteration (see decode_op)
 
 
@@ -112,16 +116,18 @@ def _looped(one):
     return make
 
 
-def prefill_op(impl: str = "xla"):
+def prefill_op(impl="xla"):
     """reps -> jitted f(state, q, k, v, g, beta) running ``delta_prefill.chunked`` (chunk 64,
-    ``impl``) reps times in a loop (one copy in the program), each run's state fed from the
-    last run's outputs."""
+    ``impl``; or ``impl`` itself when it is a function of the same contract) reps times in a
+    loop (one copy in the program), each run's state fed from the last run's outputs."""
+    fn = impl if callable(impl) else functools.partial(delta_prefill.chunked, impl=impl)
+
     def make(reps):
         @jax.jit
         def f(state, q, k, v, g, beta):
             def rep(_, carry):
                 state, acc = carry
-                out, s = delta_prefill.chunked(q, k, v, g, beta, state, impl=impl)
+                out, s = fn(q, k, v, g, beta, state)
                 acc = acc + out[0, -1, 0, 0].astype(jnp.float32) + s[0, 0, 0, 0]
                 return state + 1e-6 * acc, acc
             return jax.lax.fori_loop(0, reps, rep, (state, jnp.zeros((), jnp.float32)))[1]
@@ -184,17 +190,29 @@ def decode_rows(cases, b: int, s: dict, bw: float, slots_total: int, block_vs=(6
 PREFILL_IMPL = {"prefill": "xla", "prefill-jla": "jla"}
 
 
-def prefill_rows(cases, t: int, s: dict, tflops: float, chunk: int = 64) -> list[dict]:
+def prefill_rows(cases, t: int, s: dict, tflops: float, chunk: int = 64,
+                 triton_tunings=(delta_chunk_triton.ChunkTuning(),)) -> list[dict]:
     """The prefill cases of ``cases`` on one sequence of t tokens, timed side by side: ms and
-    useful TFLOP/s. A case whose impl cannot take the call here gets a ``skipped`` row."""
+    useful TFLOP/s (``prefill-triton``: one row per tuning). A case whose impl cannot take
+    the call here gets a ``skipped`` row."""
     q, k, v, g, beta = _inputs(1, t, s, jax.random.key(t))
     state = jnp.zeros((1, s["hv"], s["dk"], s["dv"]), jnp.float32)
     args = (state, q, k, v, g, beta)
     flops = t * s["hv"] * 2 * (4 * s["dk"] * s["dv"] + 2 * chunk * (s["dk"] + s["dv"]))
+    interpret = jax.default_backend() != "gpu"
     rows, jobs = [], []
     for case in cases:
+        row = dict(case=case, tokens=t, flops=flops, bf16_matmul_tflops=tflops)
+        if case == "prefill-triton":
+            for tu in triton_tunings:
+                fn = functools.partial(delta_chunk_triton.chunked, chunk=chunk,
+                                       interpret=interpret, tuning=tu)
+                rows.append(dict(row, impl="triton", block_v=tu.block_v,
+                                 precision=tu.precision))
+                jobs.append((rows[-1], (prefill_op(fn), args, 1.0)))
+            continue
         impl = PREFILL_IMPL[case]
-        row = dict(case=case, tokens=t, impl=impl, flops=flops, bf16_matmul_tflops=tflops)
+        row["impl"] = impl
         if impl != "xla":
             reason = delta_prefill.jla_unsupported_reason(q, k, v, g, beta, state)
             if reason is not None:
@@ -228,7 +246,7 @@ def _versions() -> dict:
 
 
 def run(smoke: bool, cases, batches, tokens, slots_total: int, emit=print, block_vs=(64,),
-        pool_dtype: str = "float32") -> dict:
+        pool_dtype: str = "float32", triton_tunings=(delta_chunk_triton.ChunkTuning(),)) -> dict:
     """Every group of ``cases`` in order (decode groups per batch, prefill per token count),
     the cases of a group side by side; ``emit(doc)`` after each size, its rows' ``wall_s``
     the size's wall time including the compiles."""
@@ -239,11 +257,13 @@ def run(smoke: bool, cases, batches, tokens, slots_total: int, emit=print, block
     doc = dict(shapes=s, state_bytes_per_seq_layer=s["hv"] * s["dk"] * s["dv"]
                * jnp.dtype(pool_dtype).itemsize,
                pool_dtype=pool_dtype, copy_tbps=bw, matmul_tflops=tflops, cases=list(cases),
-               block_v=list(block_vs), packages=_versions(), rows=[])
+               block_v=list(block_vs), packages=_versions(),
+               triton=[f"{t.block_v}:{t.precision}" for t in triton_tunings], rows=[])
     for group, members in _groups(cases):
         for x in tokens if group == "prefill" else batches:
             t0 = time.perf_counter()
-            rows = (prefill_rows(members, x, s, tflops) if group == "prefill"
+            rows = (prefill_rows(members, x, s, tflops, triton_tunings=triton_tunings)
+                    if group == "prefill"
                     else decode_rows(members, x, s, bw, slots_total, block_vs, pool_dtype))
             for row in rows:
                 row["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -263,6 +283,8 @@ def main(argv=None) -> dict:
     p.add_argument("--slots", type=int, default=160, help="slot pool size of the decode case")
     p.add_argument("--block-v", default="32,64,128",
                    help="decode-inplace: value columns per program, one row each")
+    p.add_argument("--triton", default="32:tf32,32:bf16,64:bf16",
+                   help="prefill-triton: block_v:precision per row (precision ieee|tf32|bf16)")
     p.add_argument("--pool-dtype", default="float32", choices=list(delta_decode.POOL_DTYPES),
                    help="the decode cases' state pool (the engine's default: float32)")
     p.add_argument("--out", default=None, help="JSON, rewritten after every row")
@@ -274,8 +296,10 @@ def main(argv=None) -> dict:
     batches = [int(x) for x in args.batches.split(",")]
     tokens = [int(x) for x in args.tokens.split(",")]
     block_vs = [int(x) for x in args.block_v.split(",")]
+    tunings = [delta_chunk_triton.ChunkTuning(block_v=int(bv), precision=pr)
+               for bv, pr in (x.split(":") for x in args.triton.split(","))]
     if args.smoke:
-        batches, tokens, block_vs = [2], [128], block_vs[:1]
+        batches, tokens, block_vs, tunings = [2], [128], block_vs[:1], tunings[:1]
     head = dict(machine=common.machine_info(),
                 command=common.command_line("bench.deltanet", list(argv)) if argv
                 else common.command_line(), complete=False)
@@ -287,7 +311,7 @@ def main(argv=None) -> dict:
             common.write_result(args.out, {**head, **doc})
 
     doc = {**head, **run(args.smoke, cases, batches, tokens, max(args.slots, max(batches) + 1),
-                         emit, block_vs, args.pool_dtype), "complete": True}
+                         emit, block_vs, args.pool_dtype, tunings), "complete": True}
     if args.out:
         common.write_result(args.out, doc)
     return doc

@@ -53,6 +53,7 @@ def test_default_smoke_run_has_every_case(tmp_path):
     assert [r["case"] for r in saved["rows"]] == list(deltanet.CASES)
     assert rows["decode-inplace"]["block_v"] == 32 and rows["decode"]["pool_copies"] == 0
     assert rows["prefill-jla"]["skipped"] and "ms" not in rows["prefill-jla"]
+    assert rows["prefill-triton"]["precision"] == "tf32" and rows["prefill-triton"]["ms"] > 0
     assert rows["prefill"]["tflops"] > 0 and "python -m bench.deltanet --smoke" in saved["command"]
     assert saved["machine"]["versions"]["jax"] and "packages" in saved
 
