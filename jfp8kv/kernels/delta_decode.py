@@ -27,8 +27,9 @@ Rows: ``slot_ids`` int32[B] in any order; a padding row points at slot 0 (the si
 reads and writes only slot 0 (several padding rows race on it: its contents are garbage by
 contract). No other slot is read or written: a slot no row names is untouched bit for bit.
 Two real rows must not share a slot. Offsets are int32: a pool of fewer than 2**31 elements
-(1,000 slots at 35B-A3B's 32 x 128 x 128 take 5.2e8). ``fresh`` bool[B] (optional): the row starts its
-sequence, its state is read as zeros (the model's ``fresh``), whatever its slot holds.
+(1,000 slots at 35B-A3B's 32 x 128 x 128 take 5.2e8). ``fresh`` bool[B] (optional): the row
+starts its sequence, its state is read as zeros (the model's ``fresh``), whatever its slot
+holds.
 
 Twins: ``recurrent_step_reference`` / ``conv_step_reference``: gather -> ``delta_rule`` ->
 scatter, the XLA path the engine runs today. Tests: tests/kernels/test_delta_decode.py.
@@ -108,9 +109,10 @@ def recurrent_step(pool, slot_ids, q, k, v, g, beta, fresh=None, *, interpret: b
                    tuning: DeltaDecodeTuning | None = None):
     """One gated-delta-rule token per row, its state read from and written back to its slot.
 
-    pool [S, Hv, Dk, Dv] float32 or bfloat16, aliased to the returned pool; slot_ids int32[B] (padding rows: 0); q, k [B, Hk, Dk] raw (normalized here,
-    as ``delta_rule.recurrent`` does), v [B, Hv, Dv], g, beta [B, Hv] (any float dtype;
-    padding tokens beta = g = 0); fresh bool[B] or None: read the row's state as zeros.
+    pool [S, Hv, Dk, Dv] float32 or bfloat16, aliased to the returned pool; slot_ids int32[B]
+    (padding rows: 0); q, k [B, Hk, Dk] raw (normalized here, as ``delta_rule.recurrent``
+    does), v [B, Hv, Dv], g, beta [B, Hv] (any float dtype; padding tokens beta = g = 0);
+    fresh bool[B] or None: read the row's state as zeros.
     Hk divides Hv; Dk, Dv powers of two. Returns (out [B, Hv, Dv] in v's dtype, pool).
     Static: interpret, tuning. Nothing is donated here: a caller whose jit donates the pool
     (the engine's step, ``bench.deltanet``'s loop) gets it updated in place; otherwise XLA
