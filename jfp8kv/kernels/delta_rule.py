@@ -73,6 +73,34 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
     """The same as ``recurrent`` in chunks of ``chunk`` tokens (T is padded up to a
     multiple with beta = g = 0 tokens, which leave the state alone). Static: chunk."""
     out_dtype = v.dtype
+    t = q.shape[1]
+    q, k, cum, decay, u_v, u_k = chunk_factors(q, k, v, g, beta, chunk)
+    b, h, n, _, dv = u_v.shape
+    attn = jnp.einsum("...td,...sd->...ts", q, k) * decay  # includes s == t
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    end_decay = jnp.exp(cum[..., -1])
+
+    def step(s, xs):  # s [B, H, Dk, Dv]; one chunk of every row
+        u_v, u_k, attn, q_dec, k_dec, end_decay = xs
+        u = u_v - jnp.einsum("bhtk,bhkv->bhtv", u_k, s)
+        o = jnp.einsum("bhtk,bhkv->bhtv", q_dec, s) + jnp.einsum("bhts,bhsv->bhtv", attn, u)
+        s = s * end_decay[..., None, None] + jnp.einsum("bhtk,bhtv->bhkv", k_dec, u)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u_v, u_k, attn, q_dec, k_dec, end_decay))
+    state, out = jax.lax.scan(step, state.astype(q.dtype), xs)  # out [n, B, H, C, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.swapaxes(out, 1, 2).astype(out_dtype), state
+
+
+def chunk_factors(q, k, v, g, beta, chunk: int = 64):
+    """The chunk-parallel part of ``chunked`` (everything before its scan over chunks), also
+    the input of ``delta_chunk_triton``'s kernel. Returns, head-major with T padded to N
+    chunks of ``chunk`` tokens, in the accumulation dtype: q (normalized, times Dk**-0.5) and
+    k (normalized) [B, H, N, C, Dk], the chunk-local cumulative decays G [B, H, N, C], the
+    masked decay exp(G_t - G_s) (s <= t, else 0) [B, H, N, C, C], and the corrections'
+    parts u_v [B, H, N, C, Dv], u_k [B, H, N, C, Dk] (u = u_v - u_k S0)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
@@ -96,22 +124,7 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
     rhs_k = (beta[..., None] * jnp.exp(cum)[..., None] * k).reshape(-1, chunk, dk)
     u_v = solve(system.reshape(flat), rhs_v).reshape(b, h, n, chunk, dv)
     u_k = solve(system.reshape(flat), rhs_k).reshape(b, h, n, chunk, dk)
-    attn = jnp.einsum("...td,...sd->...ts", q, k) * decay  # includes s == t
-    q_dec = q * jnp.exp(cum)[..., None]
-    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    end_decay = jnp.exp(cum[..., -1])
-
-    def step(s, xs):  # s [B, H, Dk, Dv]; one chunk of every row
-        u_v, u_k, attn, q_dec, k_dec, end_decay = xs
-        u = u_v - jnp.einsum("bhtk,bhkv->bhtv", u_k, s)
-        o = jnp.einsum("bhtk,bhkv->bhtv", q_dec, s) + jnp.einsum("bhts,bhsv->bhtv", attn, u)
-        s = s * end_decay[..., None, None] + jnp.einsum("bhtk,bhtv->bhkv", k_dec, u)
-        return s, o
-
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u_v, u_k, attn, q_dec, k_dec, end_decay))
-    state, out = jax.lax.scan(step, state.astype(q.dtype), xs)  # out [n, B, H, C, Dv]
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
-    return jnp.swapaxes(out, 1, 2).astype(out_dtype), state
+    return q, k, cum, decay, u_v, u_k
 
 
 def _unit_lower_solve(a, rhs):
