@@ -1,0 +1,204 @@
+"""DeepSeek-V4 kernels that read the pools in place (``kernels.v4_paged_sparse``), Pallas
+Triton in interpret mode on the CPU, against their jnp twins, the twins against a float64
+numpy computation written from the contract.
+
+Every case draws fresh random pools, shuffled page tables wider than any row needs, and rows
+of different lengths (a padding row at position -1, a row inside its first window, one whose
+ring wrapped, entries spanning several pages). Every pool row and scale no query may read is
+NaN (window rows of other slots or positions, compressed rows no index or walk names), and interpret mode pre-fills the outputs with NaN, so a kernel that reads a wrong row
+or leaves an output unwritten fails."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfp8kv.kernels import v4_paged_sparse as vps
+from jfp8kv.kvcache import v4_pools
+
+W, E, SLOTS, PAGES, WIDTH = 6, 4, 9, 40, 8  # window, entries per page, table width (pages)
+
+
+def _nan(x):
+    return jnp.asarray(np.float32(np.nan)).astype(x.dtype)
+
+
+def _poison(a, keep):
+    """a [..., D] with rows where ~keep set to NaN (None stays None)."""
+    if a is None:
+        return None
+    return jnp.where(jnp.asarray(keep)[..., None], a, _nan(a))
+
+
+def _tables(rng, n_pages_needed, width=WIDTH):
+    """Page tables [B, width]: distinct random pages (1..PAGES-1) for the pages each row
+    needs, the rest page 0 or unused pages (both NaN: nothing past a row's count is read)."""
+    free = list(rng.permutation(np.arange(1, PAGES)))
+    pt = np.zeros((len(n_pages_needed), width), np.int32)
+    for b, n in enumerate(n_pages_needed):
+        for c in range(n):
+            pt[b, c] = free.pop()
+    spare = free[:3]
+    pt[:, -1] = np.where(pt[:, -1] == 0, spare[0], pt[:, -1])  # an unused page past the end
+    return pt
+
+
+def _pool(rng, lead, d, storage, scale=3.0):
+    x = rng.standard_normal(lead + (d,)).astype(np.float32) * scale
+    return v4_pools.store_rows(jnp.asarray(x), storage)
+
+
+POS = np.array([-1, 0, 3, 5, 37, 22], np.int32)  # padding, first row, partial, full, wrapped
+
+
+def _decode_case(rng, storage, entries, ratio=2, k=7, h=5, d=64):
+    """(clean args, poisoned args, kwargs) for paged_sparse_decode."""
+    b = len(POS)
+    slots = rng.permutation(np.arange(1, SLOTS))[:b].astype(np.int32)
+    slots[0] = 0  # the padding row reads the sink slot
+    q = jnp.asarray(rng.standard_normal((b, h, d)).astype(np.float32))
+    sinks = jnp.asarray(rng.standard_normal(h).astype(np.float32))
+    win, ws = _pool(rng, (SLOTS, W), d, storage)
+    seen_w = np.zeros((SLOTS, W), bool)
+    for s, p in zip(slots, POS):
+        seen_w[s, :max(0, min(p + 1, W))] = True
+    comp, cs = _pool(rng, (PAGES, E), d, storage)
+    n_ent = np.maximum((POS + 1) // ratio, 0)
+    pt = _tables(rng, [-(-n // E) for n in n_ent])
+    flat = pt[:, :, None] * E + np.arange(E)  # [B, WIDTH, E] flat id of entry c*E + j
+    flat = flat.reshape(b, -1)
+    seen_c = np.zeros(PAGES * E, bool)
+    kw = {}
+    if entries == "index":
+        idx = np.full((b, k), -1, np.int32)
+        for r in range(b):
+            vis = rng.permutation(n_ent[r])[:k]
+            slots_k = rng.permutation(k)[:len(vis)]  # -1 scattered between them
+            idx[r, slots_k] = flat[r, vis]
+        idx[3, :] = -1  # a row with entries visible but none chosen
+        seen_c[idx[idx >= 0]] = True
+        kw["idx"] = jnp.asarray(idx)
+    elif entries == "table":
+        for r in range(b):
+            seen_c[flat[r, :n_ent[r]]] = True
+        kw.update(page_tables=jnp.asarray(pt), ratio=ratio)
+    else:
+        comp = cs = None
+    seen_c = seen_c.reshape(PAGES, E)
+    clean = (q, win, ws, jnp.asarray(slots), jnp.asarray(POS), comp, cs, sinks)
+    poisoned = (q, _poison(win, seen_w), _poison(ws, seen_w), clean[3], clean[4],
+                None if comp is None else _poison(comp, seen_c),
+                None if cs is None else _poison(cs, seen_c), sinks)
+    return clean, poisoned, kw
+
+
+def _float64_decode(q, win, ws, slots, pos, comp, cs, sinks, scale, idx=None,
+                    page_tables=None, ratio=None):
+    """The contract in float64 numpy, position by position (no ring arithmetic shared)."""
+    def deq(x, s):
+        x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+        if s is None:
+            return x
+        return x * np.repeat(np.asarray(jnp.asarray(s).astype(jnp.float32), np.float64), 32, -1)
+
+    wv = deq(win, ws)
+    cv = None if comp is None else deq(comp, cs).reshape(-1, q.shape[-1])
+    out = np.zeros(q.shape, np.float64)
+    for b in range(q.shape[0]):
+        p = int(pos[b])
+        rows = [wv[int(slots[b]), j % W] for j in range(max(0, p - W + 1), p + 1)]
+        if idx is not None:
+            rows += [cv[i] for i in np.asarray(idx[b]) if i >= 0]
+        elif page_tables is not None:
+            pt = np.asarray(page_tables[b])
+            rows += [cv[pt[e // E] * E + e % E] for e in range(max(0, (p + 1) // ratio))]
+        for h in range(q.shape[1]):
+            logits = [np.dot(np.float64(q[b, h]), r) * scale for r in rows] + [float(sinks[h])]
+            e = np.exp(np.array(logits) - max(logits))
+            out[b, h] = sum(pi * r for pi, r in zip(e[:-1] / e.sum(), rows)) if rows else 0.0
+    return out
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("entries", ["none", "index", "table"])
+def test_paged_sparse_decode(storage, entries):
+    rng = np.random.default_rng()
+    clean, poisoned, kw = _decode_case(rng, storage, entries)
+    scale = 64 ** -0.5
+    ref = vps.paged_sparse_decode_reference(*clean, scale, **kw)
+    np.testing.assert_allclose(ref, _float64_decode(*clean, scale, **kw), rtol=1e-5,
+                               atol=1e-5)
+    assert np.isnan(np.asarray(poisoned[1].astype(jnp.float32))).any()
+    if poisoned[5] is not None:
+        assert np.isnan(np.asarray(poisoned[5].astype(jnp.float32))).any()
+    for tile, hb in ((16, 16), (32, 16)):  # one tile per source and several (37 > 16)
+        got = vps.paged_sparse_decode(*poisoned, scale, **kw, interpret=True, tile=tile,
+                                      head_block=hb)
+        assert not np.isnan(np.asarray(got)).any()
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ref[0]), 0.0)  # the padding row sees nothing
+
+
+def test_decode_walk_ignores_table_width():
+    """The same rows through a table 8x wider (its extra columns on NaN pages) give the
+    same output bit for bit: the walk never reads past a row's closed entries."""
+    rng = np.random.default_rng()
+    clean, poisoned, kw = _decode_case(rng, "float8_e4m3fn", "table")
+    pt = np.asarray(kw["page_tables"])
+    wide = np.concatenate([pt, np.zeros((pt.shape[0], 7 * pt.shape[1]), np.int32)], 1)
+    a = vps.paged_sparse_decode(*poisoned, 0.125, **kw, interpret=True)
+    b = vps.paged_sparse_decode(*poisoned, 0.125, page_tables=jnp.asarray(wide),
+                                ratio=kw["ratio"], interpret=True)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_decode_argument_errors():
+    rng = np.random.default_rng(0)
+    clean, _, kw = _decode_case(rng, "bfloat16", "table")
+    with pytest.raises(ValueError, match="exactly one"):
+        vps.paged_sparse_decode(*clean, 0.125, interpret=True)
+    with pytest.raises(ValueError, match="ratio"):
+        vps.paged_sparse_decode(*clean, 0.125, page_tables=kw["page_tables"], interpret=True)
+    fp8 = _decode_case(rng, "float8_e4m3fn", "none")[0]
+    with pytest.raises(ValueError, match="block scales"):
+        vps.paged_sparse_decode(fp8[0], fp8[1], None, *fp8[3:], 0.125, interpret=True)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def test_entry_helpers():
+    pt = jnp.asarray([[5, 2, 7], [3, 0, 0]], jnp.int32)
+    ids = vps.entry_ids(pt, jnp.asarray([6, 1]), 4, 8)
+    np.testing.assert_array_equal(np.asarray(ids), [[20, 21, 22, 23, 8, 9, -1, -1],
+                                                    [12, -1, -1, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(vps.ids_to_entries(ids, pt, 4),
+                                  [[0, 1, 2, 3, 4, 5, -1, -1], [0] + [-1] * 7])
+    assert [vps.entry_cap(n) for n in (0, 64, 65, 1000)] == [64, 64, 128, 1024]
+    np.testing.assert_array_equal(np.asarray(vps.closed_entries(jnp.asarray([-1, 2, 3, 7]),
+                                                                4)), [0, 0, 1, 2])
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_kernels_lower_for_cuda(storage):
+    """The kernel lowers for a GPU through Triton on this machine (interpret mode cannot
+    see Triton's refusals, e.g. a masked fp8 load with an integer ``other``)."""
+    rng = np.random.default_rng(0)
+    for entries in ("none", "index", "table"):
+        clean, _, kw = _decode_case(rng, storage, entries)
+        jax.jit(lambda *a, kw=kw: vps.paged_sparse_decode(*a, 0.125, **kw)).trace(
+            *clean).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_paged_kernels_native(storage):
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs an NVIDIA GPU")
+    rng = np.random.default_rng()
+    for entries in ("none", "index", "table"):
+        clean, poisoned, kw = _decode_case(rng, storage, entries)
+        ref = vps.paged_sparse_decode_reference(*clean, 0.125, **kw)
+        got = vps.paged_sparse_decode(*poisoned, 0.125, **kw)
+        # tf32 products on the GPU, as ``v4_sparse``'s native test
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
