@@ -1,12 +1,16 @@
 """DeepSeek-V4 kernels that read the pools in place (``kernels.v4_paged_sparse``), Pallas
 Triton in interpret mode on the CPU, against their jnp twins, the twins against a float64
-numpy computation written from the contract.
+numpy computation written from the contract, and the indexer's selection against the model's
+``v4_attention.indexer_select``, ties included.
 
 Every case draws fresh random pools, shuffled page tables wider than any row needs, and rows
 of different lengths (a padding row at position -1, a row inside its first window, one whose
 ring wrapped, entries spanning several pages). Every pool row and scale no query may read is
-NaN (window rows of other slots or positions, compressed rows no index or walk names), and interpret mode pre-fills the outputs with NaN, so a kernel that reads a wrong row
+NaN (window rows of other slots or positions, compressed and indexer rows no index or walk
+names), and interpret mode pre-fills the outputs with NaN, so a kernel that reads a wrong row
 or leaves an output unwritten fails."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,8 @@ import pytest
 
 from jfp8kv.kernels import v4_paged_sparse as vps
 from jfp8kv.kvcache import v4_pools
+from jfp8kv.models import v4_attention as va
+from jfp8kv.models.v4_presets import v4_config
 
 W, E, SLOTS, PAGES, WIDTH = 6, 4, 9, 40, 8  # window, entries per page, table width (pages)
 
@@ -164,7 +170,121 @@ def test_decode_argument_errors():
         vps.paged_sparse_decode(fp8[0], fp8[1], None, *fp8[3:], 0.125, interpret=True)
 
 
-# ------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------ indexer and top-k
+
+
+def _indexer_case(rng, n_ent, hi=16, di=32, width=WIDTH, zero_rows=None, positive_w=False):
+    """(q, w, clean keys pool, poisoned pool, page tables, n_entries)."""
+    n = len(n_ent)
+    keys = rng.standard_normal((PAGES, E, di)).astype(np.float32)
+    pt = _tables(rng, [-(-int(c) // E) for c in n_ent], width)
+    flat = (pt[:, :, None] * E + np.arange(E)).reshape(n, -1)
+    if zero_rows is not None:  # entries whose key is all zeros: scores exactly 0, ties
+        for i, z in enumerate(zero_rows):
+            keys.reshape(-1, di)[flat[i, z]] = 0.0
+    seen = np.zeros(PAGES * E, bool)
+    for i, c in enumerate(n_ent):
+        seen[flat[i, :c]] = True
+    pool = jnp.asarray(keys, jnp.bfloat16)
+    poisoned = _poison(pool, seen.reshape(PAGES, E))
+    q = rng.standard_normal((n, hi, di)).astype(np.float32)
+    w = rng.standard_normal((n, hi)).astype(np.float32)
+    if positive_w:
+        w = np.abs(w) + 0.1
+    return (jnp.asarray(q), jnp.asarray(w), pool, poisoned, jnp.asarray(pt),
+            jnp.asarray(np.asarray(n_ent, np.int32)))
+
+
+def test_paged_indexer_scores():
+    rng = np.random.default_rng()
+    q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 1, E - 1, 17, 29])
+    cap = 32
+    ref = vps.paged_indexer_scores_reference(q, w, pool, pt, n_ent, cap)
+    # float64 from the contract
+    k64 = np.asarray(pool.astype(jnp.float32), np.float64).reshape(-1, pool.shape[-1])
+    for i, c in enumerate(np.asarray(n_ent)):
+        row = np.asarray(pt[i])
+        for e in range(cap):
+            if e >= c:
+                assert ref[i, e] == -np.inf
+                continue
+            s = np.maximum(np.asarray(q[i], np.float64) @ k64[row[e // E] * E + e % E], 0)
+            np.testing.assert_allclose(ref[i, e], s @ np.asarray(w[i], np.float64),
+                                       rtol=1e-5, atol=1e-5)
+    for tile in (16, 32):  # several programs per row (some past its count), one
+        got = vps.paged_indexer_scores(q, w, poisoned, pt, n_ent, cap, interpret=True,
+                                       key_tile=tile)
+        assert not np.isnan(np.asarray(got)).any()
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)  # -inf where ref is
+    # query rows naming their table row (a chunk's queries share their sequence's row)
+    rev = jnp.arange(pt.shape[0])[::-1]
+    got = vps.paged_indexer_scores(q, w, poisoned, pt[rev], n_ent, cap, rev, interpret=True,
+                                   key_tile=16)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vps.paged_indexer_scores_reference(q, w, pool, pt[rev], n_ent,
+                                                                  cap, rev), ref, rtol=1e-6)
+
+
+def _model_cfg(k: int, m: int):
+    cfg = v4_config("deepseek-v4-tiny")
+    return dataclasses.replace(cfg, v4=dataclasses.replace(cfg.v4, index_topk=k, csa_ratio=m))
+
+
+def _model_choice(q, w, pool, pt, n_ent, m, k):
+    """The model's choice (``va.indexer_select``) per row as a set of entry indices, over
+    the row's dense entries (its whole table, as the engine gathers them today)."""
+    cap = pt.shape[1] * E
+    ids = vps.entry_ids(pt, jnp.full_like(n_ent, cap), E, cap)
+    dense = pool.reshape(-1, pool.shape[-1])[ids].astype(jnp.float32)
+    positions = (n_ent * m + m - 2)[:, None]  # (p + 1) // m = n_ent: sees exactly those
+    chosen = va.indexer_select(q[:, None], w[:, None], positions, dense, _model_cfg(k, m))
+    return [set(np.flatnonzero(c[0]).tolist()) for c in np.asarray(chosen)]
+
+
+def _sets(ids, pt):
+    got = vps.ids_to_entries(ids, pt, E)
+    return [set(r[r >= 0].tolist()) for r in got]
+
+
+@pytest.mark.parametrize("k", [5, 12])
+def test_indexer_topk_matches_model(k):
+    """The kernel's ids (through the table) name the entries the model's selection picks;
+    k > a row's count takes all of it, -1 after."""
+    rng = np.random.default_rng()
+    q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 3, 9, 23, 31])
+    m, cap = 4, 32
+    want = _model_choice(q, w, pool, pt, n_ent, m, k)
+    ref = vps.indexer_topk_reference(q, w, pool, pt, n_ent, k, cap)
+    got = vps.indexer_topk(q, w, poisoned, pt, n_ent, k, cap, interpret=True, key_tile=16)
+    assert got.shape == (5, k)
+    assert _sets(ref, pt) == want
+    assert _sets(got, pt) == want
+    for row, c in zip(np.asarray(got), np.asarray(n_ent)):
+        assert (row >= 0).sum() == min(k, c)
+        assert (row[min(k, c):] == -1).all()
+
+
+def test_indexer_topk_ties():
+    """Entries with all-zero keys score exactly 0 (positive head weights: no -0.0) and tie;
+    the k-th place falls among them, and the lower entry indices win, as in the model."""
+    rng = np.random.default_rng()
+    n_ent = [20, 27, 12]
+    zero = [rng.permutation(c)[:c - 5] for c in n_ent]  # 5 entries with real keys each
+    q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, n_ent, zero_rows=zero,
+                                                    positive_w=True)
+    m, k, cap = 4, 9, 32
+    want = _model_choice(q, w, pool, pt, n_ent, m, k)
+    got = _sets(vps.indexer_topk(q, w, poisoned, pt, n_ent, k, cap, interpret=True), pt)
+    assert got == want
+    for row, z in zip(got, zero):
+        ties = sorted(set(z.tolist()))
+        assert sorted(row & set(ties)) == ties[:k - (len(row) - len(row & set(ties)))]
+    # The rule on its own: equal scores, lower index first
+    s = jnp.asarray([[3.0, 1.0, 3.0, 3.0, 2.0, -jnp.inf]])
+    got = vps.topk_entries(s, jnp.arange(2)[None], 3, 2)
+    np.testing.assert_array_equal(np.asarray(got), [[0, 2]])
+    np.testing.assert_array_equal(np.asarray(vps.topk_entries(s, jnp.arange(2)[None], 3, 7)),
+                                  [[0, 2, 3, 4, 1, -1, -1]])
 
 
 def test_entry_helpers():
@@ -181,13 +301,16 @@ def test_entry_helpers():
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
 def test_kernels_lower_for_cuda(storage):
-    """The kernel lowers for a GPU through Triton on this machine (interpret mode cannot
+    """Every kernel lowers for a GPU through Triton on this machine (interpret mode cannot
     see Triton's refusals, e.g. a masked fp8 load with an integer ``other``)."""
     rng = np.random.default_rng(0)
     for entries in ("none", "index", "table"):
         clean, _, kw = _decode_case(rng, storage, entries)
         jax.jit(lambda *a, kw=kw: vps.paged_sparse_decode(*a, 0.125, **kw)).trace(
             *clean).lower(lowering_platforms=("cuda",))
+    q, w, pool, _, pt, n_ent = _indexer_case(rng, [3, 9])
+    jax.jit(lambda *a: vps.indexer_topk(*a, 8, 64)).trace(q, w, pool, pt, n_ent).lower(
+        lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
@@ -202,3 +325,7 @@ def test_paged_kernels_native(storage):
         got = vps.paged_sparse_decode(*poisoned, 0.125, **kw)
         # tf32 products on the GPU, as ``v4_sparse``'s native test
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
+    q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 3, 9, 23, 31])
+    ref = vps.paged_indexer_scores_reference(q, w, pool, pt, n_ent, 64)
+    got = vps.paged_indexer_scores(q, w, poisoned, pt, n_ent, 64)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
