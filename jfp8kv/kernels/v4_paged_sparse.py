@@ -38,6 +38,17 @@ equals ``paged_sparse_decode_reference`` (same arguments):
   head_block (heads per program, power of two >= 16), num_warps / num_stages (Triton's).
   Nothing is donated. D must be a power of two >= 32.
 
+``paged_sparse_prefill(q, keys, positions, sinks, sm_scale, window, comp=None,
+comp_scale=None, idx=None, page_tables=None, ratio=None, ...) -> out [B, T, H, D]``: the
+same attention for a chunk's T queries per row (positions [B, T], row b's from
+p_b = positions[b, 0] on, -1: padding). The window is read from ``keys`` [B, R + T, D]
+(R >= window - 1: the rows of positions p_b - R .. p_b - 1, then the chunk's own; in the
+compute dtype, as ``v4_attention.blocked_attention`` takes them), not the ring (a chunk
+longer than W overwrites it); entries as decode, per query: ``idx`` [B, T, K] (each query's
+top-k, ``chunk_topk``) or the page-table walk of entries w < (t+1) // m. Every query is one
+row of the decode kernel, so a chunk's work is T x (W + K or its own closed entries), and
+nothing is sized by the table. ``paged_sparse_prefill_reference`` is its twin.
+
 ``paged_indexer_scores(q, w, keys, page_tables, n_entries, cap, table_rows=None,
 interpret=False, key_tile=64) -> [N, cap] float32`` equals
 ``paged_indexer_scores_reference``: for query row i (q [N, Hi, Di], w [N, Hi], the head
@@ -317,6 +328,77 @@ def paged_sparse_decode_reference(q, win, win_scale, slot_ids, pos, comp, comp_s
                                              sinks.astype(jnp.float32), sm_scale)
 
 
+# ------------------------------------------------------------------ prefill (chunk) path
+
+
+def _chunk_window(keys, positions, window: int):
+    """Per query of a chunk: (flat start, count) of its visible rows in keys [B, R + T, D]
+    flattened (row r of row b at position p_b - R + r)."""
+    b, t = positions.shape
+    s = keys.shape[1]
+    r = s - t
+    p = positions.astype(jnp.int32)
+    tq = jnp.arange(t, dtype=jnp.int32)[None]
+    last = r + tq  # the query's own row
+    first = jnp.maximum(last - (window - 1), r - p[:, :1])  # window start, position >= 0
+    count = jnp.where(p >= 0, last - first + 1, 0)
+    start = jnp.arange(b, dtype=jnp.int32)[:, None] * s + first
+    return start.reshape(-1), jnp.maximum(count, 0).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "window", "ratio", "interpret",
+                                             "tile", "head_block", "num_warps", "num_stages"))
+def paged_sparse_prefill(q, keys, positions, sinks, sm_scale: float, window: int, comp=None,
+                         comp_scale=None, idx=None, page_tables=None,
+                         ratio: int | None = None, interpret: bool = False, tile: int = 16,
+                         head_block: int = 16, num_warps: int = 4, num_stages: int = 2):
+    """The Pallas kernel for a chunk (module contract): q [B, T, H, D] -> [B, T, H, D]
+    float32, each query one row of the decode kernel."""
+    _check_entries(comp, idx, page_tables, ratio)
+    b, t, h, d = q.shape
+    if keys.shape[1] - t < window - 1:
+        raise ValueError(f"keys hold {keys.shape[1] - t} rows before the chunk; the window "
+                         f"needs {window - 1}")
+    start, count = _chunk_window(keys, positions, window)
+    table = page_tables is not None
+    pos = positions.reshape(-1).astype(jnp.int32)
+    out = _attend(q.reshape(b * t, h, d), keys.reshape(-1, d), None, start, count, sinks,
+                  sm_scale, _flat(comp), _flat(comp_scale),
+                  None if idx is None else idx.reshape(b * t, -1), page_tables,
+                  jnp.repeat(jnp.arange(b, dtype=jnp.int32), t) if table else None,
+                  closed_entries(pos, ratio) if table else None,
+                  1 if comp is None else comp.shape[1], interpret, tile, head_block,
+                  num_warps, num_stages)
+    return out.reshape(b, t, h, d)
+
+
+def paged_sparse_prefill_reference(q, keys, positions, sinks, sm_scale: float, window: int,
+                                   comp=None, comp_scale=None, idx=None, page_tables=None,
+                                   ratio: int | None = None, **_):
+    """The jnp twin: per query, its window rows (oldest first) and entries gathered, then
+    ``v4_sparse.sparse_decode_reference``."""
+    _check_entries(comp, idx, page_tables, ratio)
+    b, t, h, d = q.shape
+    r = keys.shape[1] - t
+    p = positions.astype(jnp.int32)
+    last = r + jnp.arange(t)[None]  # [1, T]
+    rows = last[..., None] - (window - 1) + jnp.arange(window)  # [1, T, W]
+    wv = keys[jnp.arange(b)[:, None, None], jnp.clip(rows, 0, keys.shape[1] - 1)]
+    win_len = jnp.where(p >= 0, jnp.minimum(p + 1, window), 0)  # positions >= 0 only
+    flat_pos = p.reshape(-1)
+    if comp is None:
+        cv, cs, ids = jnp.zeros((1, d), jnp.float32), None, jnp.full((b * t, 1), -1, jnp.int32)
+    else:
+        cv, cs = _flat(comp), _flat(comp_scale)
+        ids = idx.reshape(b * t, -1) if idx is not None else entry_ids(
+            page_tables, closed_entries(flat_pos, ratio), comp.shape[1],
+            page_tables.shape[1] * comp.shape[1], jnp.repeat(jnp.arange(b), t))
+    out = v4_sparse.sparse_decode_reference(
+        q.reshape(b * t, h, d).astype(jnp.float32), wv.reshape(b * t, window, d), None,
+        win_len.reshape(-1), cv, cs, ids, sinks.astype(jnp.float32), sm_scale)
+    return out.reshape(b, t, h, d)
+
+
 # ------------------------------------------------------------------ indexer and top-k
 
 
@@ -406,3 +488,18 @@ def indexer_topk_reference(q, w, keys, page_tables, n_entries, k: int, cap: int,
     """The jnp twin of ``indexer_topk``."""
     s = paged_indexer_scores_reference(q, w, keys, page_tables, n_entries, cap, table_rows)
     return topk_entries(s, page_tables, keys.shape[1], k, table_rows)
+
+
+def chunk_topk(q, w, keys, page_tables, positions, ratio: int, k: int, cap: int,
+               interpret: bool = False, key_tile: int = 64):
+    """A chunk's CSA index lists int32 [B, T, k] for ``paged_sparse_prefill``'s ``idx``:
+    ``indexer_topk`` with every query (q [B, T, Hi, dI], w [B, T, Hi] at positions [B, T])
+    one row that reads its sequence's page table row and sees its own closed entries.
+    ``cap`` >= the chunk's last closed count ((p_b + T) // m, ``entry_cap``)."""
+    b, t = positions.shape
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    ids = indexer_topk(q.reshape(b * t, *q.shape[2:]), w.reshape(b * t, -1), keys,
+                       page_tables, closed_entries(positions.reshape(-1), ratio), k, cap, rows,
+                       interpret=interpret, key_tile=key_tile)
+    return ids.reshape(b, t, k)
+

@@ -1,6 +1,7 @@
 """DeepSeek-V4 kernels that read the pools in place (``kernels.v4_paged_sparse``), Pallas
 Triton in interpret mode on the CPU, against their jnp twins, the twins against a float64
-numpy computation written from the contract, and the indexer's selection against the model's
+numpy computation written from the contract (and the chunk twin against the model's
+``v4_attention.blocked_attention``), and the indexer's selection against the model's
 ``v4_attention.indexer_select``, ties included.
 
 Every case draws fresh random pools, shuffled page tables wider than any row needs, and rows
@@ -170,6 +171,101 @@ def test_decode_argument_errors():
         vps.paged_sparse_decode(fp8[0], fp8[1], None, *fp8[3:], 0.125, interpret=True)
 
 
+# ------------------------------------------------------------------ chunks (prefill)
+
+
+def _prefill_case(rng, entries, storage, t=5, ratio=2, k=4, h=5, d=64):
+    p0 = np.array([0, 9, -1], np.int32)  # a fresh row, a continuing one, a padding row
+    b, r = len(p0), W - 1
+    positions = np.where(p0[:, None] >= 0, p0[:, None] + np.arange(t)[None], -1)
+    keys = rng.standard_normal((b, r + t, d)).astype(np.float32) * 3
+    key_pos = p0[:, None] - r + np.arange(r + t)[None]
+    seen = (key_pos >= 0) & (p0[:, None] >= 0)  # rows before a sequence start: never seen
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)).astype(np.float32))
+    sinks = jnp.asarray(rng.standard_normal(h).astype(np.float32))
+    comp, cs = _pool(rng, (PAGES, E), d, storage)
+    n_ent = np.maximum((positions + 1) // ratio, 0)  # [B, T]
+    pt = _tables(rng, [-(-int(n.max()) // E) for n in n_ent])
+    flat = (pt[:, :, None] * E + np.arange(E)).reshape(b, -1)
+    seen_c = np.zeros(PAGES * E, bool)
+    kw, pick = {}, None
+    if entries == "index":
+        idx = np.full((b, t, k), -1, np.int32)
+        chosen = np.zeros((b, t, flat.shape[1]), bool)
+        for i in range(b):
+            for j in range(t):
+                vis = rng.permutation(n_ent[i, j])[:k]
+                idx[i, j, :len(vis)] = flat[i, vis]
+                chosen[i, j, vis] = True
+        seen_c[idx[idx >= 0]] = True
+        kw["idx"] = jnp.asarray(idx)
+        pick = jnp.asarray(chosen)
+    else:
+        for i in range(b):
+            seen_c[flat[i, :n_ent[i].max()]] = True
+        kw.update(page_tables=jnp.asarray(pt), ratio=ratio)
+    seen_c = seen_c.reshape(PAGES, E)
+    clean = (q, jnp.asarray(keys), jnp.asarray(positions), sinks)
+    poisoned = (q, _poison(jnp.asarray(keys), seen), clean[2], sinks)
+    kw_clean = dict(kw, comp=comp, comp_scale=cs)
+    kw_poisoned = dict(kw, comp=_poison(comp, seen_c), comp_scale=_poison(cs, seen_c))
+    dense = vps.gather_entries(comp, cs, jnp.asarray(flat))  # [B, WIDTH*E, D], the model's
+    return clean, poisoned, kw_clean, kw_poisoned, dense, pick, ratio
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("entries", ["index", "table"])
+def test_paged_sparse_prefill(storage, entries):
+    rng = np.random.default_rng()
+    clean, poisoned, kwc, kwp, dense, pick, ratio = _prefill_case(rng, entries, storage)
+    scale = 64 ** -0.5
+    ref = vps.paged_sparse_prefill_reference(*clean, scale, W, **kwc)
+    # The model's chunk attention over the dense entries (real rows only: row 2 is padding)
+    q, keys, positions, sinks = clean
+    pick_fn = ((lambda x: va.visible_entries(x["positions"], dense.shape[1], ratio))
+               if pick is None else (lambda x: x["pick"]))
+    model = va.blocked_attention(q, positions, keys, dense, pick_fn,
+                                 {} if pick is None else {"pick": pick}, sinks, W)
+    # (blocked_attention scales logits by head_dim ** -0.5, which is ``scale`` here)
+    np.testing.assert_allclose(np.asarray(ref[:2]), np.asarray(model[:2]), rtol=1e-5,
+                               atol=1e-5)
+    got = vps.paged_sparse_prefill(*poisoned, scale, W, **kwp, interpret=True)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_csa_chunk_matches_model(storage):
+    """A CSA chunk end to end in place: each query's index list from the indexer pool
+    (``chunk_topk``), then ``paged_sparse_prefill``, equals the model's chunk attention
+    (``blocked_attention`` with ``indexer_select`` over the dense entries)."""
+    rng = np.random.default_rng()
+    clean, poisoned, kwc, kwp, dense, _, m = _prefill_case(rng, "table", storage)
+    q, keys, positions, sinks = clean
+    pt = kwc["page_tables"]
+    b, t = positions.shape
+    k, hi, di = 3, 16, 32
+    ikeys = jnp.asarray(rng.standard_normal((PAGES, E, di)), jnp.bfloat16)
+    iq = jnp.asarray(rng.standard_normal((b, t, hi, di)).astype(np.float32))
+    iw = jnp.asarray(rng.standard_normal((b, t, hi)).astype(np.float32))
+    cap = vps.entry_cap(int(np.asarray(positions).max() + 1) // m, 16)
+    idx = vps.chunk_topk(iq, iw, ikeys, pt, positions, m, k, cap, interpret=True,
+                         key_tile=16)
+    got = vps.paged_sparse_prefill(*poisoned, 64 ** -0.5, W, comp=kwp["comp"],
+                                   comp_scale=kwp["comp_scale"], idx=idx, interpret=True)
+    width = pt.shape[1] * E
+    flat = vps.entry_ids(pt, jnp.full((b,), width), E, width)
+    dense_i = ikeys.reshape(-1, di)[flat].astype(jnp.float32)
+    cfg = _model_cfg(k, m)
+    model = va.blocked_attention(
+        q, positions, keys, dense,
+        lambda x: va.indexer_select(x["iq"], x["iw"], x["positions"], dense_i, cfg),
+        {"iq": iq, "iw": iw}, sinks, W)
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got[:2]), np.asarray(model[:2]), rtol=1e-5,
+                               atol=1e-5)
+
+
 # ------------------------------------------------------------------ indexer and top-k
 
 
@@ -308,6 +404,9 @@ def test_kernels_lower_for_cuda(storage):
         clean, _, kw = _decode_case(rng, storage, entries)
         jax.jit(lambda *a, kw=kw: vps.paged_sparse_decode(*a, 0.125, **kw)).trace(
             *clean).lower(lowering_platforms=("cuda",))
+    c, _, kwc, _, _, _, _ = _prefill_case(rng, "table", storage)
+    jax.jit(lambda *a: vps.paged_sparse_prefill(*a, 0.125, W, **kwc)).trace(*c).lower(
+        lowering_platforms=("cuda",))
     q, w, pool, _, pt, n_ent = _indexer_case(rng, [3, 9])
     jax.jit(lambda *a: vps.indexer_topk(*a, 8, 64)).trace(q, w, pool, pt, n_ent).lower(
         lowering_platforms=("cuda",))
