@@ -131,9 +131,9 @@ def gather_entries(values, scales, ids, dtype=jnp.float32):
 
 def entry_cap(max_entries: int, minimum: int = 64) -> int:
     """Host side: the static ``cap`` for a batch whose longest row has ``max_entries``
-    closed entries: the next power of two >= max(max_entries, minimum), so a decode
+    closed entries: the next power of two >= max(max_entries, minimum, 16), so a decode
     executable serves every batch up to it (log2(width / minimum) buckets at most)."""
-    return next_pow2(max(int(max_entries), int(minimum), 1))
+    return next_pow2(max(int(max_entries), int(minimum), 16))
 
 
 def closed_entries(pos, ratio: int):

@@ -391,6 +391,7 @@ def test_entry_helpers():
     np.testing.assert_array_equal(vps.ids_to_entries(ids, pt, 4),
                                   [[0, 1, 2, 3, 4, 5, -1, -1], [0] + [-1] * 7])
     assert [vps.entry_cap(n) for n in (0, 64, 65, 1000)] == [64, 64, 128, 1024]
+    assert vps.entry_cap(3, 5) == 16  # the smallest tile the indexer kernel takes
     np.testing.assert_array_equal(np.asarray(vps.closed_entries(jnp.asarray([-1, 2, 3, 7]),
                                                                 4)), [0, 0, 1, 2])
 
