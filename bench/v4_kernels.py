@@ -1,5 +1,5 @@
-"""DeepSeek-V4 decode kernels (``jfp8kv.kernels.v4_sparse``, ``v4_paged_sparse``) and pool
-capacity, one GPU.
+"""DeepSeek-V4 decode kernels (``jfp8kv.kernels.v4_sparse``, ``v4_paged_sparse``,
+``v4_paged_indexer``) and pool capacity, one GPU.
 
     python -m bench.v4_kernels --out bench/results/v4-kernels-h200.json
     python -m bench.v4_kernels --smoke          # tiny shapes, interpret mode (CPU)
@@ -15,8 +15,8 @@ capacity, one GPU.
   ``deepseek_v4._decode_kernel``, i.e. every entry of a row's page table gathered densely
   and dequantized, then ``sparse_decode``; these are called, not copied, so a refactor that
   moves them records an error instead of a stale baseline);
-* ``in_place``: ``v4_paged_sparse``: ``paged_sparse_decode`` on the window ring, the CSA
-  index list from ``indexer_topk`` (cap = ``entry_cap`` of the batch's real entries), the
+* ``in_place``: ``paged_sparse_decode`` on the window ring, the CSA index list from
+  ``v4_paged_indexer.indexer_topk`` (cap = ``entry_cap`` of the batch's real entries), the
   HCA page-table walk;
 
 for bf16 and fp8 (e4m3 + per-32 fp16 scales) pools, at contexts 4k, 16k, 64k and 128k
@@ -214,6 +214,7 @@ def _in_place_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret,
     """One layer's decode attention through ``v4_paged_sparse`` -> [B, H, D] float32.
     ``launch``: paged_sparse_decode's tile / head_block / num_warps / num_stages (None:
     its defaults)."""
+    from jfp8kv.kernels import v4_paged_indexer as vpi
     from jfp8kv.kernels import v4_paged_sparse as vps
 
     sm = cfg.head_dim ** -0.5
@@ -225,7 +226,7 @@ def _in_place_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret,
     if lay["kind"] == "hca":
         return vps.paged_sparse_decode(q, wv, ws, slots, pos, cv, cs, sinks, sm,
                                        page_tables=pt, ratio=lay["m"], **kw)
-    idx = vps.indexer_topk(iq, iw, lay["index"], pt, vps.closed_entries(pos, lay["m"]),
+    idx = vpi.indexer_topk(iq, iw, lay["index"], pt, vps.closed_entries(pos, lay["m"]),
                            cfg.v4.index_topk, cap, interpret=interpret)
     return vps.paged_sparse_decode(q, wv, ws, slots, pos, cv, cs, sinks, sm, idx=idx, **kw)
 
@@ -305,6 +306,7 @@ LAUNCHES = ({"tile": 16, "head_block": 16, "num_warps": 4, "num_stages": 2},  # 
 def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, pools,
                  launch=None, check=True) -> dict:
     """Time one (path, storage, context, table width) case; errors recorded, not raised."""
+    from jfp8kv.kernels import v4_paged_indexer as vpi
     from jfp8kv.kernels import v4_paged_sparse as vps
 
     v4, b, ps = cfg.v4, s["batch"], _page_size(cfg)
@@ -351,7 +353,7 @@ def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, p
     if path == "in_place" and "csa" in kinds and launch is None:
         lay = kinds["csa"]
         try:
-            f = jax.jit(lambda iq, iw, keys, pt, pos: vps.indexer_topk(
+            f = jax.jit(lambda iq, iw, keys, pt, pos: vpi.indexer_topk(
                 iq, iw, keys, pt, vps.closed_entries(pos, lay["m"]), v4.index_topk, cap,
                 interpret=interpret))
             rec["ms"]["csa_index_list"] = _median_ms(f, iq, iw, lay["index"], pt, pos)
@@ -367,6 +369,7 @@ def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, p
 def _twin_error(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret, rec) -> float:
     """max |in-place - its jnp twin| for one layer (the twin gathers); for CSA also the
     fraction of rows whose top-k set equals the twin's (recorded in ``rec``). One jit."""
+    from jfp8kv.kernels import v4_paged_indexer as vpi
     from jfp8kv.kernels import v4_paged_sparse as vps
 
     sm = cfg.head_dim ** -0.5
@@ -385,9 +388,9 @@ def _twin_error(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret, rec)
             kw = {"page_tables": pt, "ratio": ly["m"]}
         elif ly["kind"] == "csa":
             n = vps.closed_entries(pos, ly["m"])
-            mine = vps.indexer_topk(iq, iw, ly["index"], pt, n, cfg.v4.index_topk, cap,
+            mine = vpi.indexer_topk(iq, iw, ly["index"], pt, n, cfg.v4.index_topk, cap,
                                     interpret=interpret)
-            twin = vps.indexer_topk_reference(iq, iw, ly["index"], pt, n, cfg.v4.index_topk,
+            twin = vpi.indexer_topk_reference(iq, iw, ly["index"], pt, n, cfg.v4.index_topk,
                                               cap)
             same = jnp.mean(jnp.all(jnp.sort(mine, 1) == jnp.sort(twin, 1), 1))
             kw = {"idx": mine}

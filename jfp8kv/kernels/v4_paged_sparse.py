@@ -1,7 +1,8 @@
-"""DeepSeek-V4 sparse attention and lightning indexer that read the cache pools in place
-(issue 57): no dense per-row gather of window rows, compressed entries or indexer keys, and
-work that follows each row's own length, never the page-table width. Pallas Triton kernels,
-each with its jnp twin (which gathers, then runs ``v4_sparse``'s references).
+"""DeepSeek-V4 sparse attention that reads the cache pools in place (issue 57): no dense
+per-row gather of window rows or compressed entries, and work that follows each row's own
+length, never the page-table width. A Pallas Triton kernel, with its jnp twins (which
+gather, then run ``v4_sparse``'s reference); the lightning indexer that reads its pool in
+place and the exact top-k that makes CSA index lists are ``v4_paged_indexer``'s.
 
 Pools (``kvcache.v4_pools``; E = page_size / m entries per page for a layer of ratio m)
 ------------------------------------------------------------------------------------
@@ -9,7 +10,6 @@ Pools (``kvcache.v4_pools``; E = page_size / m entries per page for a layer of r
 * compressed ``comp`` [pages, E, D]: entry w of a sequence at [table[w // E], w % E], i.e.
   FLAT entry id ``table[w // E] * E + w % E`` of ``comp.reshape(-1, D)`` (the peers'
   ``block_id * block_size + offset``). ``entry_ids`` builds them, -1 = none.
-* indexer keys ``keys`` [pages, E, dI] bf16, addressed as the compressed pool.
 * ``win_scale`` / ``comp_scale`` [.., D/32] float16: per-32 block scales of e4m3 rows
   (``scale_modes.BLOCK``), dequantized in the kernel (value * scale per 32 columns); None
   for bf16 / f32 rows.
@@ -28,7 +28,7 @@ equals ``paged_sparse_decode_reference`` (same arguments):
 * entries, one of:
   - ``comp`` None: none (window-only layers);
   - ``idx`` int32 [B, K]: flat entry ids (-1: none; any order, repeats attend twice), a CSA
-    layer's top-k (``indexer_topk``); K is the only entry work;
+    layer's top-k (``v4_paged_indexer.indexer_topk``); K is the only entry work;
   - ``page_tables`` int32 [B, P] and static ``ratio`` m: every closed entry w < (p+1) // m,
     walked through the row's page table (an HCA layer). The walk reads cdiv(n, tile) tiles
     of table entries and rows for n = (p+1) // m: the table's width P costs nothing.
@@ -44,29 +44,10 @@ same attention for a chunk's T queries per row (positions [B, T], row b's from
 p_b = positions[b, 0] on, -1: padding). The window is read from ``keys`` [B, R + T, D]
 (R >= window - 1: the rows of positions p_b - R .. p_b - 1, then the chunk's own; in the
 compute dtype, as ``v4_attention.blocked_attention`` takes them), not the ring (a chunk
-longer than W overwrites it); entries as decode, per query: ``idx`` [B, T, K] (each query's
-top-k, ``chunk_topk``) or the page-table walk of entries w < (t+1) // m. Every query is one
-row of the decode kernel, so a chunk's work is T x (W + K or its own closed entries), and
-nothing is sized by the table. ``paged_sparse_prefill_reference`` is its twin.
-
-``paged_indexer_scores(q, w, keys, page_tables, n_entries, cap, table_rows=None,
-interpret=False, key_tile=64) -> [N, cap] float32`` equals
-``paged_indexer_scores_reference``: for query row i (q [N, Hi, Di], w [N, Hi], the head
-weights with the scales folded in) and its sequence's page table row
-page_tables[table_rows[i]] (default i), sum_h w[i, h] * relu(q[i, h] . key_e) for every
-entry e < n_entries[i] (int32 [N]: the closed entries the query sees, (p+1) // m), -inf for
-e >= n_entries[i]. Static ``cap`` must be >= every n_entries (entries past cap are not
-scored): it bounds the output, the grid and the top-k, so the caller derives it from the
-batch's real lengths (``entry_cap``), not the table width. Programs whose tile starts past
-their row's count load nothing.
-
-``topk_entries(scores, page_tables, per_page, k, table_rows=None) -> int32 [N, k]``: the
-flat entry ids of the (at most) k highest-scoring entries with a finite score, -1 for the
-rest. Selection is ``jax.lax.top_k``'s: among equal scores the lower entry index wins,
-exactly as ``v4_attention.indexer_select`` breaks ties (it runs ``lax.top_k`` over the
-visible-masked scores of every entry; the entries past a row's count score -inf in both).
-The ids come in descending score order, not index order (the attention does not care).
-``indexer_topk`` = ``paged_indexer_scores`` then ``topk_entries``.
+longer than W overwrites it); entries as decode, per query: ``idx`` [B, T, K] (each
+query's top-k, ``v4_paged_indexer.chunk_topk``) or the page-table walk of entries
+w < (t+1) // m. Every query is one row of the decode kernel, so a chunk's work is
+T x (W + K or its own closed entries), and nothing is sized by the table. ``paged_sparse_prefill_reference`` is its twin.
 
 Helpers (jnp, bounded by their static ``cap``): ``entry_ids`` (flat ids of entries
 0 .. cap-1 of each row, -1 past its count), ``gather_entries`` (a workspace of those rows,
@@ -81,8 +62,7 @@ over the row's window rows (contiguous flat rows start .. start + count - 1: the
 ``tile``, then its entries: the index list in tiles, or the page-table walk, loading the
 tile's table entries and then its rows. fp8 rows are loaded as e4m3 and multiplied by their
 block scale gathered per column (column c takes scale c // 32). Masked rows load as zeros
-with logit -inf, so NaN in rows no query may see never reaches the output. The indexer
-kernel: one program per (query row, ``key_tile`` entries), table entries then keys.
+with logit -inf, so NaN in rows no query may see never reaches the output.
 """
 
 from __future__ import annotations
@@ -98,7 +78,6 @@ from jax.experimental.pallas import triton as plgpu
 from jfp8kv.kernels import v4_sparse
 from jfp8kv.kernels.tiles import check_dot_tile, cols, next_pow2
 
-TRITON = v4_sparse.TRITON
 BLOCK = v4_sparse.BLOCK
 
 
@@ -397,109 +376,3 @@ def paged_sparse_prefill_reference(q, keys, positions, sinks, sm_scale: float, w
         q.reshape(b * t, h, d).astype(jnp.float32), wv.reshape(b * t, window, d), None,
         win_len.reshape(-1), cv, cs, ids, sinks.astype(jnp.float32), sm_scale)
     return out.reshape(b, t, h, d)
-
-
-# ------------------------------------------------------------------ indexer and top-k
-
-
-def _scores_kernel(nent_ref, trow_ref, pt_ref, q_ref, w_ref, k_ref, o_ref, *, n_heads,
-                   key_tile, per_page):
-    i, j = pl.program_id(0), pl.program_id(1)
-    hp, di = q_ref.shape[1], k_ref.shape[1]
-    n_ent = plgpu.load(nent_ref.at[i])
-    e = j * key_tile + jnp.arange(key_tile)
-    ok = e < n_ent
-
-    @pl.when(j * key_tile < n_ent)
-    def _():
-        trow = plgpu.load(trow_ref.at[i])
-        page = plgpu.load(pt_ref.at[trow, jnp.minimum(e // per_page, pt_ref.shape[1] - 1)],
-                          mask=ok, other=0)
-        rows = page * per_page + e % per_page
-        keys = plgpu.load(k_ref.at[rows[:, None], cols(di)], mask=ok[:, None],
-                          other=0.0).astype(jnp.float32)
-        q = plgpu.load(q_ref.at[i, jnp.arange(hp)[:, None], cols(di)])
-        s = jnp.maximum(plgpu.dot(q, keys, trans_b=True), 0.0)  # [Hp, key_tile]
-        w = plgpu.load(w_ref.at[i, jnp.arange(hp)], mask=jnp.arange(hp) < n_heads, other=0.0)
-        plgpu.store(o_ref.at[i, e], jnp.where(ok, jnp.sum(s * w[:, None], 0), -jnp.inf))
-
-    @pl.when(j * key_tile >= n_ent)
-    def _():
-        plgpu.store(o_ref.at[i, e], jnp.full((key_tile,), -jnp.inf, jnp.float32))
-
-
-@functools.partial(jax.jit, static_argnames=("cap", "interpret", "key_tile"))
-def paged_indexer_scores(q, w, keys, page_tables, n_entries, cap: int, table_rows=None,
-                         interpret: bool = False, key_tile: int = 64):
-    """The Pallas kernel (module contract): indexer scores over each query row's own closed
-    entries, read through its page table from the pool keys [pages, E, dI]."""
-    key_tile = min(key_tile, cap)  # a small cap: one program per row
-    check_dot_tile("key_tile", key_tile)
-    if cap % key_tile:
-        raise ValueError(f"cap={cap} must be a multiple of key_tile={key_tile}")
-    nq, h, di = q.shape
-    hp = next_pow2(max(h, 16))
-    qp = jnp.zeros((nq, hp, di), jnp.float32).at[:, :h].set(q.astype(jnp.float32))
-    trow = jnp.arange(nq, dtype=jnp.int32) if table_rows is None else table_rows
-    kernel = functools.partial(_scores_kernel, n_heads=h, key_tile=key_tile,
-                               per_page=keys.shape[1])
-    return pl.pallas_call(kernel, grid=(nq, cap // key_tile),
-                          out_shape=jax.ShapeDtypeStruct((nq, cap), jnp.float32),
-                          interpret=interpret, compiler_params=TRITON)(
-        n_entries.astype(jnp.int32), trow.astype(jnp.int32), page_tables.astype(jnp.int32),
-        qp, w.astype(jnp.float32), keys.reshape(-1, di))
-
-
-def paged_indexer_scores_reference(q, w, keys, page_tables, n_entries, cap: int,
-                                   table_rows=None, **_):
-    """The jnp twin: the row's entries 0 .. cap-1 gathered (``entry_ids``), scored by
-    ``v4_sparse.indexer_scores_reference``, -inf past the row's count."""
-    ids = entry_ids(page_tables, n_entries, keys.shape[1], cap, table_rows)
-    got = keys.reshape(-1, keys.shape[-1])[jnp.maximum(ids, 0)]
-    s = v4_sparse.indexer_scores_reference(q, w, got)
-    return jnp.where(ids >= 0, s, -jnp.inf)
-
-
-def topk_entries(scores, page_tables, per_page: int, k: int, table_rows=None):
-    """int32 [N, k] (module contract): flat ids of the top-k finite scores (ties: lower
-    entry index first, as ``lax.top_k`` and the reference), -1 past them."""
-    cap = scores.shape[1]
-    kk = min(k, cap)
-    vals, w = jax.lax.top_k(scores, kk)
-    pt = page_tables if table_rows is None else page_tables[table_rows]
-    page = jnp.take_along_axis(pt, jnp.minimum(w // per_page, pt.shape[1] - 1), 1)
-    ids = jnp.where(vals > -jnp.inf, page * per_page + w % per_page, -1).astype(jnp.int32)
-    return ids if kk == k else jnp.pad(ids, ((0, 0), (0, k - kk)), constant_values=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("k", "cap", "interpret", "key_tile"))
-def indexer_topk(q, w, keys, page_tables, n_entries, k: int, cap: int, table_rows=None,
-                 interpret: bool = False, key_tile: int = 64):
-    """``paged_indexer_scores`` then ``topk_entries``: a CSA layer's index list int32
-    [N, k] for ``paged_sparse_decode``'s ``idx`` (flat ids into the compressed pool, which
-    is addressed as the indexer pool)."""
-    s = paged_indexer_scores(q, w, keys, page_tables, n_entries, cap, table_rows,
-                             interpret=interpret, key_tile=key_tile)
-    return topk_entries(s, page_tables, keys.shape[1], k, table_rows)
-
-
-def indexer_topk_reference(q, w, keys, page_tables, n_entries, k: int, cap: int,
-                           table_rows=None, **_):
-    """The jnp twin of ``indexer_topk``."""
-    s = paged_indexer_scores_reference(q, w, keys, page_tables, n_entries, cap, table_rows)
-    return topk_entries(s, page_tables, keys.shape[1], k, table_rows)
-
-
-def chunk_topk(q, w, keys, page_tables, positions, ratio: int, k: int, cap: int,
-               interpret: bool = False, key_tile: int = 64):
-    """A chunk's CSA index lists int32 [B, T, k] for ``paged_sparse_prefill``'s ``idx``:
-    ``indexer_topk`` with every query (q [B, T, Hi, dI], w [B, T, Hi] at positions [B, T])
-    one row that reads its sequence's page table row and sees its own closed entries.
-    ``cap`` >= the chunk's last closed count ((p_b + T) // m, ``entry_cap``)."""
-    b, t = positions.shape
-    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    ids = indexer_topk(q.reshape(b * t, *q.shape[2:]), w.reshape(b * t, -1), keys,
-                       page_tables, closed_entries(positions.reshape(-1), ratio), k, cap, rows,
-                       interpret=interpret, key_tile=key_tile)
-    return ids.reshape(b, t, k)
-

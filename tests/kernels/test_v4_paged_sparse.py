@@ -1,8 +1,8 @@
-"""DeepSeek-V4 kernels that read the pools in place (``kernels.v4_paged_sparse``), Pallas
-Triton in interpret mode on the CPU, against their jnp twins, the twins against a float64
-numpy computation written from the contract (and the chunk twin against the model's
-``v4_attention.blocked_attention``), and the indexer's selection against the model's
-``v4_attention.indexer_select``, ties included.
+"""DeepSeek-V4 kernels that read the pools in place (``kernels.v4_paged_sparse``,
+``v4_paged_indexer``), Pallas Triton in interpret mode on the CPU, against their jnp twins,
+the twins against a float64 numpy computation written from the contract (and the chunk twin
+against the model's ``v4_attention.blocked_attention``), and the indexer's selection
+against the model's ``v4_attention.indexer_select``, ties included.
 
 Every case draws fresh random pools, shuffled page tables wider than any row needs, and rows
 of different lengths (a padding row at position -1, a row inside its first window, one whose
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jfp8kv.kernels import v4_paged_indexer as vpi
 from jfp8kv.kernels import v4_paged_sparse as vps
 from jfp8kv.kvcache import v4_pools
 from jfp8kv.models import v4_attention as va
@@ -249,7 +250,7 @@ def test_csa_chunk_matches_model(storage):
     iq = jnp.asarray(rng.standard_normal((b, t, hi, di)).astype(np.float32))
     iw = jnp.asarray(rng.standard_normal((b, t, hi)).astype(np.float32))
     cap = vps.entry_cap(int(np.asarray(positions).max() + 1) // m, 16)
-    idx = vps.chunk_topk(iq, iw, ikeys, pt, positions, m, k, cap, interpret=True,
+    idx = vpi.chunk_topk(iq, iw, ikeys, pt, positions, m, k, cap, interpret=True,
                          key_tile=16)
     got = vps.paged_sparse_prefill(*poisoned, 64 ** -0.5, W, comp=kwp["comp"],
                                    comp_scale=kwp["comp_scale"], idx=idx, interpret=True)
@@ -295,7 +296,7 @@ def test_paged_indexer_scores():
     rng = np.random.default_rng()
     q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 1, E - 1, 17, 29])
     cap = 32
-    ref = vps.paged_indexer_scores_reference(q, w, pool, pt, n_ent, cap)
+    ref = vpi.paged_indexer_scores_reference(q, w, pool, pt, n_ent, cap)
     # float64 from the contract
     k64 = np.asarray(pool.astype(jnp.float32), np.float64).reshape(-1, pool.shape[-1])
     for i, c in enumerate(np.asarray(n_ent)):
@@ -308,16 +309,16 @@ def test_paged_indexer_scores():
             np.testing.assert_allclose(ref[i, e], s @ np.asarray(w[i], np.float64),
                                        rtol=1e-5, atol=1e-5)
     for tile in (16, 32):  # several programs per row (some past its count), one
-        got = vps.paged_indexer_scores(q, w, poisoned, pt, n_ent, cap, interpret=True,
+        got = vpi.paged_indexer_scores(q, w, poisoned, pt, n_ent, cap, interpret=True,
                                        key_tile=tile)
         assert not np.isnan(np.asarray(got)).any()
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)  # -inf where ref is
     # query rows naming their table row (a chunk's queries share their sequence's row)
     rev = jnp.arange(pt.shape[0])[::-1]
-    got = vps.paged_indexer_scores(q, w, poisoned, pt[rev], n_ent, cap, rev, interpret=True,
+    got = vpi.paged_indexer_scores(q, w, poisoned, pt[rev], n_ent, cap, rev, interpret=True,
                                    key_tile=16)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(vps.paged_indexer_scores_reference(q, w, pool, pt[rev], n_ent,
+    np.testing.assert_allclose(vpi.paged_indexer_scores_reference(q, w, pool, pt[rev], n_ent,
                                                                   cap, rev), ref, rtol=1e-6)
 
 
@@ -350,8 +351,8 @@ def test_indexer_topk_matches_model(k):
     q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 3, 9, 23, 31])
     m, cap = 4, 32
     want = _model_choice(q, w, pool, pt, n_ent, m, k)
-    ref = vps.indexer_topk_reference(q, w, pool, pt, n_ent, k, cap)
-    got = vps.indexer_topk(q, w, poisoned, pt, n_ent, k, cap, interpret=True, key_tile=16)
+    ref = vpi.indexer_topk_reference(q, w, pool, pt, n_ent, k, cap)
+    got = vpi.indexer_topk(q, w, poisoned, pt, n_ent, k, cap, interpret=True, key_tile=16)
     assert got.shape == (5, k)
     assert _sets(ref, pt) == want
     assert _sets(got, pt) == want
@@ -370,16 +371,16 @@ def test_indexer_topk_ties():
                                                     positive_w=True)
     m, k, cap = 4, 9, 32
     want = _model_choice(q, w, pool, pt, n_ent, m, k)
-    got = _sets(vps.indexer_topk(q, w, poisoned, pt, n_ent, k, cap, interpret=True), pt)
+    got = _sets(vpi.indexer_topk(q, w, poisoned, pt, n_ent, k, cap, interpret=True), pt)
     assert got == want
     for row, z in zip(got, zero):
         ties = sorted(set(z.tolist()))
         assert sorted(row & set(ties)) == ties[:k - (len(row) - len(row & set(ties)))]
     # The rule on its own: equal scores, lower index first
     s = jnp.asarray([[3.0, 1.0, 3.0, 3.0, 2.0, -jnp.inf]])
-    got = vps.topk_entries(s, jnp.arange(2)[None], 3, 2)
+    got = vpi.topk_entries(s, jnp.arange(2)[None], 3, 2)
     np.testing.assert_array_equal(np.asarray(got), [[0, 2]])
-    np.testing.assert_array_equal(np.asarray(vps.topk_entries(s, jnp.arange(2)[None], 3, 7)),
+    np.testing.assert_array_equal(np.asarray(vpi.topk_entries(s, jnp.arange(2)[None], 3, 7)),
                                   [[0, 2, 3, 4, 1, -1, -1]])
 
 
@@ -409,7 +410,7 @@ def test_kernels_lower_for_cuda(storage):
     jax.jit(lambda *a: vps.paged_sparse_prefill(*a, 0.125, W, **kwc)).trace(*c).lower(
         lowering_platforms=("cuda",))
     q, w, pool, _, pt, n_ent = _indexer_case(rng, [3, 9])
-    jax.jit(lambda *a: vps.indexer_topk(*a, 8, 64)).trace(q, w, pool, pt, n_ent).lower(
+    jax.jit(lambda *a: vpi.indexer_topk(*a, 8, 64)).trace(q, w, pool, pt, n_ent).lower(
         lowering_platforms=("cuda",))
 
 
@@ -426,6 +427,6 @@ def test_paged_kernels_native(storage):
         # tf32 products on the GPU, as ``v4_sparse``'s native test
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
     q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 3, 9, 23, 31])
-    ref = vps.paged_indexer_scores_reference(q, w, pool, pt, n_ent, 64)
-    got = vps.paged_indexer_scores(q, w, poisoned, pt, n_ent, 64)
+    ref = vpi.paged_indexer_scores_reference(q, w, pool, pt, n_ent, 64)
+    got = vpi.paged_indexer_scores(q, w, poisoned, pt, n_ent, 64)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
