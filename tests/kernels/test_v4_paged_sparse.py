@@ -426,6 +426,11 @@ def test_paged_kernels_native(storage):
         got = vps.paged_sparse_decode(*poisoned, 0.125, **kw)
         # tf32 products on the GPU, as ``v4_sparse``'s native test
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
+    for entries in ("index", "table"):
+        clean, poisoned, kwc, kwp, *_ = _prefill_case(rng, entries, storage)
+        ref = vps.paged_sparse_prefill_reference(*clean, 0.125, W, **kwc)
+        got = vps.paged_sparse_prefill(*poisoned, 0.125, W, **kwp)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-2, atol=1e-2)
     q, w, pool, poisoned, pt, n_ent = _indexer_case(rng, [0, 3, 9, 23, 31])
     ref = vpi.paged_indexer_scores_reference(q, w, pool, pt, n_ent, 64)
     got = vpi.paged_indexer_scores(q, w, poisoned, pt, n_ent, 64)
