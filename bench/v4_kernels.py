@@ -262,17 +262,20 @@ def _gather_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, kv_new, interpret)
 
 
 def _chained(layer_fn, reps: int):
-    """A jitted f(q, iq, *rest) running ``layer_fn`` reps times, each call's queries
-    depending on the last output, so XLA can neither merge nor reorder them."""
+    """A jitted f(q, iq, arrays, iw, slots, pos, pt, sinks) running ``layer_fn`` reps times,
+    each call depending on the last output: the queries move by it and the integer inputs
+    (slots, positions, page tables) get ``+ 0 * it``, so XLA can neither merge the calls nor
+    hoist a gather out of the chain (x * 0.0 is not folded for floats)."""
     @jax.jit
-    def f(q, iq, *rest):
+    def f(q, iq, arrays, iw, slots, pos, pt, sinks):
         acc = jnp.zeros((), jnp.float32)
         for _ in range(reps):
-            out = layer_fn(q, iq, *rest)
+            out = layer_fn(q, iq, arrays, iw, slots, pos, pt, sinks)
             s = jnp.sum(out[:, :1, :1])
             acc = acc + s
-            q = q + 1e-3 * s
-            iq = iq + 1e-3 * s
+            q, iq = q + 1e-3 * s, iq + 1e-3 * s
+            zero = (s * 0.0).astype(jnp.int32)
+            slots, pos, pt = slots + zero, pos + zero, pt + zero
         return acc
     return f
 
