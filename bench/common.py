@@ -177,7 +177,7 @@ def reserve_check(plan: dict, device: dict) -> dict:
     bytes in use during the run (``device_peak_bytes_in_use``, ``device_bytes_limit``): the
     bytes held back for temporaries (peak + margin) and what the run used of them (the
     allocator's peak minus the weights and the pools), as fractions of the card's memory
-    (its allocator limit over XLA_PYTHON_CLIENT_MEM_FRACTION). Empty without both."""
+    (the plan's ``total``). Empty without both."""
     need = ("capacity", "in_use", "peak", "margin", "pool_budget")
     if not all(isinstance(plan.get(k), (int, float)) for k in need) or \
             "device_peak_bytes_in_use" not in device:
@@ -185,8 +185,7 @@ def reserve_check(plan: dict, device: dict) -> dict:
     gib = float(1 << 30)
     reserve = plan["peak"] + plan["margin"]
     used = device["device_peak_bytes_in_use"] - plan["in_use"] - plan["pool_budget"]
-    card = device["device_bytes_limit"] / float(
-        os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    card = plan.get("total") or device["device_bytes_limit"]
     return {"plan_line": (f"memory plan: capacity {plan['capacity'] / gib:.2f} GiB, in use "
                           f"(weights) {plan['in_use'] / gib:.2f} GiB, peak temporaries "
                           f"{plan['peak'] / gib:.2f} GiB, margin {plan['margin'] / gib:.2f} GiB"

@@ -174,7 +174,7 @@ class Sizer:
         if not self.dm.on_gpu and self.dm.in_use + budget0 <= self.dm.capacity / 2:
             plan = plan_cache(self.layout, budget0, self.ps, e.max_num_seqs, max_len)
             mem = MemoryPlan(self.dm.capacity, self.dm.in_use, None, self.dm.margin, budget0,
-                             "kv_cache_memory" if given else "cpu default")
+                             "kv_cache_memory" if given else "cpu default", total=self.dm.total)
             return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=budget0)), None
         if given is not None:
             return self._given(e, given)
@@ -193,7 +193,7 @@ class Sizer:
                 f"{e.gpu_memory_utilization}): at most {max(free, 0)} bytes fit; lower "
                 "--kv-cache-memory or leave it unset")
         mem = MemoryPlan(self.dm.capacity, self.dm.in_use, peak, self.dm.margin, given,
-                         "kv_cache_memory", "verified at the pool")
+                         "kv_cache_memory", "verified at the pool", self.dm.total)
         return Sizing(plan, mem, e), runner
 
     def _default(self, e: EngineConfig, cpu_budget: int):
@@ -210,7 +210,7 @@ class Sizer:
         if real > peak:
             plan, free, runner, real = self._regrow(e, plan, free, peak, real)
         mem = MemoryPlan(self.dm.capacity, self.dm.in_use, real, self.dm.margin, free,
-                         "measured", what)
+                         "measured", what, self.dm.total)
         return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=free)), runner
 
     def _regrow(self, e: EngineConfig, plan: CachePlan, free: int, peak: int, real: int):

@@ -67,12 +67,14 @@ def _host_available() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """What the plan starts from: ``capacity`` (bytes the engine may use in all) and
-    ``in_use`` (resident now: the weights)."""
+    """What the plan starts from: ``capacity`` (bytes the engine may use in all),
+    ``in_use`` (resident now: the weights) and ``total`` (the device's memory: the GPU's as
+    its allocator limit implies, the host's available memory on the CPU)."""
 
     capacity: int
     in_use: int
     on_gpu: bool
+    total: int = 0
 
     @property
     def margin(self) -> int:
@@ -98,9 +100,9 @@ def device_memory(device, utilization: float, weights_bytes: int) -> DeviceMemor
                                             JAX_DEFAULT_MEM_FRACTION))
             total = limit / fraction
             return DeviceMemory(int(min(limit, utilization * total)),
-                                int(stats.get("bytes_in_use", weights_bytes)), True)
-    return DeviceMemory(int(utilization * (_host_available() + weights_bytes)), weights_bytes,
-                        False)
+                                int(stats.get("bytes_in_use", weights_bytes)), True, int(total))
+    host = _host_available() + weights_bytes
+    return DeviceMemory(int(utilization * host), weights_bytes, False, host)
 
 
 def device_counts(device) -> dict:
@@ -166,6 +168,7 @@ class MemoryPlan:
     pool_budget: int
     source: str  # "measured", "kv_cache_memory", "cpu default"
     measured: str = ""  # which executables were measured
+    total: int = 0  # the device's memory (DeviceMemory.total)
 
     def info(self) -> dict:
         return dataclasses.asdict(self)

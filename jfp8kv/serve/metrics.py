@@ -60,11 +60,11 @@ class _EngineCollector:
         for key, (name, doc, kind) in _ENGINE_METRICS.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=float(snapshot.get(key, 0)))
-        plan = GaugeMetricFamily("jfp8kv_memory_plan_bytes", "The bytes the cache pools were "
-                                 "sized by at start-up (capacity, in_use: the weights, "
-                                 "peak: the step's measured temporaries, margin, pool_budget)",
-                                 labels=["part"])
-        for part in ("capacity", "in_use", "peak", "margin", "pool_budget"):
+        plan = GaugeMetricFamily(
+            "jfp8kv_memory_plan_bytes", "The bytes the cache pools were sized by at start-up "
+            "(capacity, in_use: the weights, peak: the step's measured temporaries, margin, "
+            "pool_budget, total: the device's memory)", labels=["part"])
+        for part in ("capacity", "in_use", "peak", "margin", "pool_budget", "total"):
             if f"memory_plan_{part}" in snapshot:
                 plan.add_metric([part], float(snapshot[f"memory_plan_{part}"]))
         yield plan

@@ -40,3 +40,20 @@ def test_normal_stream(monkeypatch):
     rec = long_request.stream_once("http://x", {"prompt": [1]}, 5.0)
     assert rec["text"] == " a b" and rec["text_chunks"] == 2 and rec["usage"] == usage
     assert "error" not in rec and rec["ttft_s"] is not None
+
+
+def test_memory_check_reads_the_plan_and_the_devices_peak():
+    """The server's /metrics lines -> the bytes held back for temporaries (measured peak +
+    margin) against what the run used of them (the allocator's peak - weights - pools)."""
+    gib = 1 << 30
+    lines = [f'jfp8kv_memory_plan_bytes{{part="{k}"}} {float(v)!r}' for k, v in dict(
+        capacity=72 * gib, in_use=64 * gib, peak=2 * gib, margin=2 * gib, pool_budget=3 * gib,
+        total=80 * gib).items()]
+    lines += [f'jfp8kv_device_memory_bytes{{kind="{k}"}} {float(v)!r}' for k, v in dict(
+        bytes_in_use=67 * gib, peak_bytes_in_use=int(68.5 * gib), bytes_limit=72 * gib).items()]
+    got = long_request.memory_check(lines + ["jfp8kv_kv_cache_pages_used 0.0"])
+    assert got["reserve_bytes"] == 4 * gib and got["used_of_reserve_bytes"] == 1.5 * gib
+    assert got["over_reserve_fraction_of_card"] == 2.5 / 80
+    assert got["used_beyond_reserve_fraction_of_card"] == 0.0
+    assert got["plan_line"].startswith("memory plan: capacity 72.00 GiB")
+    assert long_request.memory_check(lines[:2]) == {}  # nothing measured: no check
