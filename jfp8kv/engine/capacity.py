@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from jfp8kv.config import EngineConfig, ModelConfig
 from jfp8kv.engine.memory import (CPU_DEFAULT_CACHE_MEMORY, GiB, DeviceMemory, MemoryPlan,
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 TEMP_SHARE = 1 / 3
 SLOT_SHARE = 1 / 4
 MIN_AUTO_BATCHED_TOKENS = 512
+MAX_COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +80,27 @@ def largest_shapes(runner, max_num_seqs: int, max_num_batched_tokens: int,
 
 
 def peak_bytes(runner, shapes, abstract, every_variant: bool = False,
-               register: bool = False) -> int:
-    """The most device memory (``memory.executable_peak``) any of ``shapes``' executables
-    needs beside its arguments, compiled by ``runner`` against ``abstract`` (the cache's
-    shapes): every variant, or only the one with every feature (switched, else sampled);
-    ``register``: the runner dispatches those shapes through these executables."""
-    peak = 0
-    for shape in shapes:
-        variants = runner.variants.of(shape[0])
-        for greedy, switched in (variants if every_variant else variants[-1:]):
-            compiled = runner.compile_variant(shape, greedy, switched, abstract,
-                                              register=register)
-            peak = max(peak, executable_peak(compiled))
-    return peak
+               register: bool = False) -> dict[tuple, int]:
+    """Per shape, the most device memory (``memory.executable_peak``) its executables need
+    beside their arguments, compiled by ``runner`` against ``abstract`` (the cache's shapes)
+    on parallel threads (XLA compiles outside the GIL): every variant, or only the one with
+    every feature (switched, else sampled); ``register``: the runner dispatches those
+    shapes through these executables."""
+    jobs = [(shape, greedy, switched) for shape in shapes
+            for greedy, switched in (runner.variants.of(shape[0]) if every_variant
+                                     else runner.variants.of(shape[0])[-1:])]
+
+    def one(job):
+        shape, greedy, switched = job
+        return executable_peak(runner.compile_variant(shape, greedy, switched, abstract,
+                                                      register=register))
+
+    with ThreadPoolExecutor(max(1, min(MAX_COMPILE_THREADS, len(jobs)))) as pool:
+        peaks = list(pool.map(one, jobs))
+    out: dict[tuple, int] = {}
+    for (shape, _, _), peak in zip(jobs, peaks):
+        out[shape] = max(out.get(shape, 0), peak)
+    return out
 
 
 class Sizer:
@@ -115,53 +126,62 @@ class Sizer:
                               engine.decode_steps)
 
     def probe(self, engine: EngineConfig) -> dict[tuple, int]:
-        """The peak temporaries of each of ``engine``'s largest executables against a
-        two-page probe pool (each kept in the memo)."""
+        """The peak temporaries of ``engine``'s largest decode and one-row prefill
+        executables (their full-featured variant) against a two-page probe pool, each kept
+        in the memo; the verification at the planned pool adds the widest prefill."""
         slots = engine.max_num_seqs + EXTRA_SLOTS if self.layout.slots else 0
         plan = CachePlan(self.layout, self.ps, 2, slots)
         runner = self.new_runner(plan, engine)
-        peaks = {}
-        for shape in self._largest(runner, engine):
-            key = PeakMemo.key(repr(self.cfg), repr(self.layout), self.ps, repr(shape),
-                               engine.max_model_len, self.program_key)
-            peak = self.memo.get(key)
-            if peak is None:
-                peak = peak_bytes(runner, [shape], abstract_cache(plan, self.pool_args))
-                self.memo.put(key, peak)
-            peaks[shape] = peak
+        keys = {shape: PeakMemo.key(repr(self.cfg), repr(self.layout), self.ps, repr(shape),
+                                    engine.max_model_len, self.program_key)
+                for shape in self._largest(runner, engine)[:2]}
+        peaks = {shape: self.memo.get(key) for shape, key in keys.items()}
+        todo = [shape for shape, peak in peaks.items() if peak is None]
+        if todo:
+            peaks.update(peak_bytes(runner, todo, abstract_cache(plan, self.pool_args)))
+            for shape in todo:
+                self.memo.put(keys[shape], peaks[shape])
         return peaks
 
     def _fit_batched_tokens(self, e: EngineConfig) -> tuple[EngineConfig, dict]:
         """(engine, probe peaks) with ``max_num_batched_tokens`` (unset by the user) halved
         while the largest prefill's temporaries would take more than ``TEMP_SHARE`` of the
         memory left after the weights: the halvings the probe's prefill peak predicts
-        (temporaries scale with the tokens), then a probe to confirm."""
+        (temporaries that scale with the tokens), then a probe to confirm. Where halving
+        stops paying (less than a quarter off: a floor that does not scale with the tokens),
+        the larger budget is kept."""
         peaks = self.probe(e)
         room = TEMP_SHARE * (self.dm.capacity - self.dm.in_use)
+
+        def prefill_peak(p):
+            return max(v for s, v in p.items() if s[0] == "prefill")
+
         while not self.asked.max_num_batched_tokens:
-            prefill = max(p for s, p in peaks.items() if s[0] == "prefill")
-            tokens = e.max_num_batched_tokens
+            prefill, tokens = prefill_peak(peaks), e.max_num_batched_tokens
             while tokens > MIN_AUTO_BATCHED_TOKENS and prefill * tokens / \
                     e.max_num_batched_tokens > room:
                 tokens = max(MIN_AUTO_BATCHED_TOKENS, tokens // 2)
             if tokens == e.max_num_batched_tokens:
                 break
+            smaller = dataclasses.replace(e, max_num_batched_tokens=tokens)
+            fewer = self.probe(smaller)
+            if prefill_peak(fewer) > 0.75 * prefill:
+                break
             log.info("max_num_batched_tokens %d -> %d: the largest prefill's temporaries "
-                     "(%.2f GiB) would take more than a third of the %.2f GiB left after the "
-                     "weights", e.max_num_batched_tokens, tokens, prefill / GiB,
-                     (self.dm.capacity - self.dm.in_use) / GiB)
-            e = dataclasses.replace(e, max_num_batched_tokens=tokens)
-            peaks = self.probe(e)
+                     "(%.2f GiB -> %.2f GiB) would take more than a third of the %.2f GiB "
+                     "left after the weights", e.max_num_batched_tokens, tokens, prefill / GiB,
+                     prefill_peak(fewer) / GiB, (self.dm.capacity - self.dm.in_use) / GiB)
+            e, peaks = smaller, fewer
         return e, peaks
 
     def verify(self, plan: CachePlan, engine: EngineConfig):
         """(runner, peak): the largest executables compiled against ``plan``'s pools, every
         variant, registered with the runner for its warm-up (one device)."""
         runner = self.new_runner(plan, engine)
-        peak = peak_bytes(runner, self._largest(runner, engine),
-                          abstract_cache(plan, self.pool_args), every_variant=True,
-                          register=runner.tp is None)
-        return runner, peak
+        peaks = peak_bytes(runner, self._largest(runner, engine),
+                           abstract_cache(plan, self.pool_args), every_variant=True,
+                           register=runner.tp is None)
+        return runner, max(peaks.values())
 
     def size(self) -> tuple[Sizing, object]:
         """(sizing, runner or None): the runner when executables were compiled for the plan
@@ -197,6 +217,9 @@ class Sizer:
         return Sizing(plan, mem, e), runner
 
     def _default(self, e: EngineConfig, cpu_budget: int):
+        # sequences first, from the memory after the weights and the margin (an upper bound
+        # of the pools): their slots bound the probe's rows; fitted again once measured
+        e = self._fit_sequences(e, self.dm.free_for(0))
         e, peaks = self._fit_batched_tokens(e)
         peak = max(peaks.values())
         what = ", ".join(f"{k} {b}x{t}" for k, b, t, _ in peaks)

@@ -62,8 +62,19 @@ def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last
     return out, _placed(cache, tp)
 
 
-# Positions per block of prompt scoring: its logits are at most [SCORE_BLOCK, vocab] float32.
+# Prompt scoring's logits per block are at most SCORE_BYTES of float32 (and at most
+# SCORE_BLOCK positions): XLA reserves a few such blocks in every executable that can score,
+# even while its scoring branch is off (a 512-position block of a 248,320-token vocabulary
+# held ~3 GiB of temporaries in Qwen3.6-35B-A3B's prefill on an H100).
 SCORE_BLOCK = 512
+SCORE_BYTES = 64 << 20
+
+
+def score_block(vocab_size: int) -> int:
+    """Positions per scoring block: a power of two of at most ``SCORE_BLOCK`` whose float32
+    logits fit ``SCORE_BYTES`` (at least 8)."""
+    fits = max(8, SCORE_BYTES // (4 * vocab_size))
+    return min(SCORE_BLOCK, 1 << (fits.bit_length() - 1))
 
 
 def score_positions(params, hidden, targets):
@@ -73,9 +84,11 @@ def score_positions(params, hidden, targets):
     float32: 30 GB at 49,152 tokens of a 151,936-token vocabulary, which XLA reserves even
     while the switched structure's scoring branch is off (an H100 ran out of memory so)."""
     b, t, d = hidden.shape
+    head = params.get("lm_head")
+    vocab = head.shape[-1] if head is not None else params["embed"].shape[0]
     scored = jax.lax.map(lambda x: token_logprobs(transformer.logits(params, x[0]), x[1]),
                          (hidden.reshape(b * t, d), targets.reshape(b * t)),
-                         batch_size=SCORE_BLOCK)
+                         batch_size=score_block(vocab))
     return tuple(a.reshape(b, t, *a.shape[1:]) for a in scored)
 
 

@@ -44,9 +44,9 @@ class FakeRunner:
 
     tp = None
 
-    def __init__(self, plan, engine, log, per_token, per_pool_page):
+    def __init__(self, plan, engine, log, per_token, per_pool_page, floor=0):
         self.plan, self.engine, self.log = plan, engine, log
-        self.per_token, self.per_pool_page = per_token, per_pool_page
+        self.per_token, self.per_pool_page, self.floor = per_token, per_pool_page, floor
         self.variants = SimpleNamespace(of=lambda kind: ((None, True),))
 
     def warmup_shapes(self, seqs, tokens, steps):
@@ -56,7 +56,7 @@ class FakeRunner:
         kind, _, t, _ = shape
         self.log.append(("decode" if kind == "decode" else f"prefill{t}",
                          self.plan.num_pages, register))
-        peak = (t * self.per_token if kind == "prefill" else DECODE_PEAK) \
+        peak = (self.floor + t * self.per_token if kind == "prefill" else DECODE_PEAK) \
             + self.plan.num_pages * self.per_pool_page
         analysis = SimpleNamespace(temp_size_in_bytes=peak, generated_code_size_in_bytes=0,
                                    output_size_in_bytes=0, alias_size_in_bytes=0)
@@ -64,7 +64,7 @@ class FakeRunner:
 
 
 def _sizer(preset="qwen3-tiny", *, limit=40 * GiB, in_use=10 * GiB, per_token=1 << 20,
-           per_pool_page=0, memo_dir=None, storage="float8_e4m3fn", **asked):
+           per_pool_page=0, memo_dir=None, storage="float8_e4m3fn", floor=0, **asked):
     cfg = ModelConfig(**PRESETS[preset], name=preset)
     family = families.of(cfg)
     layout = family.cache_layout(cfg, CacheRequest(storage), "reference")
@@ -74,7 +74,8 @@ def _sizer(preset="qwen3-tiny", *, limit=40 * GiB, in_use=10 * GiB, per_token=1 
     log = []
     dm = memory.device_memory(dev, engine.gpu_memory_utilization, in_use)
     sizer = capacity.Sizer(cfg, layout, engine, asked, dm,
-                           lambda plan, e: FakeRunner(plan, e, log, per_token, per_pool_page),
+                           lambda plan, e: FakeRunner(plan, e, log, per_token, per_pool_page,
+                                                      floor),
                            memory.PeakMemo(memo_dir), family_default=family.default_max_model_len)
     return sizer, log, layout
 
@@ -82,6 +83,7 @@ def _sizer(preset="qwen3-tiny", *, limit=40 * GiB, in_use=10 * GiB, per_token=1 
 @pytest.fixture(autouse=True)
 def _jax_fraction(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    monkeypatch.setattr(capacity, "MAX_COMPILE_THREADS", 1)  # the compiles' order, logged
 
 
 def test_capacity_is_the_utilization_of_the_device():
@@ -126,6 +128,17 @@ def test_the_prefill_budget_halves_while_its_temporaries_crowd_the_memory():
                          max_num_batched_tokens=8192)
     with pytest.raises(ValueError, match="nothing is left.*lower --max-num-batched-tokens"):
         tight.size()
+
+
+def test_halving_stops_where_the_temporaries_do_not_follow_the_tokens():
+    """A prefill whose temporaries are mostly a floor (12 GiB + 1 MiB per token, 20 GiB at
+    8,192, above a third of the 50 GiB after the weights): halving to the predicted 4,096
+    measures 16 GiB, less than a quarter off, so 8,192 stays."""
+    sizer, log, _ = _sizer(floor=12 * GiB, limit=60 * GiB, max_model_len=4096)
+    sizing, _ = sizer.size()
+    assert sizing.engine.max_num_batched_tokens == 8192
+    assert [name for name, _, registered in log if not registered] == [
+        "decode", "prefill8192", "prefill4096"]
 
 
 def test_slot_families_run_fewer_sequences_when_their_state_would_crowd_the_pool():

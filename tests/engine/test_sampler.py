@@ -154,11 +154,12 @@ def test_switched_structure_equals_each_static_one():
 
 @pytest.mark.parametrize("b, t", [(3, 7), (1, 5)])  # 21: 2 blocks of 8 + 5; 5: < a block
 def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch, b, t):
-    """``steps.score_positions`` (blocks of SCORE_BLOCK positions and a remainder)
+    """``steps.score_positions`` (blocks of ``score_block`` positions and a remainder)
     gives ``token_logprobs`` of the whole [B, T, V] logits, for a tied and an untied head."""
     from jfp8kv.engine import steps
 
     monkeypatch.setattr(steps, "SCORE_BLOCK", 8)
+    assert steps.score_block(V) == 8
     rng = np.random.default_rng()
     hidden = jnp.asarray(rng.standard_normal((b, t, 16)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32)
@@ -173,3 +174,13 @@ def test_prompt_scoring_in_blocks_equals_all_positions_at_once(monkeypatch, b, t
         np.testing.assert_allclose(np.take_along_axis(logp, np.asarray(got[2]), -1), got[1],
                                    rtol=1e-5, atol=1e-5)
         assert (np.asarray(got[2]) == np.asarray(want[2])).mean() > 0.95
+
+
+def test_scoring_blocks_are_bounded_in_bytes():
+    from jfp8kv.engine import steps
+
+    assert steps.score_block(49152) == 256  # SmolLM2: 48 MiB of float32 logits per block
+    assert steps.score_block(151936) == 64 and steps.score_block(248320) == 64
+    assert steps.score_block(1000) == steps.SCORE_BLOCK and steps.score_block(10 ** 9) == 8
+    for v in (49152, 151936, 248320):
+        assert steps.score_block(v) * v * 4 <= steps.SCORE_BYTES
