@@ -231,28 +231,42 @@ class Sizer:
         plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
         runner, real = self.verify(plan, e)
         if real > peak:
-            plan, free, runner, real = self._regrow(e, plan, free, peak, real)
+            e, plan, free, runner, real = self._regrow(e, plan, free, peak, real)
         mem = MemoryPlan(self.dm.capacity, self.dm.in_use, real, self.dm.margin, free,
                          "measured", what, self.dm.total)
         return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=free)), runner
 
     def _regrow(self, e: EngineConfig, plan: CachePlan, free: int, peak: int, real: int):
-        """Temporaries that grow with the pool (a copy of a pool the compiler could not
-        update in place): measured at the planned pool, they say how many bytes each page
-        adds; the pools shrink so that pools and temporaries fit together, and the
-        executables are compiled and measured again there."""
-        log.warning("the step's temporaries at the planned pool (%.2f GiB) exceed the probe's "
-                    "(%.2f GiB): they grow with the pool; re-planning", real / GiB, peak / GiB)
-        per_page = (real - peak) / max(1, plan.num_pages - 2)
+        """The verification at the planned pool measured more than the probe: the widest
+        prefill and every variant (a constant), or temporaries that grow with the pool (a
+        copy of a pool the compiler could not update in place). Re-planned with the measured
+        peak; where a second measurement at fewer pages shows growth, each page's share is
+        taken from the two and the pools shrink so that pools and temporaries fit."""
+        log.info("the step's temporaries at the planned pool (%.2f GiB: every variant, the "
+                 "widest prefill) exceed the probe's (%.2f GiB); re-planning", real / GiB,
+                 peak / GiB)
+        points = [(2, peak), (plan.num_pages, real)]
+        if self.dm.free_for(real) > 0:
+            free = self.dm.free_for(real)
+            e = self._fit_context(e, free)
+            plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
+            runner, again = self.verify(plan, e)
+            if abs(again - real) <= 0.05 * real:  # a constant: the plan holds
+                return e, plan, free, runner, again
+            points = [(plan.num_pages, again), points[1]]
+        (p0, t0), (p1, t1) = points
+        per_page = (t1 - t0) / max(1, p1 - p0)
+        base = t0 - per_page * p0
         page = self.layout.bytes_per_page(self.ps)
-        free = int(free / (1 + per_page / page))
+        free = int((self.dm.free_for(base) - per_page) / (1 + per_page / page))
+        e = self._fit_context(e, free)
         plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
         runner, real = self.verify(plan, e)
         if free + real > self.dm.free_for(0):
             raise ValueError(f"the step's temporaries grow with the pool ({real} bytes beside "
                              f"{free} bytes of pools) past the {self.dm.free_for(0)} bytes "
                              "free: set a smaller --kv-cache-memory")
-        return plan, free, runner, real
+        return e, plan, free, runner, real
 
     def _check_room(self, free: int, e: EngineConfig) -> None:
         if free <= 0:

@@ -191,6 +191,31 @@ def test_temporaries_that_grow_with_the_pool_are_measured_at_the_pool():
     spare = sizer.dm.free_for(0) - sizing.memory.pool_budget - sizing.memory.peak
     assert 0 <= spare <= layout.bytes_per_page(16) + (1 << 12) + DECODE_PEAK
     # the probe, then two verifications: at the first plan and after re-planning
+    assert [registered for _, _, registered in log] == [False, False] + [True] * 6
+    # (verified at the first plan, at the plan the measured peak leaves, then at the pools
+    # that the per-page growth from those two measurements leaves)
+
+
+def test_a_wider_verification_re_plans_once():
+    """The verification measures more than the probe (the widest prefill, every variant: a
+    constant 2 GiB here): the pools are planned once more from that peak, which holds."""
+    sizer, log, _ = _sizer(per_token=1, max_model_len=4096)
+    widest = FakeRunner.compile_variant
+
+    def wider(self, shape, *a, register=False, **kw):
+        out = widest(self, shape, *a, register=register, **kw)
+        extra = 2 * GiB if register else 0
+        m = vars(out.memory_analysis())
+        grown = SimpleNamespace(**{**m, "temp_size_in_bytes": m["temp_size_in_bytes"] + extra})
+        return SimpleNamespace(memory_analysis=lambda: grown)
+
+    FakeRunner.compile_variant = wider
+    try:
+        sizing, _ = sizer.size()
+    finally:
+        FakeRunner.compile_variant = widest
+    assert sizing.memory.peak == DECODE_PEAK + 2 * GiB
+    assert sizing.memory.pool_budget == sizer.dm.free_for(sizing.memory.peak)
     assert [registered for _, _, registered in log] == [False, False] + [True] * 4
 
 
