@@ -5,6 +5,7 @@ served; a normal stream gives its text, first-token time and usage."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 
@@ -40,3 +41,18 @@ def test_normal_stream(monkeypatch):
     rec = long_request.stream_once("http://x", {"prompt": [1]}, 5.0)
     assert rec["text"] == " a b" and rec["text_chunks"] == 2 and rec["usage"] == usage
     assert "error" not in rec and rec["ttft_s"] is not None
+
+
+def test_decode_speed_counts_the_tokens_after_the_first(monkeypatch):
+    """decode_tok_s: the usage's completion tokens after the first over the time from the
+    first text chunk to the last (a chunk may hold several tokens); None when undefined."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}
+    _patch(monkeypatch, _sse({"choices": [{"text": " a"}]}, {"choices": [{"text": " b c"}]},
+                             {"choices": [{"text": " d"}]}, {"choices": [], "usage": usage}))
+    clock = iter([0.0, 2.0, 2.5, 3.0, 3.5])  # start, three text chunks, the end
+    monkeypatch.setattr(long_request, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    rec = long_request.stream_once("http://x", {"prompt": [1]}, 5.0)
+    assert (rec["ttft_s"], rec["last_s"], rec["total_s"]) == (2.0, 3.0, 3.5)
+    assert rec["decode_tok_s"] == 8 / 1.0
+    assert long_request.decode_speed({"completion_tokens": 1}, 1.0, 1.0) is None
+    assert long_request.decode_speed(None, 1.0, 2.0) is None
