@@ -225,7 +225,7 @@ def test_decode_step_copies_no_pool_gpu():
     shaped like a state pool."""
     loaded = load_model("random:qwen3.6-tiny", "bfloat16")
     llm = _llm(loaded, dtype="bfloat16", attention_backend="pallas", max_num_seqs=32,
-               warmup=False)
+               kv_cache_memory=16 << 20, warmup=False)
     runner = llm.engine.runner
     fn, args, kw = runner._warm_call("decode", 8, 4, runner.max_pages_per_seq, True,
                                      runner.cache)
