@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import time
 from types import SimpleNamespace
 
@@ -89,6 +90,22 @@ def memory_check(metrics: list[str]) -> dict:
     return reserve_check(plan, device)
 
 
+def _unwind(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def summarize(doc: dict) -> dict:
+    """``doc`` with ``served`` (every request answered 200 with the whole prompt counted) and
+    ``summary``: the last request's TTFT and decode speed (``warm``: it was the repeat)."""
+    doc["served"] = bool(doc["requests"]) and all(
+        r["status"] == 200 and (r.get("usage") or {}).get("prompt_tokens")
+        == doc["prompt_tokens"] for r in doc["requests"])
+    last = doc["requests"][-1] if doc["requests"] else {}
+    doc["summary"] = dict(ttft_s=last.get("ttft_s"), decode_tok_s=last.get("decode_tok_s"),
+                          warm=len(doc["requests"]) > 1)
+    return doc
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.long_request", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,11 +133,13 @@ def main(argv=None) -> dict:
     doc = {"machine": machine_info(), "command": command_line("bench.long_request", list(argv)) if argv else command_line(),
            "server_command": server_cmd, "startup_s": time.perf_counter() - t0,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "requests": []}
+    signal.signal(signal.SIGTERM, _unwind)  # a stage's time limit: still stop the server
     try:
         for _ in range(2 if args.repeat else 1):
             doc["requests"].append(stream_once(url, body, args.request_timeout))
             print(json.dumps({k: v for k, v in doc["requests"][-1].items() if k != "text"}),
                   flush=True)
+            write_result(args.out, summarize(doc))  # a run cut short keeps what it measured
         doc["metrics"] = kv_metrics(url)
         doc["memory"] = memory_check(doc["metrics"])
     finally:
@@ -129,12 +148,7 @@ def main(argv=None) -> dict:
             proc.wait(30)
         except Exception:
             proc.kill()
-    doc["served"] = all(r["status"] == 200 and (r.get("usage") or {}).get(
-        "prompt_tokens") == args.prompt_tokens for r in doc["requests"])
-    last = doc["requests"][-1] if doc["requests"] else {}
-    doc["summary"] = dict(ttft_s=last.get("ttft_s"), decode_tok_s=last.get("decode_tok_s"),
-                          warm=args.repeat)
-    write_result(args.out, doc)
+    write_result(args.out, summarize(doc))
     print(f"served={doc['served']} startup={doc['startup_s']:.1f}s summary={doc['summary']} "
           f"-> {args.out}")
     return doc

@@ -56,3 +56,15 @@ def test_decode_speed_counts_the_tokens_after_the_first(monkeypatch):
     assert rec["decode_tok_s"] == 8 / 1.0
     assert long_request.decode_speed({"completion_tokens": 1}, 1.0, 1.0) is None
     assert long_request.decode_speed(None, 1.0, 2.0) is None
+
+
+def test_summary_is_the_last_request():
+    """``summarize``: served only when every request was answered with the whole prompt; the
+    summary is the last (with --repeat the warm) request's TTFT and decode speed."""
+    ok = {"status": 200, "usage": {"prompt_tokens": 8}, "ttft_s": 9.0, "decode_tok_s": 1.0}
+    warm = dict(ok, ttft_s=2.0, decode_tok_s=3.0)
+    doc = long_request.summarize({"prompt_tokens": 8, "requests": [ok, warm]})
+    assert doc["served"] and doc["summary"] == dict(ttft_s=2.0, decode_tok_s=3.0, warm=True)
+    assert not long_request.summarize({"prompt_tokens": 8, "requests": []})["served"]
+    cut = long_request.summarize({"prompt_tokens": 8, "requests": [ok, {"status": 500}]})
+    assert not cut["served"] and cut["summary"]["ttft_s"] is None
