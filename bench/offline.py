@@ -48,9 +48,10 @@ whole timed run saw, and the ideal time, from the engine's recorded steps and tw
 measured in the same invocation (a bf16 matmul, a device copy):
 
     ideal = prefill FLOPs / matmul rate + decode bytes / copy bandwidth
-    prefill FLOPs = 2 * A * prefill tokens + 2 * D * V * prefill rows
+    prefill FLOPs = (2 * A + G) * prefill tokens + 2 * D * V * prefill rows
                     + F * causal (query, key) pairs
     decode bytes  = per decode dispatch: iterations * W(B) + K/V tokens read * bytes_per_token
+                    + decode tokens * S_rw
     W(B) = (S + D * V + M * X(B) * 3 * D * I_e) * itemsize,   X(B) = E * (1 - (1 - k / E)^B)
 
 Each term is one function below. Per layer, the attention's matmul parameters
@@ -66,6 +67,12 @@ size Dh), for MLA 2 * H * (r + d_r) + 2 * H * r: the absorbed form the engine ru
 over the latent row of r = kv_lora_rank plus d_r RoPE dims, values over the r latent dims;
 W_UK / W_UV are applied per token and counted in A through kv_b). An expanded MLA prefill
 would need fewer FLOPs per pair; this ideal is that of the absorbed computation.
+G (``deltanet_flops``, Qwen3.5/3.6 hybrids; 0 elsewhere) = the gated delta rule's FLOPs per
+token over the linear layers, ``bench.deltanet``'s count: L_lin * Hv * 2 * (4 * Dk * Dv +
+2 * C * (Dk + Dv)) in the engine's chunks of C = 64 tokens (the state read for u and o, its
+update, the in-chunk products); a decode token is charged its recurrent step (C = 0) among
+the decode FLOPs of the roofline, and its state slot read and written once among the decode
+bytes (``state_rw_bytes``, S_rw per decode token).
 bytes_per_token is the cache's bytes per token including scales (for MLA one latent row of
 r + d_r per layer). X(B) (``distinct_experts``) is the expected number of distinct experts a
 batch of B tokens touches per routed layer **assuming uniform, independent routing** (each
@@ -103,10 +110,15 @@ from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_in
                           reserve_check, write_result)
 from jfp8kv.config import ADMISSION_POLICIES, FEATURE_EXECUTABLES, GEMM_AUTOTUNE
 
+DELTANET_CHUNK = 64  # the engine's DeltaNet prefill chunk (``kernels.deltanet.PREFILL_CHUNK``)
+
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
-    "2 * A * prefill_tokens + 2 * D * V * prefill_rows + F * causal_pairs; decode_bytes = sum "
-    "over decode dispatches of (iterations * W(B) + kv_tokens_read * bytes_per_token); "
+    "(2 * A + G) * prefill_tokens + 2 * D * V * prefill_rows + F * causal_pairs; decode_bytes "
+    "= sum over decode dispatches of (iterations * W(B) + kv_tokens_read * bytes_per_token + "
+    "decode_tokens * S_rw); G = hybrid models' gated delta rule FLOPs per token, linear layers "
+    "x Hv x 2 * (4 * Dk * Dv + 2 * 64 * (Dk + Dv)), S_rw = their state slot read and written "
+    "once (decode FLOPs of the roofline: the same count with chunk 0); "
     "A = active matmul parameters per token (attention, dense MLPs, routers, shared experts, "
     "k routed experts per routed layer); W(B) = (S + D * V + M * X(B) * 3 * D * I_e) * "
     "itemsize, S = A without the routed experts, M routed layers, X(B) = E * (1 - (1 - k/E)^B)"
@@ -221,6 +233,19 @@ def state_rw_bytes(cfg) -> int:
     return 2 * bytes_per_slot(state_config(cfg.hybrid, 2))
 
 
+def deltanet_flops(cfg, chunk: int) -> int:
+    """FLOPs per token of a Qwen3.5/3.6 hybrid's gated delta rule over all its linear layers,
+    in chunks of ``chunk`` tokens (0: the recurrent decode step): ``bench.deltanet``'s count
+    per token and value head times the value heads and the layers; 0 for other models."""
+    hy = cfg.hybrid
+    if hy is None:
+        return 0
+    from bench.deltanet import flops_per_token_head
+
+    per_head = flops_per_token_head(hy.linear_key_head_dim, hy.linear_value_head_dim, chunk)
+    return len(hy.linear_layers) * hy.linear_num_value_heads * per_head
+
+
 def mlp_params(cfg, layer: int) -> tuple[int, int]:
     """(matmul parameters every token of ``layer`` uses, parameters of one routed expert):
     a dense SwiGLU (3 * D * I, 0); a routed layer (router D * E + shared experts
@@ -272,7 +297,9 @@ def model_terms(cfg, dtype: str) -> dict:
                 expert_params=expert, moe_layers=moe_layers, num_experts=cfg.num_experts,
                 experts_per_tok=k, logits_params=cfg.hidden_size * cfg.vocab_size,
                 itemsize=jnp.dtype(dtype).itemsize, attn_flops_per_pair=attn_flops_per_pair(cfg),
-                state_rw_bytes=state_rw_bytes(cfg))
+                state_rw_bytes=state_rw_bytes(cfg),
+                deltanet_prefill_flops=deltanet_flops(cfg, DELTANET_CHUNK),
+                deltanet_decode_flops=deltanet_flops(cfg, 0))
 
 
 def weight_bytes(terms: dict, rows: float) -> float:
@@ -285,8 +312,9 @@ def weight_bytes(terms: dict, rows: float) -> float:
 
 def prefill_flops(terms: dict, tokens: int, chunks: int, pairs: int) -> float:
     """FLOPs of prefilling ``tokens`` in ``chunks`` chunks (one sampled logits row each) over
-    ``pairs`` causal (query, key) pairs."""
-    return (2 * terms["matmul_params"] * tokens + 2 * terms["logits_params"] * chunks
+    ``pairs`` causal (query, key) pairs, the DeltaNet layers' delta rule included."""
+    per_token = 2 * terms["matmul_params"] + terms.get("deltanet_prefill_flops", 0)
+    return (per_token * tokens + 2 * terms["logits_params"] * chunks
             + terms["attn_flops_per_pair"] * pairs)
 
 
@@ -301,7 +329,8 @@ def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: 
         b = (r.decode_iterations * weight_bytes(terms, rows)
              + r.decode_kv_tokens * bytes_per_token
              + r.decode_tokens * terms.get("state_rw_bytes", 0))
-        g = (2 * (terms["matmul_params"] + terms["logits_params"]) * r.decode_tokens
+        g = ((2 * (terms["matmul_params"] + terms["logits_params"])
+              + terms.get("deltanet_decode_flops", 0)) * r.decode_tokens
              + terms["attn_flops_per_pair"] * r.decode_kv_tokens)
         pf, db, df = pf + f, db + b, df + g
         if r.prefill_chunks:
@@ -320,8 +349,7 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
     output's iterations, every iteration reading the weights its live rows need, W(rows),
     plus their live K/V."""
     rate, bw = tflops * 1e12, tbps * 1e12
-    pf = sum(2 * terms["matmul_params"] * p + 2 * terms["logits_params"]
-             + terms["attn_flops_per_pair"] * p * (p + 1) / 2 for p in in_lens)
+    pf = sum(prefill_flops(terms, p, 1, p * (p + 1) / 2) for p in in_lens)
     db = 0.0
     for w in range(0, len(in_lens), batch):
         rows = list(zip(in_lens[w:w + batch], out_lens[w:w + batch]))
