@@ -148,9 +148,9 @@ def attend_reference(q, keys, positions, start, sinks, sm_scale: float, window: 
     r = keys.shape[1] - t
     qf = q.astype(jnp.float32)
     key_pos = start[:, None] - r + jnp.arange(r + t)[None]  # [B, S]
-    kf = jnp.where((key_pos >= 0)[..., None], keys.astype(jnp.float32), 0.0)
     see = ((positions >= 0)[..., None] & va.window_mask(positions, key_pos, window)
            & (key_pos >= 0)[:, None])  # [B, T, S]
+    kf = jnp.where(jnp.any(see, 1)[..., None], keys.astype(jnp.float32), 0.0)  # seen rows
     state = (jnp.broadcast_to(sinks.astype(jnp.float32), (b, t, h)),
              jnp.ones((b, t, h), jnp.float32), jnp.zeros((b, t, h, d), jnp.float32))
     state = _update(state, jnp.einsum("bthd,bsd->bths", qf, kf) * sm_scale, see[:, :, None],
