@@ -151,11 +151,12 @@ def test_context_is_the_models_as_far_as_the_pool_holds_it(monkeypatch, limit, w
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
 def test_gpu_generates_through_the_kernels(loaded, kv):
-    """On the GPU the engine decodes through ``kernels.v4_sparse`` (backend pallas) and the
-    MoE through the grouped matmul; the reference forward (jnp, gathered experts) on the same
-    device is the twin. float32 at the highest matmul precision; the two paths sum in
-    different orders, so a near-tie may flip a greedy token and everything after it: each
-    prompt's first token must agree and at least 90% of all tokens."""
+    """On the GPU the engine attends through ``kernels.v4_paged_sparse`` / ``v4_paged_indexer``
+    (backend pallas, the pools read in place) and the MoE through the grouped matmul; the
+    reference forward (jnp, gathered experts) on the same device is the twin. float32 at the
+    highest matmul precision; the two paths sum in different orders, so a near-tie may flip
+    a greedy token and everything after it: each prompt's first token must agree and at
+    least 90% of all tokens."""
     import jax
 
     with jax.default_matmul_precision("highest"):

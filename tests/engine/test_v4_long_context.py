@@ -6,7 +6,8 @@ chunks of 64 beside decode, then 16 greedy tokens each (up to 166 tokens: 41 CSA
 (``deepseek_v4.forward`` with the pools' storage), fp8 and bf16 pools, through the
 engine's CPU backend (the jnp twins of the in-place path) and, for fp8, through the
 Pallas kernels in interpret mode (the runner's backend switched after the build: the
-engine refuses a Pallas backend on the CPU). Every value of the pools is NaN before the
+engine refuses a Pallas backend on the CPU); on a GPU (``-m gpu``) through the compiled
+kernels. Every value of the pools is NaN before the
 first request (rows, scales, compressor state, the padding page and slot): what the
 sequences write replaces it, and nothing else may be read."""
 
@@ -74,3 +75,24 @@ def test_long_context_through_the_kernels_in_interpret_mode(loaded):
     llm.engine.runner.backend = "pallas_interpret"  # the kernels, and the grouped MoE
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference_greedy("float8_e4m3fn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_gpu_long_context_through_the_kernels(loaded, kv):
+    """On a GPU the engine runs the compiled kernels (backend pallas) over NaN-filled pools;
+    the reference forward on the same device is the twin. float32 at the highest matmul
+    precision; the two sum in different orders (tf32 products in the kernels), so a near
+    tie may flip a greedy token and everything after it: each prompt's first token must
+    agree and at least 90% of all tokens."""
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs an NVIDIA GPU")
+    with jax.default_matmul_precision("highest"):
+        llm = _llm(loaded, kv)
+        assert llm.cache_info()["attention_backend"] == "pallas"
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        want = reference_greedy(STORAGE[kv])
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    print(f"{kv}: {same} of {sum(map(len, want))} tokens agree")
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert same >= 0.9 * sum(map(len, want))
