@@ -235,9 +235,10 @@ def _csa_index(cfg, lay, iq, iw, pt, pos, interpret):
     from jfp8kv.kernels import v4_paged_sparse as vps
     from jfp8kv.models import v4_paged_attention as v4pa
 
-    return v4pa.csa_index(iq, iw, lay["index"], pt, vps.closed_entries(pos, lay["m"]),
-                          cfg.v4.index_topk, v4pa.INDEX_BLOCK,
-                          backend="pallas_interpret" if interpret else "pallas")
+    n = vps.closed_entries(pos, lay["m"])[:, None]  # one query per sequence
+    return v4pa.csa_index(iq[:, None], iw[:, None], lay["index"], pt, n, cfg.v4.index_topk,
+                          v4pa.INDEX_BLOCK,
+                          backend="pallas_interpret" if interpret else "pallas")[:, 0]
 
 
 def _dense_entries(pool, page_tables, dtype):

@@ -207,15 +207,10 @@ class _Step:
 
     def _csa_index(self, x: int, per_query: dict, qpos, m: int):
         """Each query's top-k flat entry ids: [B, k] for decode, [B, T, k] for a chunk."""
-        b, t = qpos.shape
-        iq, iw = per_query["iq"], per_query["iw"]
-        ids = v4pa.csa_index(iq.reshape(b * t, *iq.shape[2:]), iw.reshape(b * t, -1),
-                             self.indexer[x][0], self.page_tables,
-                             vps.closed_entries(qpos.reshape(-1), m), self.cfg.v4.index_topk,
-                             self.index_block,
-                             None if t == 1 else jnp.repeat(jnp.arange(b, dtype=jnp.int32), t),
-                             self.backend)
-        return ids if t == 1 else ids.reshape(b, t, -1)
+        ids = v4pa.csa_index(per_query["iq"], per_query["iw"], self.indexer[x][0],
+                             self.page_tables, vps.closed_entries(qpos, m),
+                             self.cfg.v4.index_topk, self.index_block, self.backend)
+        return ids[:, 0] if qpos.shape[1] == 1 else ids
 
 
 def forward(params, cache: Cache, tokens, positions, page_tables, seq_lens, slots, *,

@@ -11,16 +11,19 @@ indexer pool [pages, E, dI] bf16; flat entry id ``page * E + offset``, -1 = none
 
 Contracts
 ---------
-``csa_index(iq, iw, keys, page_tables, n_entries, k, block, table_rows=None,
-backend="reference") -> int32 [N, k]``: the flat ids of each query row's k highest
-lightning-indexer scores among its closed entries w < n_entries[i] (q [N, nI, dI], head
-weights [N, nI], row i of ``page_tables[table_rows[i]]``), -1 past the visible ones; equal
-to ``v4_paged_indexer.indexer_topk_reference`` with any cap >= max(n_entries), so exact as
-``v4_attention.indexer_select`` (ties: the lower entry index). No static cap: the scores
+``csa_index(iq, iw, keys, page_tables, n_entries, k, block, backend="reference")
+-> int32 [R, G, k]``: for G queries per sequence (a decode step: G = 1; a chunk: its T
+queries) of R sequences (q [R, G, nI, dI], head weights [R, G, nI], sequence r's table
+``page_tables[r]``), the flat ids of each query's k highest lightning-indexer scores among
+its closed entries w < n_entries[r, g], -1 past the visible ones; equal to
+``v4_paged_indexer.indexer_topk_reference`` with any cap >= max(n_entries) (the same set;
+ties: the lower entry index, as ``v4_attention.indexer_select``). No static cap: the scores
 of ``block`` entries at a time (``block_size``) are merged into a running top-k
 (``lax.top_k`` over the k kept then the block's, in entry order, so ties still go to the
-lower index) by a device loop of cdiv(max(n_entries), block) trips. Memory: [N, k + block]
-scores; work: every row's entries up to the longest row's.
+lower index) by a device loop of cdiv(max(n_entries), block) trips. Memory: [R, G,
+k + block] scores (the jnp twin also gathers the block's keys once per sequence,
+[R, block, dI], and sums the heads one at a time); work: every query's entries up to the
+longest's.
 
 ``decode(q, win, win_scale, slots, pos, sinks, sm_scale, *, comp=None, comp_scale=None,
 idx=None, page_tables=None, ratio=None, block, backend) -> [B, H, hd] float32``:
@@ -76,30 +79,58 @@ def _interpret(backend: str) -> bool:
     return backend == "pallas_interpret"
 
 
-def csa_index(iq, iw, keys, page_tables, n_entries, k: int, block: int, table_rows=None,
+def _kernel_scores(backend: str, block: int):
+    """scores(iq, iw, keys, pt, n, ids) -> [R, G, block]: ``paged_indexer_scores`` with
+    every query one row reading its sequence's table row."""
+    def scores(iq, iw, keys, pt, n, ids):
+        r, g = n.shape
+        rows = None if g == 1 else jnp.repeat(jnp.arange(r, dtype=jnp.int32), g)
+        s = vpi.paged_indexer_scores(iq.reshape(r * g, *iq.shape[2:]), iw.reshape(r * g, -1),
+                                     keys, pt, n.reshape(-1), block, rows,
+                                     interpret=_interpret(backend),
+                                     key_tile=math.gcd(block, 64))
+        return s.reshape(r, g, block)
+    return scores
+
+
+def _twin_scores(iq, iw, keys, pt, n, ids):
+    """The jnp twin of ``_kernel_scores``: the block's keys gathered once per sequence
+    (ids [R, block], -1: none), sum_h w_h relu(q_h . k) one head at a time, -inf at each
+    query's entries past its count."""
+    got = keys.reshape(-1, keys.shape[-1])[jnp.maximum(ids, 0)].astype(jnp.float32)
+    got = jnp.where((ids >= 0)[..., None], got, 0.0)  # [R, block, dI]
+    q, w = iq.astype(jnp.float32), iw.astype(jnp.float32)
+
+    def head(h, acc):
+        qh = jax.lax.dynamic_index_in_dim(q, h, 2, keepdims=False)  # [R, G, dI]
+        wh = jax.lax.dynamic_index_in_dim(w, h, 2, keepdims=False)  # [R, G]
+        return acc + wh[..., None] * jax.nn.relu(jnp.einsum("rgd,rkd->rgk", qh, got))
+
+    s = jax.lax.fori_loop(0, q.shape[2], head, jnp.zeros(n.shape + ids.shape[-1:]))
+    return jnp.where(jnp.arange(ids.shape[-1]) < n[..., None], s, -jnp.inf)
+
+
+def csa_index(iq, iw, keys, page_tables, n_entries, k: int, block: int,
               backend: str = "reference"):
     """A CSA layer's index lists (module contract)."""
     per_page = keys.shape[1]
     block = block_size(per_page, block)
     pages = block // per_page
-    n = n_entries.astype(jnp.int32)
-    if backend == "reference":
-        scorer = vpi.paged_indexer_scores_reference
-    else:
-        scorer = functools.partial(vpi.paged_indexer_scores, interpret=_interpret(backend),
-                                   key_tile=math.gcd(block, 64))
+    n = n_entries.astype(jnp.int32)  # [R, G]
+    scorer = _twin_scores if backend == "reference" else _kernel_scores(backend, block)
 
     def step(j, carry):
         vals, ids = carry
         pt = _block_table(page_tables, j, pages)
         nj = jnp.clip(n - j * block, 0, block)
-        scores = scorer(iq, iw, keys, pt, nj, block, table_rows)
-        got = vps.entry_ids(pt, nj, per_page, block, table_rows)
-        vals, at = jax.lax.top_k(jnp.concatenate([vals, scores], 1), k)
-        return vals, jnp.take_along_axis(jnp.concatenate([ids, got], 1), at, 1)
+        got = vps.entry_ids(pt, jnp.max(nj, 1), per_page, block)  # [R, block]
+        scores = scorer(iq, iw, keys, pt, nj, got)
+        got = jnp.where(jnp.arange(block) < nj[..., None], got[:, None], -1)
+        vals, at = jax.lax.top_k(jnp.concatenate([vals, scores], -1), k)
+        return vals, jnp.take_along_axis(jnp.concatenate([ids, got], -1), at, -1)
 
-    nq = iq.shape[0]
-    init = (jnp.full((nq, k), -jnp.inf, jnp.float32), jnp.full((nq, k), -1, jnp.int32))
+    init = (jnp.full(n.shape + (k,), -jnp.inf, jnp.float32), jnp.full(n.shape + (k,), -1,
+                                                                      jnp.int32))
     vals, ids = jax.lax.fori_loop(0, (jnp.max(n) + block - 1) // block, step, init)
     return jnp.where(vals > -jnp.inf, ids, -1)
 

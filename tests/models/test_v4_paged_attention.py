@@ -3,10 +3,11 @@
 test_v4_paged_sparse``: shuffled page tables, rows of different lengths, a padding row,
 every unread row and scale NaN), with blocks of 16 entries so that rows span several:
 
-* ``csa_index`` (the top-k merged block by block, both backends) picks each row's entries
-  of one top-k over all of them (``indexer_topk_reference`` with a cap over the whole
-  table), ties included (all-zero keys: the lower entry index wins), k below and above a
-  block, query rows naming their table row;
+* ``csa_index`` (the top-k merged block by block, both backends) picks each query's
+  entries of one top-k over all of them (``indexer_topk_reference`` with a cap over the
+  whole table), ties included (all-zero keys: the lower entry index wins), k below and
+  above a block, one query per sequence and a chunk's queries sharing their sequence's
+  table;
 * the jnp twins of ``decode`` and ``chunk`` (the "reference" backend: the ring read in
   place, the HCA walk a block at a time, query blocks) equal ``paged_sparse_decode_
   reference`` / ``paged_sparse_prefill_reference``, which gather the whole table.
@@ -37,21 +38,29 @@ def test_block_size():
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
 @pytest.mark.parametrize("k", [5, 20])
 def test_csa_index_is_one_top_k_over_every_entry(backend, k):
+    """One query per sequence (a decode step), then three per sequence of its own counts
+    sharing the sequence's table (a chunk)."""
     rng = np.random.default_rng()
     n_ent = [0, 3, 17, 29, 32]
     zero = [rng.permutation(c)[:c // 2] for c in n_ent]  # half the keys zero: exact ties
     q, w, pool, poisoned, pt, n = _indexer_case(rng, n_ent, zero_rows=zero, positive_w=True)
     want = vpi.indexer_topk_reference(q, w, pool, pt, n, k, WIDTH * E)
-    got = v4pa.csa_index(q, w, poisoned, pt, n, k, 16, backend=backend)
+    got = v4pa.csa_index(q[:, None], w[:, None], poisoned, pt, n[:, None], k, 16,
+                         backend)[:, 0]
     assert got.shape == (5, k)
     assert _sets(got, pt) == _sets(want, pt)
     for row, c in zip(np.asarray(got), n_ent):
         assert (row >= 0).sum() == min(k, c) and (row[min(k, c):] == -1).all()
-    if backend == "reference":  # the same scorer: the same ids in the same order
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    rev = jnp.arange(pt.shape[0])[::-1]  # query rows naming their table row
-    got = v4pa.csa_index(q, w, poisoned, pt[rev], n, k, 16, rev, backend)
-    assert _sets(got, pt[rev], rev) == _sets(want, pt)
+    # a chunk: sequences 2-4 with 3 queries each, seeing up to their sequence's count
+    seqs = jnp.asarray([2, 3, 4])
+    qc = jnp.asarray(rng.standard_normal((3, 3) + q.shape[1:]).astype(np.float32))
+    wc = jnp.abs(jnp.asarray(rng.standard_normal((3, 3, w.shape[1])).astype(np.float32)))
+    nc = jnp.asarray([[5, 16, 17], [0, 28, 29], [32, 31, 17]], jnp.int32)
+    rows = jnp.repeat(jnp.arange(3), 3)
+    want = vpi.indexer_topk_reference(qc.reshape(9, *q.shape[1:]), wc.reshape(9, -1), pool,
+                                      pt[seqs], nc.reshape(-1), k, WIDTH * E, rows)
+    got = v4pa.csa_index(qc, wc, poisoned, pt[seqs], nc, k, 16, backend).reshape(9, k)
+    assert _sets(got, pt[seqs], rows) == _sets(want, pt[seqs], rows)
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
