@@ -123,7 +123,7 @@ class _Step:
                  backend: str, query_block, index_block: int):
         self.cache0, self.cfg, self.spec = cache, cfg, _spec(cache)
         self.at = _state_layout(cache, cfg)
-        self.pos, self.n_new, self.page_tables, self.slots = pos, n_new, page_tables, slots
+        self.pos, self.page_tables, self.slots = pos, page_tables, slots
         self.dtype, self.backend = dtype, backend
         self.query_block, self.index_block = query_block, index_block
         self.written = jnp.where(n_new > 0, slots, cache.plan.num_slots)  # else dropped
