@@ -190,6 +190,13 @@ def decode_rows(cases, b: int, s: dict, bw: float, slots_total: int, block_vs=(6
 PREFILL_IMPL = {"prefill": "xla", "prefill-jla": "jla"}
 
 
+def flops_per_token_head(dk: int, dv: int, chunk: int = 64) -> int:
+    """Useful FLOPs of the gated delta rule per token and value head in chunks of ``chunk``
+    tokens: 2 * (4 * Dk * Dv + 2 * C * (Dk + Dv)) (the module docstring's count); chunk 0
+    gives the recurrent step's. ``bench.offline``'s ideal model counts the same."""
+    return 2 * (4 * dk * dv + 2 * chunk * (dk + dv))
+
+
 def prefill_rows(cases, t: int, s: dict, tflops: float, chunk: int = 64,
                  triton_tunings=(delta_chunk_triton.ChunkTuning(),)) -> list[dict]:
     """The prefill cases of ``cases`` on one sequence of t tokens, timed side by side: ms and
@@ -198,7 +205,7 @@ def prefill_rows(cases, t: int, s: dict, tflops: float, chunk: int = 64,
     q, k, v, g, beta = _inputs(1, t, s, jax.random.key(t))
     state = jnp.zeros((1, s["hv"], s["dk"], s["dv"]), jnp.float32)
     args = (state, q, k, v, g, beta)
-    flops = t * s["hv"] * 2 * (4 * s["dk"] * s["dv"] + 2 * chunk * (s["dk"] + s["dv"]))
+    flops = t * s["hv"] * flops_per_token_head(s["dk"], s["dv"], chunk)
     interpret = jax.default_backend() != "gpu"
     rows, jobs = [], []
     for case in cases:

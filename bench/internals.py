@@ -7,13 +7,15 @@ to follow. What each needs and why:
 * ``decode_dispatch``: one jitted multi-step decode on hand-made rows, to time the step
   alone against its memory floor (``bench.decode_floor``);
 * ``prefill_dispatch``: the prefill of hand-made chunks (``bench.prefill_profile``);
-* ``fill_cache_random``: random K/V pages and dynamic scales, so that timed attention reads
-  realistic data;
+* ``fill_cache_random``: random K/V pages and dynamic scales (or, for a cache without a
+  dense "kv" pool, DeepSeek-V4's say, every pool's rows, scales and state), so that timed
+  attention reads realistic data;
 * ``default_fp8_scale_mode``: the scale mode ``kv_cache_dtype="fp8"`` gets when none is
   named (records and server command lines name it explicitly);
 * ``weight_bytes``: the parameters' bytes on the device;
 * ``kv_bytes_per_token``: the pool's bytes per token for a KV dtype and scale mode (to size
-  a pool to what a benchmark needs);
+  a pool to what a benchmark needs); ``pool_sizes``: the family's layout's page size, bytes
+  per page and per state slot (any family: DeepSeek-V4's slots and raised page size);
 * ``eos_after``: requests that end early as if EOS were sampled (random weights never sample
   it), for workloads such as chat where outputs stop far below max_tokens
   (``bench.offline --eos-after``);
@@ -69,6 +71,8 @@ def fill_cache_random(llm, key) -> None:
 
     from jfp8kv.kvcache.cache import as_pool
 
+    if "kv" not in llm.engine.runner.cache.pools:
+        return _fill_pools_random(llm, key)
     cache = llm.engine.runner.cache["kv"]
 
     @jax.jit
@@ -86,6 +90,44 @@ def fill_cache_random(llm, key) -> None:
                 old = arrs[i]
                 arrs[i] = fn(old, jax.random.fold_in(key, 4 * i + j))
                 old.delete()
+
+
+def _fill_pools_random(llm, key) -> None:
+    """Every leaf of every pool replaced, one at a time (the old buffer freed before the
+    next): float16 leaves (fp8 block scales) uniform in [0.001, 0.021], the others
+    (rows of any storage dtype, float32 state) N(0, 2) in their dtype."""
+    import jax
+
+    runner = llm.engine.runner
+
+    @jax.jit
+    def rnd(x, k):
+        if x.dtype == jax.numpy.float16:
+            return (jax.random.uniform(k, x.shape) * 0.02 + 0.001).astype(x.dtype)
+        return (jax.random.normal(k, x.shape, "float32") * 2).astype(x.dtype)
+
+    leaves, tree = jax.tree.flatten(runner.cache)
+    for i, old in enumerate(leaves):
+        leaves[i] = rnd(old, jax.random.fold_in(key, i))
+        old.delete()
+    runner.cache = jax.tree.unflatten(tree, leaves)
+
+
+def pool_sizes(cfg, kv_cache_dtype: str, mode: str | None, page_size: int,
+               dtype: str = "bfloat16") -> tuple[int, int, int]:
+    """(page size, bytes per page, bytes per state slot) of ``cfg``'s family's cache layout
+    for a user KV dtype name and scale mode: the page size as the engine raises it (a V4
+    page holds whole windows of every compress ratio), 0 bytes per slot without slot
+    pools."""
+    from jfp8kv.kvcache.fp8 import storage_dtype_name
+    from jfp8kv.kvcache.layout import CacheRequest
+    from jfp8kv.models import families
+
+    storage = storage_dtype_name(kv_cache_dtype, dtype)
+    req = CacheRequest(storage, mode if storage.startswith("float8") else None)
+    layout = families.of(cfg).cache_layout(cfg, req, "reference")
+    ps = layout.page_size(page_size)
+    return ps, layout.bytes_per_page(ps), layout.bytes_per_slot() if layout.slots else 0
 
 
 def weight_bytes(llm) -> int:

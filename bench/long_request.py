@@ -1,15 +1,21 @@
-"""One long request through the server (issue 41's done-when: a 131,072-token request served).
+"""One long request through the server (issue 41's done-when: a 131,072-token request served;
+issue 56's: its time to first token and decode speed).
 
     python -m bench.long_request --model random:qwen3.6-35b-a3b --prompt-tokens 131072 \\
-        --max-tokens 16 --out bench/results/long-request-hybrid-h200.json -- \\
-        --kv-cache-dtype fp8_e4m3 --max-model-len 131088 --warmup off
+        --max-tokens 256 --repeat --out bench/results/long-request-hybrid-h100.json -- \\
+        --kv-cache-dtype fp8_e4m3 --max-model-len 131328 --max-num-seqs 4 --warmup off
 
 Starts ``python -m jfp8kv.serve`` on a free loopback port (flags after ``--``), waits for
 /health, sends one streamed greedy /v1/completions whose prompt is ``--prompt-tokens`` token
 ids (seeded, below ``--vocab-limit``), and records: start-up seconds, status, time to the first
 streamed token (prefill, compiles included when warm-up is off), total seconds, the tokens
-returned and the server's /metrics lines about the KV cache. Then the same request once more
-when ``--repeat`` (compiled shapes: the second TTFT is the prefill alone). Stops the server.
+returned, the decode speed (``decode_tok_s``: the usage's completion tokens after the first
+over the time from the first streamed chunk to the last; exact when the first chunk holds
+the prefill's token alone, a chunk of several later tokens counts them all) and the server's
+/metrics lines about the KV cache. Then the same request once more when ``--repeat``
+(compiled shapes: the second TTFT is the prefill alone, its decode speed the warm one).
+``summary`` holds the last request's TTFT and decode speed (the warm ones with
+``--repeat``). Stops the server.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import time
 from types import SimpleNamespace
 
@@ -27,10 +34,11 @@ from bench.soak import start_server
 
 
 def stream_once(url: str, body: dict, timeout: float) -> dict:
-    """POST one streamed completion; (status, ttft_s, total_s, text, chunks[, error]: the
-    server's in-stream error event, which ends the stream)."""
+    """POST one streamed completion; (status, ttft_s, last_s: the last text chunk, total_s,
+    text, chunks, usage, decode_tok_s[, error]: the server's in-stream error event, which
+    ends the stream)."""
     t0 = time.perf_counter()
-    ttft, text, chunks, usage, error = None, "", 0, None, None
+    ttft, last, text, chunks, usage, error = None, None, "", 0, None, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout,
                       trust_env=False) as r:
         if r.status_code != 200:
@@ -44,14 +52,24 @@ def stream_once(url: str, body: dict, timeout: float) -> dict:
                 error = msg["error"]
                 break
             if msg.get("choices") and msg["choices"][0].get("text"):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
+                last = time.perf_counter() - t0
+                ttft = last if ttft is None else ttft
                 text += msg["choices"][0]["text"]
                 chunks += 1
             usage = msg.get("usage") or usage
-    return {"status": 200, "ttft_s": ttft, "total_s": time.perf_counter() - t0,
+    return {"status": 200, "ttft_s": ttft, "last_s": last, "total_s": time.perf_counter() - t0,
             "text": text, "text_chunks": chunks, "usage": usage,
+            "decode_tok_s": decode_speed(usage, ttft, last),
             **({"error": error} if error else {})}
+
+
+def decode_speed(usage: dict | None, ttft: float | None, last: float | None) -> float | None:
+    """Tokens per second after the first: (completion tokens - 1) / (last - first streamed
+    token); None without usage or with fewer than two tokens."""
+    n = (usage or {}).get("completion_tokens") or 0
+    if n < 2 or ttft is None or last is None or last <= ttft:
+        return None
+    return (n - 1) / (last - ttft)
 
 
 def kv_metrics(url: str) -> list[str]:
@@ -70,6 +88,22 @@ def memory_check(metrics: list[str]) -> dict:
             if ln.startswith(name + "{"):
                 into[prefix + ln.split('"')[1]] = float(ln.rsplit(" ", 1)[1])
     return reserve_check(plan, device)
+
+
+def _unwind(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def summarize(doc: dict) -> dict:
+    """``doc`` with ``served`` (every request answered 200 with the whole prompt counted) and
+    ``summary``: the last request's TTFT and decode speed (``warm``: it was the repeat)."""
+    doc["served"] = bool(doc["requests"]) and all(
+        r["status"] == 200 and (r.get("usage") or {}).get("prompt_tokens")
+        == doc["prompt_tokens"] for r in doc["requests"])
+    last = doc["requests"][-1] if doc["requests"] else {}
+    doc["summary"] = dict(ttft_s=last.get("ttft_s"), decode_tok_s=last.get("decode_tok_s"),
+                          warm=len(doc["requests"]) > 1)
+    return doc
 
 
 def main(argv=None) -> dict:
@@ -99,11 +133,13 @@ def main(argv=None) -> dict:
     doc = {"machine": machine_info(), "command": command_line("bench.long_request", list(argv)) if argv else command_line(),
            "server_command": server_cmd, "startup_s": time.perf_counter() - t0,
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "requests": []}
+    signal.signal(signal.SIGTERM, _unwind)  # a stage's time limit: still stop the server
     try:
         for _ in range(2 if args.repeat else 1):
             doc["requests"].append(stream_once(url, body, args.request_timeout))
             print(json.dumps({k: v for k, v in doc["requests"][-1].items() if k != "text"}),
                   flush=True)
+            write_result(args.out, summarize(doc))  # a run cut short keeps what it measured
         doc["metrics"] = kv_metrics(url)
         doc["memory"] = memory_check(doc["metrics"])
     finally:
@@ -112,10 +148,9 @@ def main(argv=None) -> dict:
             proc.wait(30)
         except Exception:
             proc.kill()
-    doc["served"] = all(r["status"] == 200 and (r.get("usage") or {}).get(
-        "prompt_tokens") == args.prompt_tokens for r in doc["requests"])
-    write_result(args.out, doc)
-    print(f"served={doc['served']} startup={doc['startup_s']:.1f}s -> {args.out}")
+    write_result(args.out, summarize(doc))
+    print(f"served={doc['served']} startup={doc['startup_s']:.1f}s summary={doc['summary']} "
+          f"-> {args.out}")
     return doc
 
 

@@ -48,9 +48,10 @@ whole timed run saw, and the ideal time, from the engine's recorded steps and tw
 measured in the same invocation (a bf16 matmul, a device copy):
 
     ideal = prefill FLOPs / matmul rate + decode bytes / copy bandwidth
-    prefill FLOPs = 2 * A * prefill tokens + 2 * D * V * prefill rows
+    prefill FLOPs = (2 * A + G) * prefill tokens + 2 * D * V * prefill rows
                     + F * causal (query, key) pairs
     decode bytes  = per decode dispatch: iterations * W(B) + K/V tokens read * bytes_per_token
+                    + decode tokens * S_rw
     W(B) = (S + D * V + M * X(B) * 3 * D * I_e) * itemsize,   X(B) = E * (1 - (1 - k / E)^B)
 
 Each term is one function below. Per layer, the attention's matmul parameters
@@ -66,6 +67,12 @@ size Dh), for MLA 2 * H * (r + d_r) + 2 * H * r: the absorbed form the engine ru
 over the latent row of r = kv_lora_rank plus d_r RoPE dims, values over the r latent dims;
 W_UK / W_UV are applied per token and counted in A through kv_b). An expanded MLA prefill
 would need fewer FLOPs per pair; this ideal is that of the absorbed computation.
+G (``deltanet_flops``, Qwen3.5/3.6 hybrids; 0 elsewhere) = the gated delta rule's FLOPs per
+token over the linear layers, ``bench.deltanet``'s count: L_lin * Hv * 2 * (4 * Dk * Dv +
+2 * C * (Dk + Dv)) in the engine's chunks of C = 64 tokens (the state read for u and o, its
+update, the in-chunk products); a decode token is charged its recurrent step (C = 0) among
+the decode FLOPs of the roofline, and its state slot read and written once among the decode
+bytes (``state_rw_bytes``, S_rw per decode token).
 bytes_per_token is the cache's bytes per token including scales (for MLA one latent row of
 r + d_r per layer). X(B) (``distinct_experts``) is the expected number of distinct experts a
 batch of B tokens touches per routed layer **assuming uniform, independent routing** (each
@@ -73,6 +80,20 @@ token picks k of E, so an expert is missed by all B with probability (1 - k/E)^B
 weights route roughly uniformly, trained routers less so); X(1) = k, X(B) -> E. B is a
 decode iteration's rows (for a recorded dispatch its decode tokens / iterations). A dense
 model has M = 0, A = S = P, the transformer's matmul parameters.
+
+DeepSeek-V4 (``v4_sparse_terms``, ``v4_sparse_cost``): its attention is sparse, so F = 0
+and K/V bytes_per_token are not used; instead, for Q queries whose contexts (tokens up to
+and including each) sum to C (decode: Q decode tokens, C their K/V tokens; prefill: Q
+prefill tokens, C their causal pairs), per layer the window rows min(W * Q, C), per CSA
+layer of ratio m the indexer's scores over every closed entry, C / m, and the top-k
+entries attended, min(k * Q, C / m), per HCA layer every closed entry, C / m. FLOPs:
+4 * H * hd per attended row (scores and values), 2 * nI * dI per indexer score; bytes
+(decode only: a prefill chunk's queries share rows): row_bytes (hd values + fp8's hd / 32
+fp16 scales) per attended row, 2 * dI (bf16 keys) per indexer score; and every decode token
+reads and writes its slot's float32 compressor state once (state_rw_bytes). The min()
+terms are exact when every context is at least W (the window) and m * k (the top-k: 2,048
+tokens for Flash), an upper bound below; C / m counts an entry's fraction (at most one
+entry per query and layer too many).
 ``actual_over_ideal`` is the wall time over that. ``ideal_roofline_s`` also charges every
 dispatch the larger of its FLOPs and bytes terms (prefill reads the weights too, W(prefill
 tokens); a large decode batch computes, 2 * (A + D * V) per token + F per pair); it is never
@@ -103,10 +124,15 @@ from bench.common import (RESULTS, command_line, copy_bandwidth_tbps, machine_in
                           reserve_check, write_result)
 from jfp8kv.config import ADMISSION_POLICIES, FEATURE_EXECUTABLES, GEMM_AUTOTUNE
 
+DELTANET_CHUNK = 64  # the engine's DeltaNet prefill chunk (``kernels.deltanet.PREFILL_CHUNK``)
+
 IDEAL_MODEL = (
     "ideal_s = prefill_flops / matmul_rate + decode_bytes / copy_bandwidth; prefill_flops = "
-    "2 * A * prefill_tokens + 2 * D * V * prefill_rows + F * causal_pairs; decode_bytes = sum "
-    "over decode dispatches of (iterations * W(B) + kv_tokens_read * bytes_per_token); "
+    "(2 * A + G) * prefill_tokens + 2 * D * V * prefill_rows + F * causal_pairs; decode_bytes "
+    "= sum over decode dispatches of (iterations * W(B) + kv_tokens_read * bytes_per_token + "
+    "decode_tokens * S_rw); G = hybrid models' gated delta rule FLOPs per token, linear layers "
+    "x Hv x 2 * (4 * Dk * Dv + 2 * 64 * (Dk + Dv)), S_rw = their state slot read and written "
+    "once (decode FLOPs of the roofline: the same count with chunk 0); "
     "A = active matmul parameters per token (attention, dense MLPs, routers, shared experts, "
     "k routed experts per routed layer); W(B) = (S + D * V + M * X(B) * 3 * D * I_e) * "
     "itemsize, S = A without the routed experts, M routed layers, X(B) = E * (1 - (1 - k/E)^B)"
@@ -114,9 +140,12 @@ IDEAL_MODEL = (
     "iteration; F = per layer 4 * H * Dh, MLA (absorbed) 2 * H * (kv_lora_rank + "
     "qk_rope_head_dim) + 2 * H * kv_lora_rank; ideal_roofline_s charges each dispatch "
     "max(flops / matmul_rate, bytes / copy_bandwidth); DeepSeek-V4: A counts its attention's "
-    "q-LoRA, shared KV, grouped output, compressors, indexer and mHC maps, F = 0 (sparse "
-    "attention FLOPs not counted) and bytes_per_token is its pages' (compressed + indexer "
-    "entries) per source token, the slot state not counted: a lower bound")
+    "q-LoRA, shared KV, grouped output, compressors, indexer and mHC maps; its sparse "
+    "attention replaces F and bytes_per_token (v4_sparse_cost): for Q queries with contexts "
+    "summing to C, per layer min(W * Q, C) window rows, per CSA layer C / m indexer scores "
+    "(2 * nI * dI FLOPs, 2 * dI bytes each) and min(k * Q, C / m) attended entries, per HCA "
+    "layer C / m attended entries (4 * H * hd FLOPs, row_bytes each); decode bytes also the "
+    "float32 compressor state read and written per token")
 
 
 def machine_slug(info: dict) -> str:
@@ -221,6 +250,19 @@ def state_rw_bytes(cfg) -> int:
     return 2 * bytes_per_slot(state_config(cfg.hybrid, 2))
 
 
+def deltanet_flops(cfg, chunk: int) -> int:
+    """FLOPs per token of a Qwen3.5/3.6 hybrid's gated delta rule over all its linear layers,
+    in chunks of ``chunk`` tokens (0: the recurrent decode step): ``bench.deltanet``'s count
+    per token and value head times the value heads and the layers; 0 for other models."""
+    hy = cfg.hybrid
+    if hy is None:
+        return 0
+    from bench.deltanet import flops_per_token_head
+
+    per_head = flops_per_token_head(hy.linear_key_head_dim, hy.linear_value_head_dim, chunk)
+    return len(hy.linear_layers) * hy.linear_num_value_heads * per_head
+
+
 def mlp_params(cfg, layer: int) -> tuple[int, int]:
     """(matmul parameters every token of ``layer`` uses, parameters of one routed expert):
     a dense SwiGLU (3 * D * I, 0); a routed layer (router D * E + shared experts
@@ -240,11 +282,44 @@ def attn_flops_per_pair(cfg) -> int:
     MLA, absorbed: 2 * H * (r + d_r) for scores over latent rows + 2 * H * r for values."""
     h = cfg.num_heads
     if cfg.v4 is not None:
-        return 0  # sparse (window + chosen entries): not counted (IDEAL_MODEL)
+        return 0  # sparse: v4_sparse_cost counts it instead
     if cfg.is_mla:
         return cfg.num_layers * (2 * h * cfg.latent_dim + 2 * h * cfg.kv_lora_rank)
     layers = cfg.num_layers if cfg.hybrid is None else len(cfg.hybrid.attention_layers)
     return layers * 4 * h * cfg.head_dim
+
+
+def v4_sparse_terms(cfg, kv_cache_dtype: str) -> dict:
+    """DeepSeek-V4's sparse-attention terms (module docstring) for pools of
+    ``kv_cache_dtype`` ("bfloat16", "float8_e4m3fn", "fp8_e4m3", ...): window W, layers,
+    each CSA / HCA layer's ratio, the top-k, FLOPs per attended row and per indexer score,
+    bytes per row and per indexer key, and the compressor state a decode token reads and
+    writes."""
+    from jfp8kv.kvcache import v4_pools
+
+    v4 = cfg.v4
+    spec = v4_pools.V4PoolSpec.from_model(cfg, kv_cache_dtype, max(v4.compress_ratios))
+    kinds = [v4.layer_kind(i) for i in range(cfg.num_layers)]
+    return dict(window=v4.sliding_window, layers=cfg.num_layers, topk=v4.index_topk,
+                csa_ratios=[v4.compress_ratios[i] for i, k in enumerate(kinds) if k == "csa"],
+                hca_ratios=[v4.compress_ratios[i] for i, k in enumerate(kinds) if k == "hca"],
+                row_flops=4 * cfg.num_heads * cfg.head_dim,
+                index_flops=2 * v4.index_n_heads * v4.index_head_dim,
+                row_bytes=spec.row_bytes(), index_bytes=2 * v4.index_head_dim,
+                state_rw_bytes=2 * spec.state_bytes_per_slot())
+
+
+def v4_sparse_cost(sp: dict, queries: float, context: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of V4's sparse attention for ``queries`` queries whose contexts sum
+    to ``context`` tokens (``v4_sparse_terms``' ``sp``; module docstring)."""
+    rows = min(sp["window"] * queries, context) * sp["layers"]
+    scores = 0.0
+    for m in sp["csa_ratios"]:
+        scores += context / m
+        rows += min(sp["topk"] * queries, context / m)
+    rows += sum(context / m for m in sp["hca_ratios"])
+    return (rows * sp["row_flops"] + scores * sp["index_flops"],
+            rows * sp["row_bytes"] + scores * sp["index_bytes"])
 
 
 def distinct_experts(num_experts: int, top_k: int, rows: float) -> float:
@@ -256,10 +331,12 @@ def distinct_experts(num_experts: int, top_k: int, rows: float) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
 
 
-def model_terms(cfg, dtype: str) -> dict:
+def model_terms(cfg, dtype: str, kv_cache_dtype: str | None = None) -> dict:
     """The architecture's numbers the ideal model needs (see the module docstring):
     ``matmul_params`` A (active per token), ``static_params`` S, ``total_params`` (every
-    expert), ``expert_params`` (one routed expert), ``logits_params`` D * V."""
+    expert), ``expert_params`` (one routed expert), ``logits_params`` D * V; DeepSeek-V4
+    also ``v4_sparse`` (``v4_sparse_terms`` of its pools' ``kv_cache_dtype``, default
+    bf16) and its compressor state as ``state_rw_bytes``."""
     import jax.numpy as jnp
 
     mlps = [mlp_params(cfg, i) for i in range(cfg.num_layers)]
@@ -267,12 +344,18 @@ def model_terms(cfg, dtype: str) -> dict:
     expert = max((e for _, e in mlps), default=0)
     static = sum(mixer_params(cfg, i) for i in range(cfg.num_layers)) + sum(s for s, _ in mlps)
     k = cfg.num_experts_per_tok if moe_layers else 0
-    return dict(matmul_params=static + moe_layers * k * expert, static_params=static,
-                total_params=static + moe_layers * cfg.num_experts * expert,
-                expert_params=expert, moe_layers=moe_layers, num_experts=cfg.num_experts,
-                experts_per_tok=k, logits_params=cfg.hidden_size * cfg.vocab_size,
-                itemsize=jnp.dtype(dtype).itemsize, attn_flops_per_pair=attn_flops_per_pair(cfg),
-                state_rw_bytes=state_rw_bytes(cfg))
+    terms = dict(matmul_params=static + moe_layers * k * expert, static_params=static,
+                 total_params=static + moe_layers * cfg.num_experts * expert,
+                 expert_params=expert, moe_layers=moe_layers, num_experts=cfg.num_experts,
+                 experts_per_tok=k, logits_params=cfg.hidden_size * cfg.vocab_size,
+                 itemsize=jnp.dtype(dtype).itemsize,
+                 attn_flops_per_pair=attn_flops_per_pair(cfg), state_rw_bytes=state_rw_bytes(cfg),
+                 deltanet_prefill_flops=deltanet_flops(cfg, DELTANET_CHUNK),
+                 deltanet_decode_flops=deltanet_flops(cfg, 0))
+    if cfg.v4 is not None:
+        sp = v4_sparse_terms(cfg, kv_cache_dtype or "bfloat16")
+        terms.update(v4_sparse=sp, state_rw_bytes=sp["state_rw_bytes"])
+    return terms
 
 
 def weight_bytes(terms: dict, rows: float) -> float:
@@ -285,8 +368,9 @@ def weight_bytes(terms: dict, rows: float) -> float:
 
 def prefill_flops(terms: dict, tokens: int, chunks: int, pairs: int) -> float:
     """FLOPs of prefilling ``tokens`` in ``chunks`` chunks (one sampled logits row each) over
-    ``pairs`` causal (query, key) pairs."""
-    return (2 * terms["matmul_params"] * tokens + 2 * terms["logits_params"] * chunks
+    ``pairs`` causal (query, key) pairs, the DeltaNet layers' delta rule included."""
+    per_token = 2 * terms["matmul_params"] + terms.get("deltanet_prefill_flops", 0)
+    return (per_token * tokens + 2 * terms["logits_params"] * chunks
             + terms["attn_flops_per_pair"] * pairs)
 
 
@@ -298,11 +382,16 @@ def ideal_time(records, terms: dict, bytes_per_token: int, tflops: float, tbps: 
     for r in records:
         f = prefill_flops(terms, r.prefill_tokens, r.prefill_chunks, r.prefill_pairs)
         rows = r.decode_tokens / r.decode_iterations if r.decode_iterations else 0
-        b = (r.decode_iterations * weight_bytes(terms, rows)
-             + r.decode_kv_tokens * bytes_per_token
-             + r.decode_tokens * terms.get("state_rw_bytes", 0))
-        g = (2 * (terms["matmul_params"] + terms["logits_params"]) * r.decode_tokens
+        g = ((2 * (terms["matmul_params"] + terms["logits_params"])
+              + terms.get("deltanet_decode_flops", 0)) * r.decode_tokens
              + terms["attn_flops_per_pair"] * r.decode_kv_tokens)
+        attn = r.decode_kv_tokens * bytes_per_token
+        if "v4_sparse" in terms:  # V4: sparse attention instead of F and K/V bytes
+            f += v4_sparse_cost(terms["v4_sparse"], r.prefill_tokens, r.prefill_pairs)[0]
+            sf, attn = v4_sparse_cost(terms["v4_sparse"], r.decode_tokens, r.decode_kv_tokens)
+            g += sf
+        b = (r.decode_iterations * weight_bytes(terms, rows) + attn
+             + r.decode_tokens * terms.get("state_rw_bytes", 0))
         pf, db, df = pf + f, db + b, df + g
         if r.prefill_chunks:
             roof += max(f / rate, weight_bytes(terms, r.prefill_tokens) / bw)
@@ -320,14 +409,17 @@ def ideal_schedule(in_lens, out_lens, batch: int, terms: dict, bytes_per_token: 
     output's iterations, every iteration reading the weights its live rows need, W(rows),
     plus their live K/V."""
     rate, bw = tflops * 1e12, tbps * 1e12
-    pf = sum(2 * terms["matmul_params"] * p + 2 * terms["logits_params"]
-             + terms["attn_flops_per_pair"] * p * (p + 1) / 2 for p in in_lens)
+    sp = terms.get("v4_sparse")
+    pf = sum(prefill_flops(terms, p, 1, p * (p + 1) / 2)
+             + (v4_sparse_cost(sp, p, p * (p + 1) / 2)[0] if sp else 0) for p in in_lens)
     db = 0.0
     for w in range(0, len(in_lens), batch):
         rows = list(zip(in_lens[w:w + batch], out_lens[w:w + batch]))
         for j in range(1, max(o for _, o in rows)):
             live = [p + j for p, o in rows if j < o]
-            db += (weight_bytes(terms, len(live)) + sum(live) * bytes_per_token
+            kv = (sum(v4_sparse_cost(sp, 1, c)[1] for c in live) if sp
+                  else sum(live) * bytes_per_token)
+            db += (weight_bytes(terms, len(live)) + kv
                    + len(live) * terms.get("state_rw_bytes", 0))
     return dict(batch=batch, prefill_s=pf / rate, decode_s=db / bw, ideal_s=pf / rate + db / bw)
 
@@ -405,7 +497,8 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None,
     ec = llm.engine_config
     info = dict(llm.cache_info(), max_num_seqs=ec.max_num_seqs,
                 max_num_batched_tokens=ec.max_num_batched_tokens, decode_steps=ec.decode_steps)
-    rec = make_record(args, kv, info, run, stats, model_terms(cfg, args.dtype), rates)
+    rec = make_record(args, kv, info, run, stats,
+                      model_terms(cfg, args.dtype, info["kv_cache_dtype"]), rates)
     rec.update(build_s=round(build_s, 3), warmup=args.warmup, warmup_s=round(warmup_s, 3),
                decode_one_wave=args.decode_one_wave, split_loop=args.split_loop or "default",
                decode_gemm_autotune=ec.decode_gemm_autotune, admission=ec.admission,

@@ -10,14 +10,15 @@
 ``random:deepseek-v4-flash-4l``'s layers (window, window, CSA, HCA: 64 heads x 512, window
 128, CSA 4:1 top-512 with a 64 x 128 indexer, HCA 128:1, pages of 128 tokens) at batch 32:
 
-* ``gather``: today's engine path (``models.v4_paged._entries`` / ``read_state``'s ring
-  gather, ``v4_attention.indexer_select`` with the ``indexer_scores`` kernel and
-  ``deepseek_v4._decode_kernel``, i.e. every entry of a row's page table gathered densely
-  and dequantized, then ``sparse_decode``; these are called, not copied, so a refactor that
-  moves them records an error instead of a stale baseline);
-* ``in_place``: ``paged_sparse_decode`` on the window ring, the CSA index list from
-  ``v4_paged_indexer.indexer_topk`` (cap = ``entry_cap`` of the batch's real entries), the
-  HCA page-table walk;
+* ``gather``: the engine's path before it read the pools in place (issue 57): every
+  window row and every entry of a row's page table gathered densely and dequantized
+  (``_dense_entries`` here, the ring gather as ``models.v4_paged._rows``), the indexer
+  over all of them (``v4_attention.indexer_select`` with the ``indexer_scores`` kernel),
+  then ``deepseek_v4._decode_kernel`` (``sparse_decode``); kept as the baseline;
+* ``in_place``: what the engine runs now: ``paged_sparse_decode`` on the window ring, the
+  CSA index list from ``models.v4_paged_attention.csa_index`` (exact top-k merged over
+  blocks of ``INDEX_BLOCK`` entries scored in place by ``paged_indexer_scores``: no static
+  cap), the HCA page-table walk;
 
 for bf16 and fp8 (e4m3 + per-32 fp16 scales) pools, at contexts 4k, 16k, 64k and 128k
 tokens per row (page tables exactly as wide as the context), and for 4k-token rows with
@@ -209,12 +210,10 @@ def _pool_args(pool):
     return pool[0], pool[1]
 
 
-def _in_place_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret,
-                    launch=None):
+def _in_place_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, interpret, launch=None):
     """One layer's decode attention through ``v4_paged_sparse`` -> [B, H, D] float32.
     ``launch``: paged_sparse_decode's tile / head_block / num_warps / num_stages (None:
     its defaults)."""
-    from jfp8kv.kernels import v4_paged_indexer as vpi
     from jfp8kv.kernels import v4_paged_sparse as vps
 
     sm = cfg.head_dim ** -0.5
@@ -226,14 +225,35 @@ def _in_place_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret,
     if lay["kind"] == "hca":
         return vps.paged_sparse_decode(q, wv, ws, slots, pos, cv, cs, sinks, sm,
                                        page_tables=pt, ratio=lay["m"], **kw)
-    idx = vpi.indexer_topk(iq, iw, lay["index"], pt, vps.closed_entries(pos, lay["m"]),
-                           cfg.v4.index_topk, cap, interpret=interpret)
+    idx = _csa_index(cfg, lay, iq, iw, pt, pos, interpret)
     return vps.paged_sparse_decode(q, wv, ws, slots, pos, cv, cs, sinks, sm, idx=idx, **kw)
 
 
+def _csa_index(cfg, lay, iq, iw, pt, pos, interpret):
+    """The engine's CSA index list (``v4_paged_attention.csa_index``, blocks of
+    ``INDEX_BLOCK`` entries) -> int32 [B, index_topk]."""
+    from jfp8kv.kernels import v4_paged_sparse as vps
+    from jfp8kv.models import v4_paged_attention as v4pa
+
+    n = vps.closed_entries(pos, lay["m"])[:, None]  # one query per sequence
+    return v4pa.csa_index(iq[:, None], iw[:, None], lay["index"], pt, n, cfg.v4.index_topk,
+                          v4pa.INDEX_BLOCK,
+                          backend="pallas_interpret" if interpret else "pallas")[:, 0]
+
+
+def _dense_entries(pool, page_tables, dtype):
+    """The baseline's entry gather: a paged pool [pages, E, d] (+ scales) -> each row's
+    entries [B, P*E, d] (entry w at flat index w), dequantized in ``dtype``: the whole
+    table, whatever the row's length."""
+    b = page_tables.shape[0]
+    got = tuple(a[page_tables].reshape(b, -1, a.shape[-1]) for a in pool)
+    return v4_pools.read_rows(got[0], got[1] if len(got) > 1 else None, dtype)
+
+
 def _gather_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, kv_new, interpret):
-    """One layer's decode attention as the engine runs it today (``v4_paged.read_state``'s
-    gathers, ``deepseek_v4._attention``'s kernel branch) -> [B, H, D]."""
+    """One layer's decode attention as the engine ran it before issue 57 (dense gathers of
+    the ring and the table's entries, ``deepseek_v4._attention``'s kernel branch)
+    -> [B, H, D]."""
     from jfp8kv.models import deepseek_v4 as dv4
     from jfp8kv.models import v4_attention as va
     from jfp8kv.models import v4_paged
@@ -247,11 +267,11 @@ def _gather_layer(cfg, lay, q, iq, iw, slots, pos, pt, sinks, kv_new, interpret)
     entries, chosen = keys[:, :0], None
     if lay["kind"] != "window":
         comp = tuple(a for a in lay["comp"] if a is not None)
-        ent = v4_paged._entries(comp, pt, dtype).astype(sdt)
+        ent = _dense_entries(comp, pt, dtype).astype(sdt)
         if lay["kind"] == "hca":
             chosen = va.visible_entries(pos[:, None], ent.shape[1], lay["m"])
         else:
-            ient = v4_paged._entries((lay["index"],), pt, dtype).astype(sdt)
+            ient = _dense_entries((lay["index"],), pt, dtype).astype(sdt)
             scorer = functools.partial(v4_sparse.indexer_scores, interpret=interpret)
             chosen = va.indexer_select(iq[:, None], iw[:, None], pos[:, None], ient, cfg,
                                        scorer)
@@ -309,7 +329,6 @@ LAUNCHES = ({"tile": 16, "head_block": 16, "num_warps": 4, "num_stages": 2},  # 
 def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, pools,
                  launch=None, check=True) -> dict:
     """Time one (path, storage, context, table width) case; errors recorded, not raised."""
-    from jfp8kv.kernels import v4_paged_indexer as vpi
     from jfp8kv.kernels import v4_paged_sparse as vps
 
     v4, b, ps = cfg.v4, s["batch"], _page_size(cfg)
@@ -327,8 +346,7 @@ def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, p
     slots = jnp.arange(1, b + 1, dtype=jnp.int32)
     pos = jnp.full((b,), context - 1, jnp.int32)  # the row's last token; its row is written
     pt = _table(rows, width_tokens // ps)
-    cap = vps.entry_cap(context // v4.csa_ratio, v4.index_topk)
-    rec["cap"] = cap
+    cap = vps.entry_cap(context // v4.csa_ratio, v4.index_topk)  # the twin's (a bound)
     rec["bytes"] = _step_bytes(cfg, storage, b, context)
     rec["ms"], rec["max_abs_err"] = {}, {}
     kinds = {}
@@ -341,7 +359,7 @@ def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, p
             if path == "in_place":
                 def one(q, iq, arrays, iw, slots, pos, pt, sinks, static=static):
                     return _in_place_layer(cfg, dict(arrays, **static), q, iq, iw, slots, pos,
-                                           pt, sinks, cap, interpret, launch)
+                                           pt, sinks, interpret, launch)
             else:
                 def one(q, iq, arrays, iw, slots, pos, pt, sinks, static=static):
                     return _gather_layer(cfg, dict(arrays, **static), q, iq, iw, slots, pos,
@@ -356,9 +374,8 @@ def paged_record(cfg, path, storage, context, width_tokens, s, interpret, key, p
     if path == "in_place" and "csa" in kinds and launch is None:
         lay = kinds["csa"]
         try:
-            f = jax.jit(lambda iq, iw, keys, pt, pos: vpi.indexer_topk(
-                iq, iw, keys, pt, vps.closed_entries(pos, lay["m"]), v4.index_topk, cap,
-                interpret=interpret))
+            f = jax.jit(lambda iq, iw, keys, pt, pos: _csa_index(
+                cfg, dict(lay, index=keys), iq, iw, pt, pos, interpret))
             rec["ms"]["csa_index_list"] = _median_ms(f, iq, iw, lay["index"], pt, pos)
         except Exception as e:  # noqa: BLE001
             rec.setdefault("error", {})["csa_index_list"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -383,7 +400,7 @@ def _twin_error(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret, rec)
     def diff(arrays, q, iq, iw, slots, pos, pt, sinks):
         ly = dict(arrays, **static)
         wv, ws = _pool_args(ly["window"])
-        got = _in_place_layer(cfg, ly, q, iq, iw, slots, pos, pt, sinks, cap, interpret)
+        got = _in_place_layer(cfg, ly, q, iq, iw, slots, pos, pt, sinks, interpret)
         kw, comp, same = {}, (None, None), jnp.float32(-1)
         if ly["kind"] != "window":
             comp = _pool_args(ly["comp"])
@@ -391,8 +408,7 @@ def _twin_error(cfg, lay, q, iq, iw, slots, pos, pt, sinks, cap, interpret, rec)
             kw = {"page_tables": pt, "ratio": ly["m"]}
         elif ly["kind"] == "csa":
             n = vps.closed_entries(pos, ly["m"])
-            mine = vpi.indexer_topk(iq, iw, ly["index"], pt, n, cfg.v4.index_topk, cap,
-                                    interpret=interpret)
+            mine = _csa_index(cfg, ly, iq, iw, pt, pos, interpret)
             twin = vpi.indexer_topk_reference(iq, iw, ly["index"], pt, n, cfg.v4.index_topk,
                                               cap)
             same = jnp.mean(jnp.all(jnp.sort(mine, 1) == jnp.sort(twin, 1), 1))

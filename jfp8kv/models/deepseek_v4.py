@@ -90,12 +90,15 @@ def _window_after(keys, n_new, rows: int):
     return jax.vmap(lambda k, n: jax.lax.dynamic_slice_in_dim(k, n, rows, 0))(keys, n_new)
 
 
-def _compressed(h, q_res, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, freqs,
-                storage, scorer):
-    """A CSA / HCA layer's compressors over the chunk h [B, T, D]: returns (their new
-    states, their pool writes, the entries [B, N, hd] after the chunk, the per-query arrays
-    [B, T, ...] that choose among them, and ``pick``, which maps a query block of those to
-    the bool [B, t, N] entries each query attends: ``va.blocked_attention``'s contract)."""
+def compressors(h, q_res, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, freqs,
+                storage, scorer=None):
+    """A CSA / HCA layer's compressors over the chunk h [B, T, D] from the states in ``ls``
+    ("compressor", CSA also "indexer"): returns (their new states, their pool writes, the
+    entries [B, N, hd] after the chunk, the per-query arrays [B, T, ...] that choose among
+    them (CSA: the indexer's "iq" [B, T, nI, dI] and "iw" [B, T, nI]), and ``pick``, which
+    maps a query block of those to the bool [B, t, N] entries each query attends:
+    ``va.blocked_attention``'s contract). A state whose ``entries`` capacity is 0 (the paged
+    forward: entries live in the pools) gets none stored."""
     store, store_index = _pooled(storage)
     pos, eps = positions[:, 0], cfg.rms_norm_eps
     cp = lp["compressor"]
@@ -117,6 +120,28 @@ def _compressed(h, q_res, lp, ls, positions, n_new, cfg: ModelConfig, kind: str,
                                         scorer))
 
 
+def project(h, lp, positions, cfg: ModelConfig, kind: str, inv):
+    """A layer's projections of h [B, T, D] (normalized): (q_res [B, T, q_lora] the query
+    latent, q [B, T, H, hd] with RoPE, kv [B, T, hd] the window rows with RoPE, before
+    storage rounding, and the layer's RoPE frequencies)."""
+    b, t = h.shape[:2]
+    hd = cfg.head_dim
+    freqs = inv["main" if kind == "window" else "compress"]
+    q_res = vb.rms_norm(vb.linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
+    q = vb.unweighted_rms_norm(vb.linear(q_res, lp["wq_b"]).reshape(b, t, -1, hd),
+                               cfg.rms_norm_eps)
+    q = vb.rope(q, positions, freqs)
+    kv = vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
+                 positions, freqs)
+    return q_res, q, kv, freqs
+
+
+def output(out, lp, positions, freqs, cfg: ModelConfig):
+    """The attention output [B, T, H, hd] (RoPE'd values) -> [B, T, D]: the inverse RoPE at
+    the query's angle, then the grouped output projection."""
+    return vb.grouped_output(vb.rope(out, positions, freqs, inverse=True), lp, cfg)
+
+
 def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, storage,
                backend, query_block=None):
     """One layer's attention on h [B, T, D] (normalized), of which the first n_new[b]
@@ -131,22 +156,14 @@ def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, st
     interpret = backend == "pallas_interpret"
     scorer = (functools.partial(v4_sparse.indexer_scores, interpret=interpret)
               if kernel else None)
-    b, t = h.shape[:2]
-    hd = cfg.head_dim
-    freqs = inv["main" if kind == "window" else "compress"]
-    q_res = vb.rms_norm(vb.linear(h, lp["wq_a"]), lp["q_a_norm"], cfg.rms_norm_eps)
-    q = vb.unweighted_rms_norm(vb.linear(q_res, lp["wq_b"]).reshape(b, t, -1, hd),
-                               cfg.rms_norm_eps)
-    q = vb.rope(q, positions, freqs)
-    kv_raw = vb.rope(vb.rms_norm(vb.linear(h, lp["wkv"]), lp["kv_norm"], cfg.rms_norm_eps),
-                     positions, freqs)
+    q_res, q, kv_raw, freqs = project(h, lp, positions, cfg, kind, inv)
     kv = _pooled(storage)[0](kv_raw)  # as the window pool gives it back
     rows = ls["window"].shape[1]
     keys = jnp.concatenate([ls["window"], kv.astype(ls["window"].dtype)], 1)
     new_ls, writes = {"window": _window_after(keys, n_new, rows)}, {"kv": kv_raw}
     entries, per_query, pick = None, {}, None
     if kind != "window":
-        states, w, entries, per_query, pick = _compressed(
+        states, w, entries, per_query, pick = compressors(
             h, q_res, lp, ls, positions, n_new, cfg, kind, freqs, storage, scorer)
         new_ls.update(states)
         writes.update(w)
@@ -158,12 +175,11 @@ def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, st
     else:
         out = va.blocked_attention(q, positions, keys, entries, pick, per_query, lp["sinks"],
                                    cfg.v4.sliding_window, query_block)
-    out = vb.rope(out, positions, freqs, inverse=True)
-    return vb.grouped_output(out, lp, cfg), new_ls, writes
+    return output(out, lp, positions, freqs, cfg), new_ls, writes
 
 
 def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage, backend,
-                  moe_backend=None, query_block=None):
+                  moe_backend=None, query_block=None, attention=None):
     """The layers on tokens [B, T] after ``pos`` [B] tokens, with per-layer states
     ``layers`` (``init_state``'s "layers"); the first n_new[b] tokens of row b are real.
     Returns (final-normed hidden [B, T, D], new layer states, per-layer pool writes:
@@ -171,7 +187,10 @@ def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage,
     per token) or a ``kernels.grouped_matmul`` backend (grouped by expert). Each layer runs
     once over all T tokens (so the MoE reads each expert's weights once per chunk); only
     its attention runs in blocks of ``query_block`` queries (None: one block), which
-    bounds the logits held at once."""
+    bounds the logits held at once. ``attention``: None (``_attention`` over the dense
+    state), or ``attention(i, h, lp, layers[i], positions, n_new, kind, inv) -> (out
+    [B, T, D], state, writes)`` for layer i (the paged forward's, which reads and writes
+    the pools itself)."""
     b, t = tokens.shape
     v4 = cfg.v4
     positions = pos[:, None] + jnp.arange(t)[None]
@@ -182,9 +201,12 @@ def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage,
     for i, lp in enumerate(params["layers"]):
         kind = v4.layer_kind(i)
         col, post, comb = vb.hc_pre(streams, lp["hc_attn"], cfg)
-        a, ls, w = _attention(vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps), lp,
-                              layers[i], positions, n_new, cfg, kind, inv, storage, backend,
-                              query_block)
+        x = vb.rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps)
+        if attention is None:
+            a, ls, w = _attention(x, lp, layers[i], positions, n_new, cfg, kind, inv, storage,
+                                  backend, query_block)
+        else:
+            a, ls, w = attention(i, x, lp, layers[i], positions, n_new, kind, inv)
         new_layers.append(ls)
         writes.append(w)
         streams = vb.hc_post(streams, a, post, comb)

@@ -93,9 +93,10 @@ class Family:
     ``supports`` the ``Supports`` that layout carries (known before any layout is built:
     tensor parallelism is refused at load), ``check_kernels`` the kernels' own refusals of a
     layout on a backend, ``forward`` the contract above, ``layer_shapes(cfg, i)`` the random
-    weights' shapes. ``one_row_prefill``: each prefill dispatch holds one row (V4's jnp
-    attention bounds its logits so). ``default_max_model_len``: the context when the user
-    names none (None: the model's own, as the pool allows)."""
+    weights' shapes. ``one_row_prefill``: each prefill dispatch holds one row (V4: its
+    reference attention's logits and its CSA top-k's scores grow with the rows).
+    ``default_max_model_len``: the context when the user names none (None: the model's
+    own, as the pool allows)."""
 
     name: str
     declare: Callable[..., CacheLayout]
@@ -122,10 +123,11 @@ MLA = Family("mla", latent.latent_layout, latent.LATENT_SUPPORTS,
              _mla_forward, mla.random_layer_shapes, _check_latent_kernels)
 HYBRID = Family("hybrid", state_pool.hybrid_layout, state_pool.HYBRID_SUPPORTS,
                 _hybrid_forward, qwen3_hybrid.layer_shapes, _check_kv_kernels)
-# V4's decode and prefill steps gather every visible entry of a row's pages, so a step
-# costs the page table's width: a context of 8k unless the user asks for more.
+# V4 reads its pools in place (``v4_paged``): a step's work follows its rows' own lengths,
+# not the page table's width, so its context is the model's (1M tokens for the presets),
+# as far as the pool holds it.
 V4 = Family("v4", v4_pools.v4_layout, v4_pools.V4_SUPPORTS, _v4_forward, None,
-            random=_v4_random_params, one_row_prefill=True, default_max_model_len=8192)
+            random=_v4_random_params, one_row_prefill=True)
 
 
 def of(cfg: ModelConfig) -> Family:

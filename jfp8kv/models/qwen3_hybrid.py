@@ -17,9 +17,12 @@ and scale mode), with three differences made outside the kernels:
 
 Linear-attention layers: x -> in_proj_qkv -> causal depthwise conv + SiLU -> q, k, v;
 beta = sigmoid(in_proj_b x); g = -exp(A_log) * softplus(in_proj_a x + dt_bias); the gated
-delta rule (``kernels.delta_rule``: chunked for prefill, recurrent for a one-token decode);
-RMSNorm(out) * w * silu(in_proj_z x); out_proj. Their state lives in a ``DeltaState`` slot
-per sequence (``kvcache.state_pool``); a chunk starting at position 0 starts from zeros.
+delta rule (chunked for prefill, recurrent for a one-token decode); RMSNorm(out) * w *
+silu(in_proj_z x); out_proj. Their state lives in a ``DeltaState`` slot per sequence
+(``kvcache.state_pool``); a chunk starting at position 0 starts from zeros. The conv and the
+delta rule go through ``kernels.deltanet``, which reads and writes each row's slot and picks
+the implementation for the backend (the Pallas backends' decode step updates the pools in
+place).
 
 Params (weights [in, out]; HF names in ``tensor_specs``)::
 
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import ModelConfig
-from jfp8kv.kernels import delta_rule
+from jfp8kv.kernels import deltanet
 from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
 from jfp8kv.kvcache.cache import KVCache, accumulate_stats, reduce_stat_rows
 from jfp8kv.kvcache.state_pool import DeltaState
@@ -90,18 +93,16 @@ def _attention(h, lp, layer, ccfg, tables, rows, cfg, backend):
     return linear(out.reshape(b, t, -1), lp["wo"]), layer, st
 
 
-def _delta_net(h, lp, conv_state, rec_state, n_valid, fresh, cfg):
-    """Gated DeltaNet of h [B, T, D] from the rows' states (conv [B, K-1, C], recurrent
-    [B, Hv, dk, dv]); ``n_valid`` int32[B] real tokens per row, ``fresh`` bool[B]: the
-    chunk starts the sequence (states read as zeros). Returns (out, conv, recurrent)."""
+def _delta_net(h, lp, conv_pool, rec_pool, state_slots, n_valid, fresh, cfg, backend):
+    """Gated DeltaNet of h [B, T, D] from the rows' slots of one layer's pools (conv
+    [S, K-1, C], recurrent [S, Hv, dk, dv]); ``state_slots`` int32[B], ``n_valid`` int32[B]
+    real tokens per row, ``fresh`` bool[B]: the chunk starts the sequence (states read as
+    zeros). Returns (out, conv pool, recurrent pool)."""
     hy = cfg.hybrid
     b, t, _ = h.shape
     acc = acc_dtype(h.dtype)
-    keep = fresh[:, None, None]
-    conv_state = jnp.where(keep, 0, conv_state)
-    rec_state = jnp.where(keep[..., None], 0, rec_state)
-    mixed, conv_state = delta_rule.causal_conv(linear(h, lp["w_qkv"]), conv_state,
-                                               lp["conv_w"][:, 0, :], n_valid)
+    mixed, conv_pool = deltanet.causal_conv(conv_pool, state_slots, linear(h, lp["w_qkv"]),
+                                            lp["conv_w"][:, 0, :], n_valid, fresh, backend)
     kd, vd = hy.key_dim, hy.value_dim
     q = mixed[..., :kd].reshape(b, t, hy.linear_num_key_heads, hy.linear_key_head_dim)
     k = mixed[..., kd:2 * kd].reshape(b, t, hy.linear_num_key_heads, hy.linear_key_head_dim)
@@ -110,12 +111,12 @@ def _delta_net(h, lp, conv_state, rec_state, n_valid, fresh, cfg):
     beta = jnp.where(valid, jax.nn.sigmoid(linear(h, lp["w_b"]).astype(acc)), 0.0)
     a = linear(h, lp["w_a"]).astype(acc) + lp["dt_bias"].astype(acc)
     g = jnp.where(valid, -jnp.exp(lp["A_log"].astype(acc)) * jax.nn.softplus(a), 0.0)
-    rule = delta_rule.recurrent if t == 1 else delta_rule.chunked
-    out, rec = rule(q, k, v, g, beta, rec_state)
+    out, rec_pool = deltanet.gated_delta_rule(rec_pool, state_slots, q, k, v, g, beta, fresh,
+                                              backend)
     z = linear(h, lp["w_z"]).reshape(b, t, hy.linear_num_value_heads, -1)
     y = rms_norm(out, lp["lin_norm"], cfg.rms_norm_eps)  # weight times the rounded norm
     y = (y.astype(acc) * jax.nn.silu(z.astype(acc))).astype(h.dtype)
-    return linear(y.reshape(b, t, vd), lp["w_out"]), conv_state, rec.astype(rec_state.dtype)
+    return linear(y.reshape(b, t, vd), lp["w_out"]), conv_pool, rec_pool
 
 
 def _moe(h, lp, cfg, backend):
@@ -159,10 +160,9 @@ def forward(params: dict, cache: KVCache, state: DeltaState, tokens, positions, 
             k_scale.append(layer.k_scale), v_scale.append(layer.v_scale)
             a_idx += 1
         else:
-            y, c, r = _delta_net(h, lp, conv[l_idx][state_slots], rec[l_idx][state_slots],
-                                 n_valid, start == 0, cfg)
-            conv[l_idx] = conv[l_idx].at[state_slots].set(c)
-            rec[l_idx] = rec[l_idx].at[state_slots].set(r)
+            y, conv[l_idx], rec[l_idx] = _delta_net(h, lp, conv[l_idx], rec[l_idx],
+                                                    state_slots, n_valid, start == 0, cfg,
+                                                    backend)
             l_idx += 1
         x = x + y
         x = x + _moe(_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, backend)

@@ -5,6 +5,7 @@ served; a normal stream gives its text, first-token time and usage."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 
@@ -57,3 +58,30 @@ def test_memory_check_reads_the_plan_and_the_devices_peak():
     assert got["used_beyond_reserve_fraction_of_card"] == 0.0
     assert got["plan_line"].startswith("memory plan: capacity 72.00 GiB")
     assert long_request.memory_check(lines[:2]) == {}  # nothing measured: no check
+
+
+def test_decode_speed_counts_the_tokens_after_the_first(monkeypatch):
+    """decode_tok_s: the usage's completion tokens after the first over the time from the
+    first text chunk to the last (a chunk may hold several tokens); None when undefined."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}
+    _patch(monkeypatch, _sse({"choices": [{"text": " a"}]}, {"choices": [{"text": " b c"}]},
+                             {"choices": [{"text": " d"}]}, {"choices": [], "usage": usage}))
+    clock = iter([0.0, 2.0, 2.5, 3.0, 3.5])  # start, three text chunks, the end
+    monkeypatch.setattr(long_request, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    rec = long_request.stream_once("http://x", {"prompt": [1]}, 5.0)
+    assert (rec["ttft_s"], rec["last_s"], rec["total_s"]) == (2.0, 3.0, 3.5)
+    assert rec["decode_tok_s"] == 8 / 1.0
+    assert long_request.decode_speed({"completion_tokens": 1}, 1.0, 1.0) is None
+    assert long_request.decode_speed(None, 1.0, 2.0) is None
+
+
+def test_summary_is_the_last_request():
+    """``summarize``: served only when every request was answered with the whole prompt; the
+    summary is the last (with --repeat the warm) request's TTFT and decode speed."""
+    ok = {"status": 200, "usage": {"prompt_tokens": 8}, "ttft_s": 9.0, "decode_tok_s": 1.0}
+    warm = dict(ok, ttft_s=2.0, decode_tok_s=3.0)
+    doc = long_request.summarize({"prompt_tokens": 8, "requests": [ok, warm]})
+    assert doc["served"] and doc["summary"] == dict(ttft_s=2.0, decode_tok_s=3.0, warm=True)
+    assert not long_request.summarize({"prompt_tokens": 8, "requests": []})["served"]
+    cut = long_request.summarize({"prompt_tokens": 8, "requests": [ok, {"status": 500}]})
+    assert not cut["served"] and cut["summary"]["ttft_s"] is None

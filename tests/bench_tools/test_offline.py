@@ -242,3 +242,39 @@ def test_offline_feature_executables_ab_on_one_load(tmp_path):
     assert "switched logprobs 2" in offline.summary_line(runs[0])
     with pytest.raises(SystemExit):
         offline.parse_args(["--feature-executables", "switched,lazy"])
+
+
+def test_ideal_model_counts_the_deltanet_flops_and_state_bytes():
+    """Qwen3.6-35B-A3B's gated delta rule by hand (30 linear layers x 32 value heads, 128 x
+    128 state; ``bench.deltanet``'s count per token and head, chunks of the engine's 64
+    tokens) and its state slot (30 x (32 x 128 x 128 + 3 x 8192) float32, read and written
+    once per decode token); the terms enter the prefill FLOPs per token, the roofline's
+    decode FLOPs and the decode bytes; a model without DeltaNet layers has none."""
+    from bench.deltanet import flops_per_token_head
+    from jfp8kv.kernels.deltanet import PREFILL_CHUNK
+
+    assert offline.DELTANET_CHUNK == PREFILL_CHUNK
+    cfg = ModelConfig(**PRESETS["qwen3.6-35b-a3b"], name="qwen3.6-35b-a3b")
+    terms = offline.model_terms(cfg, "bfloat16")
+    assert flops_per_token_head(128, 128, 64) == 2 * (4 * 128 * 128 + 2 * 64 * 256)
+    assert terms["deltanet_prefill_flops"] == 30 * 32 * 2 * (4 * 128 * 128 + 2 * 64 * 256)
+    assert terms["deltanet_decode_flops"] == 30 * 32 * 8 * 128 * 128
+    assert terms["state_rw_bytes"] == 2 * 30 * (32 * 128 * 128 + 3 * 8192) * 4
+    rng = np.random.default_rng()
+    n, s, rows = (int(x) for x in rng.integers(2, 3000, 3))
+    pre = StepRecord(prefill_chunks=1, prefill_tokens=n, prefill_pairs=n * (n + 1) // 2)
+    dec = StepRecord(decode_rows=rows, decode_tokens=rows * s, decode_iterations=s,
+                     decode_kv_tokens=rows * s * n)
+    bare = dict(terms, deltanet_prefill_flops=0, deltanet_decode_flops=0, state_rw_bytes=0)
+    got, base = (offline.ideal_time([pre, dec], t, 10_400, 650.0, 3.0) for t in (terms, bare))
+    assert got["prefill_flops"] - base["prefill_flops"] == terms["deltanet_prefill_flops"] * n
+    assert got["decode_flops"] - base["decode_flops"] == terms["deltanet_decode_flops"] * rows * s
+    assert math.isclose(got["decode_bytes"] - base["decode_bytes"],
+                        terms["state_rw_bytes"] * rows * s, rel_tol=1e-9)
+    best, best_bare = (offline.ideal_schedule([n], [2], 1, t, 10_400, 650.0, 3.0)
+                       for t in (terms, bare))
+    assert math.isclose((best["prefill_s"] - best_bare["prefill_s"]) * 650e12,
+                        terms["deltanet_prefill_flops"] * n, rel_tol=1e-9)
+    dense = offline.model_terms(ModelConfig(**PRESETS["qwen3-tiny"], name="qwen3-tiny"),
+                                "bfloat16")
+    assert dense["deltanet_prefill_flops"] == dense["deltanet_decode_flops"] == 0

@@ -3,15 +3,23 @@ per-sequence DeltaNet state slots. Greedy generation equals transformers (float3
 the engine's own teacher-forced path (fp8 e4m3 and bf16 caches, float64 check mode); a pool
 small enough to force preemption gives the same tokens; the planner's capacity is the byte
 model exactly; the scheduler's state slots follow the pages; prefix caching and unsupported
-settings are refused at construction."""
+settings are refused at construction. The in-place DeltaNet decode step (``kernels.deltanet``
+on a Pallas backend): interpret mode's greedy tokens equal the reference backend's with every
+state slot NaN-poisoned, the slots no sequence used keep their NaN, and the engine's decode
+step, lowered for CUDA, touches each state pool only through the kernels' aliased operand."""
 
 import dataclasses
+import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jfp8kv.engine import builder
+from jfp8kv.kernels import delta_decode
 from jfp8kv.kvcache.cache import bytes_per_token
-from jfp8kv.kvcache.state_pool import bytes_per_slot, state_config
+from jfp8kv.kvcache.state_pool import DeltaState, bytes_per_slot, state_config
 from jfp8kv.models.loader import load_model
 from tests.models.test_parity import GREEDY, assert_llm_matches_transformers, small_llm
 from tests.models.test_qwen3_hybrid import hybrid_checkpoint  # noqa: F401 (fixture)
@@ -123,3 +131,107 @@ def test_scheduler_state_slots_follow_the_pages():
     assert preempted > 0
     with pytest.raises(ValueError, match="state_slots"):
         Scheduler(PageAllocator(12), 4, 32, 3, 16, 1, state_slots=2)
+
+
+def _llm_on(monkeypatch, loaded, backend, **kw):
+    """``_llm`` whose engine runs ``backend``: the builder takes no Pallas backend without a
+    GPU ("pallas_interpret" is not a user option), so its choice is replaced."""
+    monkeypatch.setattr(builder, "choose_backend", lambda *a: backend)
+    llm = _llm(loaded, **kw)
+    assert llm.engine.runner.backend == backend
+    return llm
+
+
+def test_in_place_decode_equals_reference_with_poisoned_slots(hybrid_checkpoint,  # noqa: F811
+                                                              monkeypatch):
+    """pallas_interpret (the in-place decode kernels in interpret mode) against the reference
+    backend (gather -> step -> scatter), float32: the same greedy tokens although every state
+    slot (the sink included) starts as NaN, which a fresh sequence must not read; afterwards
+    each slot a sequence held is finite and every other slot (the unused one, the scratch
+    slot) still NaN: the steps wrote nothing else."""
+    loaded = load_model(str(hybrid_checkpoint), "float32")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(3, 320, n).tolist() for n in (5, 23, 12)]
+    want = [o.token_ids for o in _llm(loaded).generate(prompts, GREEDY)]
+    traced = []
+    for name in ("recurrent_step", "conv_step"):
+        fn = getattr(delta_decode, name)
+        monkeypatch.setattr(delta_decode, name,
+                            lambda *a, _fn=fn, _n=name, **k: (traced.append(_n), _fn(*a, **k))[1])
+    llm = _llm_on(monkeypatch, loaded, "pallas_interpret")
+    runner = llm.engine.runner
+    st = runner.cache["deltanet"]
+    nan = [jnp.full_like(x, jnp.nan) for x in (*st.conv, *st.recurrent)]
+    n = len(st.conv)
+    runner.cache = runner.cache.replace(deltanet=DeltaState(nan[:n], nan[n:], st.config))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert {"recurrent_step", "conv_step"} <= set(traced), "the in-place kernels did not run"
+    st = runner.cache["deltanet"]
+    for pool in (*st.conv, *st.recurrent):
+        per_slot = np.isnan(np.asarray(pool[1:])).reshape(pool.shape[0] - 1, -1)
+        assert (per_slot.all(1) | ~per_slot.any(1)).all(), "a slot was partly written"
+        assert (~per_slot.any(1)).sum() == len(prompts), "slots written: one per sequence"
+
+
+def _pool_ops(llm, rows: int = 4, steps: int = 2) -> set[str]:
+    """The engine's decode step (``rows`` rows, ``steps`` steps, cache donated) lowered for
+    CUDA on this machine: the operations with a DeltaNet state pool among their operands or
+    results (a custom call marked "aliased" when it aliases an operand to its output)."""
+    from jax.extend.mlir import ir
+
+    runner = llm.engine.runner
+    fn, args, kw = runner._warm_call("decode", rows, steps, runner.max_pages_per_seq, True,
+                                     runner.cache)
+    lowered = fn.trace(*args, **kw).lower(lowering_platforms=("cuda",))
+    st = runner.cache["deltanet"]
+    pools = {x.shape for x in (*st.conv, *st.recurrent)}
+    donated = re.findall(r"tensor<([\dx]+)xf32> \{tf.aliasing_output", lowered.as_text())
+    assert {tuple(map(int, d.split("x"))) for d in donated} >= pools  # the cache is donated
+    types = {"tensor<" + "x".join(map(str, p)) + "xf32>" for p in pools}
+    ops = set()
+
+    def visit(op):
+        op = op.operation
+        if any(str(v.type) in types for v in (*op.operands, *op.results)):
+            aliased = "output_operand_aliases" in op.attributes
+            ops.add(op.name + (" aliased" if aliased else ""))
+        return ir.WalkResult.ADVANCE
+
+    lowered.compiler_ir("stablehlo").operation.walk(visit)
+    return ops
+
+
+def test_decode_step_touches_the_pools_only_in_place(hybrid_checkpoint,  # noqa: F811
+                                                     monkeypatch):
+    """On the "pallas" backend (lowered for CUDA, no GPU needed), every op on a DeltaNet pool
+    is the scan carrying it, the kernels' Triton custom calls with the pool as an aliased
+    operand, and the calls and returns around them: no gather, scatter, slice or copy of a
+    state. The reference backend's program gathers and scatters (what the check would see).
+    The compiled program is checked on a GPU below: Pallas's interpret mode carries an aliased
+    operand's input and output as two loop values, so on the CPU its compiled program copies
+    each aliased pool once whatever the kernel does."""
+    loaded = load_model(str(hybrid_checkpoint), "float32")
+    ops = _pool_ops(_llm_on(monkeypatch, loaded, "pallas", max_num_seqs=5))
+    assert ops == {"stablehlo.while", "stablehlo.return", "func.call", "func.return",
+                   "stablehlo.custom_call aliased"}, ops
+    ops = _pool_ops(_llm_on(monkeypatch, loaded, "reference", max_num_seqs=5))
+    assert {"stablehlo.gather", "stablehlo.scatter"} <= ops, ops
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+def test_decode_step_copies_no_pool_gpu():
+    """The engine's compiled decode step on the GPU (Pallas kernels): no copy of a buffer
+    shaped like a state pool."""
+    loaded = load_model("random:qwen3.6-tiny", "bfloat16")
+    llm = _llm(loaded, dtype="bfloat16", attention_backend="pallas", max_num_seqs=32,
+               kv_cache_memory=16 << 20, warmup=False)
+    runner = llm.engine.runner
+    fn, args, kw = runner._warm_call("decode", 8, 4, runner.max_pages_per_seq, True,
+                                     runner.cache)
+    text = fn.lower(*args, **kw).compile().as_text()
+    st = runner.cache["deltanet"]
+    for pool in (*st.conv, *st.recurrent):
+        shape = "[" + ",".join(map(str, pool.shape)) + "]"
+        copies = [ln for ln in text.splitlines() if " copy(" in ln and shape in ln.split("=")[0]]
+        assert not copies, copies

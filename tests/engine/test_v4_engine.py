@@ -114,17 +114,49 @@ def test_refusals_name_what_works(loaded):
     big = v4_config("deepseek-v4-flash-4l")
     layout = families.of(big).cache_layout(big, CacheRequest("float8_e4m3fn"), "reference")
     assert layout.page_size(16) == 128 and layout.page_multiple == 128
-    assert families.of(big).default_max_model_len == 8192
+    assert families.of(big).default_max_model_len is None  # the model's context
+
+
+@pytest.mark.parametrize("limit, want", [(80 << 30, 1 << 20), (3 << 30, None)])
+def test_context_is_the_models_as_far_as_the_pool_holds_it(monkeypatch, limit, want):
+    """The memory plan on a fake GPU (``test_memory_plan``'s fakes: a runner whose
+    executables' peak is known, nothing compiled; 1.9 GB in use) for flash-4l's fp8 pools
+    (204.25 bytes per token: 1M tokens take 214 MB), max_model_len unset: the model's
+    1,048,576 tokens where the pool holds them (80 GB), else what the pages hold (3 GB:
+    ~0.14 GB of pools after the 1 GB margin)."""
+    from jfp8kv.config import EngineConfig
+    from jfp8kv.engine import capacity, memory
+    from jfp8kv.engine.device_policy import device_defaults
+    from jfp8kv.models.v4_presets import v4_config
+    from tests.engine.test_memory_plan import FakeGPU, FakeRunner
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    cfg = v4_config("deepseek-v4-flash-4l")
+    layout = families.of(cfg).cache_layout(cfg, CacheRequest("float8_e4m3fn"), "reference")
+    asked = EngineConfig(page_size=128, max_num_seqs=32)
+    dev = FakeGPU(limit, 1900 << 20)
+    dm = memory.device_memory(dev, 0.9, 1900 << 20)
+    sizer = capacity.Sizer(cfg, layout, device_defaults(asked, dev), asked, dm,
+                           lambda plan, e: FakeRunner(plan, e, [], 1 << 10, 0),
+                           memory.PeakMemo(None), family_default=None)
+    sizing, _ = sizer.size()
+    got = sizing.engine.max_model_len
+    if want is None:
+        assert got < cfg.max_position_embeddings and got % 128 == 0
+        assert sizing.plan.max_tokens >= got
+    else:
+        assert got == want == cfg.max_position_embeddings
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
 def test_gpu_generates_through_the_kernels(loaded, kv):
-    """On the GPU the engine decodes through ``kernels.v4_sparse`` (backend pallas) and the
-    MoE through the grouped matmul; the reference forward (jnp, gathered experts) on the same
-    device is the twin. float32 at the highest matmul precision; the two paths sum in
-    different orders, so a near-tie may flip a greedy token and everything after it: each
-    prompt's first token must agree and at least 90% of all tokens."""
+    """On the GPU the engine attends through ``kernels.v4_paged_sparse`` / ``v4_paged_indexer``
+    (backend pallas, the pools read in place) and the MoE through the grouped matmul; the
+    reference forward (jnp, gathered experts) on the same device is the twin. float32 at the
+    highest matmul precision; the two paths sum in different orders, so a near-tie may flip
+    a greedy token and everything after it: each prompt's first token must agree and at
+    least 90% of all tokens."""
     import jax
 
     with jax.default_matmul_precision("highest"):
