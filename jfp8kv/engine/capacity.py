@@ -192,7 +192,8 @@ class Sizer:
         given = e.kv_cache_memory
         budget0 = given or cpu_default_budget(self.layout, self.ps, max_len, e.max_num_seqs)
         if not self.dm.on_gpu and self.dm.in_use + budget0 <= self.dm.capacity / 2:
-            plan = plan_cache(self.layout, budget0, self.ps, e.max_num_seqs, max_len)
+            e = self._fit_context(e, budget0)
+            plan = plan_cache(self.layout, budget0, self.ps, e.max_num_seqs, e.max_model_len)
             mem = MemoryPlan(self.dm.capacity, self.dm.in_use, None, self.dm.margin, budget0,
                              "kv_cache_memory" if given else "cpu default", total=self.dm.total)
             return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=budget0)), None
@@ -201,6 +202,7 @@ class Sizer:
         return self._default(e, budget0)
 
     def _given(self, e: EngineConfig, given: int):
+        e = self._fit_context(e, given)
         plan = plan_cache(self.layout, given, self.ps, e.max_num_seqs, e.max_model_len)
         runner, peak = self.verify(plan, e)
         free = self.dm.free_for(peak)
@@ -303,8 +305,8 @@ class Sizer:
         if fits >= e.max_model_len:
             return e
         if fits < self.ps:
-            self._check_room(0, e)
-        log.warning("max_model_len %d -> %d: the pools hold %d tokens (%.2f GiB); raise "
-                    "--gpu-memory-utilization or lower --max-num-seqs for more",
-                    e.max_model_len, fits, fits, free / GiB)
+            return e  # the planner refuses, naming the bytes one sequence needs
+        log.warning("max_model_len %d -> %d: the pools hold %d tokens (%.3f GiB); give more "
+                    "memory (--gpu-memory-utilization, --kv-cache-memory) or lower "
+                    "--max-num-seqs for more", e.max_model_len, fits, fits, free / GiB)
         return dataclasses.replace(e, max_model_len=fits)

@@ -246,3 +246,24 @@ def test_cpu_default_is_the_bounded_formula_and_compiles_nothing():
     budget = capacity.cpu_default_budget(layout, 16, 512, engine.max_num_seqs)
     assert budget == 512 * 512 * 16  # bf16 K and V, 2 layers x 2 heads x 32: 16 sequences
     assert sizing.plan == plan_cache(layout, budget, 16, engine.max_num_seqs, 512)
+
+
+def test_an_unset_context_follows_a_given_pool_on_the_cpu():
+    """``kv_cache_memory`` given, ``max_model_len`` left unset: the context is what the pages
+    hold (a warning says so), not the model's 40,960 tokens refused."""
+    cfg = ModelConfig(**PRESETS["qwen3-tiny"], name="qwen3-tiny")
+    layout = families.DENSE.cache_layout(cfg, CacheRequest("bfloat16"), "reference")
+
+    class CPU:
+        platform = "cpu"
+
+    asked = EngineConfig(kv_cache_memory=512 * 1000)  # 1,000 bf16 tokens of 512 bytes
+    engine = device_defaults(asked, CPU())
+    sizer = capacity.Sizer(cfg, layout, engine, asked, memory.device_memory(CPU(), 0.9, 1),
+                           lambda *a: pytest.fail("no compile"), memory.PeakMemo(None))
+    sizing, _ = sizer.size()
+    assert sizing.engine.max_model_len == sizing.plan.max_tokens == 62 * 16
+    with pytest.raises(ValueError, match="max_model_len=4096.*give at least"):
+        capacity.Sizer(cfg, layout, dataclasses.replace(engine, max_model_len=4096),
+                       dataclasses.replace(asked, max_model_len=4096),
+                       sizer.dm, None, memory.PeakMemo(None)).size()
