@@ -26,7 +26,7 @@ registered under the key of the page that ends there. Saved:
 A decode capture is *unconfirmed* until the host has read the tokens up to its boundary:
 with overlap scheduling a dispatch runs past a stop the host has not seen yet, and a capture
 past the stop holds tokens the sequence never had. So it goes to a slot of its own, replaces
-the sequence's checkpoint once ``len(seq.tokens)`` reaches its boundary (``confirm``), and is
+the sequence's checkpoint once ``len(seq.tokens)`` passes its boundary (``confirm``), and is
 dropped if the sequence ends short of it. A sequence has at most one unconfirmed capture (a
 crossing meanwhile is skipped; none is when page_size >= 2 x decode_steps, the defaults).
 
@@ -141,9 +141,11 @@ class SnapshotPolicy:
 
     # -- validity and registration --------------------------------------------------------
     def confirm(self, seq) -> None:
-        """An unconfirmed capture whose tokens the host knows replaces the checkpoint."""
+        """An unconfirmed capture whose tokens the host knows replaces the checkpoint: those
+        before its boundary and one more (a sequence ending right at the boundary registers
+        the pages before it only: its last token's K/V is not computed)."""
         st = self.of(seq)
-        if st.staging is not None and st.staging[0] <= len(seq.tokens):
+        if st.staging is not None and st.staging[0] < len(seq.tokens):
             if st.ckpt is not None:
                 self.pool.release(st.ckpt[1])
             st.ckpt, st.staging = st.staging, None
