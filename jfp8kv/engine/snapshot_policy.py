@@ -6,11 +6,13 @@ the state after exactly that run. A state is *saved* by a device copy of a seque
 into a snapshot slot, always where its computed tokens end on a page boundary, and
 registered under the key of the page that ends there. Saved:
 
-* **at prefill chunk ends.** With snapshots on, the scheduler ends every chunk but a
-  sequence's last on a page boundary (``chunk_length``: at most page_size - 1 tokens of a
-  step's budget go unused), so each chunk end of a long prompt (every
-  ``max_num_batched_tokens``) is a cacheable point. The copy runs in the prefill dispatch,
-  after the forward.
+* **at prefill chunk ends.** With snapshots on, the scheduler ends every chunk on a page
+  boundary (``chunk_length``: at most page_size - 1 tokens of a step's budget go unused),
+  so each chunk end of a long prompt (every ``max_num_batched_tokens``) is a cacheable
+  point; a prompt's last chunk is cut at its last page boundary too, and the rest (fewer
+  than page_size tokens) runs in the next step: the state there is the end of the request
+  whenever the answer crosses no page boundary (short answers, V4's 128-token pages). The
+  copy runs in the prefill dispatch, after the forward.
 * **where a shared prefix diverges.** An admission whose cached pages run past the last
   snapshot among them (pages a request computed, without a state at their end: two sessions
   that share a system prompt) ends its first chunk where the run ends, so the state there
@@ -99,12 +101,13 @@ class SnapshotPolicy:
     # -- saves -------------------------------------------------------------------------
     def chunk_length(self, seq, n: int) -> int:
         """The length of ``seq``'s next chunk of at most ``n`` tokens: up to its divergence
-        point when it lies inside, else ending on a page boundary unless it is the last."""
+        point when it lies inside, else up to the last page boundary it crosses (the whole
+        chunk when it crosses none)."""
         start, end = seq.num_cached, seq.num_cached + n
         cut = self.of(seq).cut_at
         if start < cut < end:
             return cut - start
-        if end < seq.num_tokens and end % self.ps and end - end % self.ps > start:
+        if end % self.ps and end - end % self.ps > start:
             return end - end % self.ps - start
         return n
 

@@ -7,8 +7,9 @@ the last answer and new "tool output"; answers stop on stop token ids at points 
 does not know, so with overlap scheduling and 4 decode steps per dispatch the device runs
 past stops (captures past a stop must never become snapshots). Greedy tokens with the cache
 equal those of the same engine without it; each request's ``num_cached_tokens`` is exactly
-the prompt tokens it did not prefill (the runner's prefill chunks are counted); later turns
-restore snapshots and the engine's metrics count them. A pool small enough to preempt gives
+the prompt tokens it did not compute (the scheduler's plans are counted), and a later turn's
+is the last page boundary of its session's previous prompt + answer; the engine's metrics
+count the snapshots. A pool small enough to preempt gives
 the same tokens too (V4's fp8 preemption: ``test_v4_preemption.py``)."""
 
 import dataclasses
@@ -70,18 +71,18 @@ def make(loaded, kv, caching, **kw):
     return llm
 
 
-def converse(llm, vocab, seed, sessions=3, turns=3):
+def converse(llm, vocab, seed, sessions=3, turns=3, stops=True):
     """Each round, every session's next turn at once. Returns (tokens per request, cached
-    tokens per request, prompt lengths); some answers end on a stop id."""
+    tokens per request, prompt lengths); with ``stops`` some answers end on a stop id."""
     rng = np.random.default_rng(seed)
     system = rng.integers(3, vocab, 37).tolist()
     convs = [system + rng.integers(3, vocab, int(rng.integers(2, 12))).tolist()
              for _ in range(sessions)]
-    stops = [int(t) for t in rng.integers(3, vocab, vocab // 9)]  # fire now and then
+    stop_ids = [int(t) for t in rng.integers(3, vocab, vocab // 9)] if stops else []
     tokens, cached, lengths, reasons = [], [], [], set()
     for _ in range(turns):
         params = [SamplingParams(max_tokens=int(rng.integers(8, 30)), temperature=0,
-                                 ignore_eos=True, stop_token_ids=stops)
+                                 ignore_eos=True, stop_token_ids=stop_ids)
                   for _ in range(sessions)]
         outs = llm.generate(convs, params)
         for i, o in enumerate(outs):
@@ -91,7 +92,7 @@ def converse(llm, vocab, seed, sessions=3, turns=3):
             lengths.append(len(convs[i]))
             tool = rng.integers(3, vocab, int(rng.integers(3, 25))).tolist()
             convs[i] = convs[i] + o.token_ids + tool
-    assert "stop" in reasons
+    assert ("stop" in reasons) == stops
     return tokens, cached, lengths
 
 
@@ -110,8 +111,10 @@ def test_conversations_equal_the_uncached_engine(models, family, kv):
     assert got == want and not any(none)
     assert all(c % PS == 0 and c < n for c, n in zip(cached, lengths))
     assert llm.prefilled == sum(lengths) - sum(cached) and plain.prefilled == sum(lengths)
-    later = cached[3:]  # the second and third rounds extend a conversation of >= 48 tokens
-    assert all(c >= 32 for c in later), cached
+    # Later rounds restore the state at the last page boundary of the session's previous
+    # prompt + answer (computed tokens: all but the answer's last).
+    later = cached[3:]
+    assert later == [(lengths[k] + len(got[k]) - 1) // PS * PS for k in range(len(later))]
     stats = llm.engine.scheduler.snapshot_stats()
     m = llm.engine.metrics()
     assert stats.hits >= len(later) and m["snapshot_hits_total"] == stats.hits
@@ -122,21 +125,22 @@ def test_conversations_equal_the_uncached_engine(models, family, kv):
 
 
 def test_hybrid_preemption_with_snapshots_equals_the_roomy_engine(models):
-    """fp8 pages, a pool of 10 pages (a 160-token conversation needs most of it) and greedy
-    admission: sequences are preempted, then readmitted from their pages and snapshots."""
+    """fp8 pages, a pool of 8 pages and greedy admission: four sessions' answers of 8-29
+    tokens (no stops) outgrow it, so sequences are preempted, then readmitted from their
+    pages and snapshots."""
     loaded = models("hybrid")
     vocab = loaded.config.vocab_size
     with x64():
         seed = np.random.SeedSequence().entropy
-        want, _, _ = converse(make(loaded, "fp8_e4m3", False), vocab, seed=seed)
+        want, _, _ = converse(make(loaded, "fp8_e4m3", False), vocab, seed, 4, 2, False)
         probe = make(loaded, "fp8_e4m3", True)
         info = probe.cache_info()
         page = info["pools"]["kv"]["bytes_per_page"]
         slot = info["pools"]["deltanet"]["bytes_per_slot"]
-        llm = make(loaded, "fp8_e4m3", True, admission="greedy", max_model_len=160,
-                   kv_cache_memory=(6 + 8) * slot + 10 * page, state_snapshot_memory=8 * slot)
-        assert llm.cache_info()["num_pages"] == 10
-        got, cached, lengths = converse(llm, vocab, seed=seed)
+        llm = make(loaded, "fp8_e4m3", True, admission="greedy", max_model_len=128,
+                   kv_cache_memory=(6 + 8) * slot + 8 * page, state_snapshot_memory=8 * slot)
+        assert llm.cache_info()["num_pages"] == 8
+        got, cached, lengths = converse(llm, vocab, seed, 4, 2, False)
     assert got == want
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.snapshot_stats().hits > 0
