@@ -82,6 +82,8 @@ def parse_args(argv=None):
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                  "--decode-steps"):
         p.add_argument(flag, type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the engine's (set before JAX starts, as the server does)")
     p.add_argument("--warmup", choices=("buckets", "off"), default="buckets")
     p.add_argument("--out")
     p.add_argument("--plot", action="store_true")
@@ -133,7 +135,7 @@ def drive(llm, trace: Trace, sessions: int, prompts=None) -> dict:
 
     eng, args = internals.engine(llm), trace.args
     live, turns, convs = {}, [], [None] * sessions
-    shared = [len(trace.system) if s else 0 for s in range(sessions)]
+    shared = [len(trace.system) if s and prompts is None else 0 for s in range(sessions)]
 
     def submit(s: int, t: int, prompt: list[int]):
         rid = f"s{s}t{t}"
@@ -188,7 +190,8 @@ def replay_prompts(turns: list[dict], contexts: list[int]) -> list[dict]:
 
 
 def summarize(turns: list[dict]) -> dict:
-    later = [r["reuse"] for r in turns if r["turn"] > 0]  # every turn after a session's first
+    later = [r["reuse"] for r in turns  # every turn after a session's first
+             if r["turn"] > 0 and r["reuse"] is not None]
     dec = [r["decode_tok_s"] for r in turns if r["decode_tok_s"]]
     return dict(turns=len(turns), prompt_tokens=sum(r["prompt_tokens"] for r in turns),
                 cached_tokens=sum(r["cached_tokens"] for r in turns),
@@ -207,7 +210,7 @@ def build(args, loaded, kv: str, sessions: int):
               max_model_len=args.max_model_len or args.context_tokens + args.answer_tokens[1])
     if args.state_snapshot_memory is not None:
         kw["state_snapshot_memory"] = float(args.state_snapshot_memory)
-    for name in ("max_num_batched_tokens", "decode_steps"):
+    for name in ("max_num_batched_tokens", "decode_steps", "gpu_memory_utilization"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     t = time.perf_counter()
@@ -302,6 +305,9 @@ def main(argv=None) -> int:
     if args.plot_only:
         plot(args.plot_only)
         return 0
+    if args.gpu_memory_utilization is not None:  # before JAX starts its GPU backend
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                              f"{args.gpu_memory_utilization:.4g}")
     from jfp8kv.models.loader import load_model
 
     command = command_line(__spec__.name if __spec__ else "bench.agent", argv)

@@ -53,6 +53,7 @@ def test_hybrid_trace_with_the_cache_on_and_off(tmp_path):
         assert on["cache"]["enable_prefix_caching"] and on["cache"]["snapshot_slots"] > 0
         check_turns(on)
         assert on["summary"]["turns"] >= 6 and on["summary"]["cached_tokens"] > 0
+        assert on["summary"]["reuse_min"] >= 0.6  # all but a page of >= 49 shared tokens
         assert on["end"]["sessions_held"] == 2
         assert on["turns"][-1]["snapshots_cached"] > 0
         # the replay: each session's longest prompt of at most 120 tokens, nothing cached
