@@ -37,6 +37,12 @@ the longest part of it that ends at a snapshot (``PrefixCache.restore_point``); 
 those pages, its first chunk's dispatch copies the snapshot into its slot before the forward,
 and only the rest is prefilled. A snapshot restored in a step is pinned for that step (a
 capture scheduled in the same step cannot evict it before the copy has read it).
+
+*Evicted* least recently used (``SnapshotPool``), with one hint: when a request ends and
+registers its latest state, the states it moved past (the snapshot it restored, unless other
+requests restored it too, and its own earlier saves) become the next to go, before other
+conversations' last states. Agents take turns: plain LRU would evict the conversation whose
+turn comes next, and keep the one that just moved on.
 """
 
 from __future__ import annotations
@@ -52,11 +58,13 @@ class SeqSnapshots:
     its next chunk copies in first (0: none); ``cut_at`` a token count its prefill should end
     a chunk at (0: none); ``saves`` prefill captures (boundary, slot) not registered yet;
     ``ckpt`` its latest confirmed decode capture and ``staging`` an unconfirmed one
-    ((boundary, slot) or None)."""
+    ((boundary, slot) or None); ``keys`` the snapshots it restored or registered, in
+    order."""
 
     restore: int = 0
     cut_at: int = 0
     saves: list = dataclasses.field(default_factory=list)
+    keys: list = dataclasses.field(default_factory=list)
     ckpt: tuple[int, int] | None = None
     staging: tuple[int, int] | None = None
 
@@ -97,6 +105,7 @@ class SnapshotPolicy:
         if slot:
             self.pool.use(slot)
             self._pinned.add(slot)
+            st.keys.append(self.pool.key_of(slot))
 
     # -- saves -------------------------------------------------------------------------
     def chunk_length(self, seq, n: int) -> int:
@@ -181,11 +190,15 @@ class SnapshotPolicy:
                 self.pool.release(slot)
         if st.staging is not None:
             self.pool.release(st.staging[1])
+        for key in st.keys[:-1]:  # moved past: the next to go (the module docstring)
+            if key != st.keys[-1] and (key not in st.keys[:1] or self.pool.uses(key) < 2):
+                self.pool.demote(key)
         seq.snap = None
 
     def _save(self, seq, at: int, slot: int) -> None:
         key = seq.page_keys[at // self.ps - 1]
         if self.cache.is_registered(key):
-            self.pool.register(key, slot)
+            if self.pool.register(key, slot):
+                self.of(seq).keys.append(key)
         else:
             self.pool.release(slot)

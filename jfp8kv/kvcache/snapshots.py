@@ -16,7 +16,8 @@ equal state.
 * **held**: acquired by a running sequence (a capture in flight, or its latest checkpoint),
   in no index, never evicted;
 * **registered**: under one page key, least recently used first (``use`` on a restore
-  refreshes one); ``acquire`` evicts the oldest when no slot is free;
+  refreshes one, ``demote`` makes one the next to go: a state its conversation has moved
+  past); ``acquire`` evicts the oldest when no slot is free;
 * **free**.
 
 A snapshot never outlives its page: when the prefix cache forgets a page (evicted, reset) it
@@ -59,6 +60,7 @@ class SnapshotPool:
         self._slot_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._uses: dict[int, int] = {}  # restores of each registered slot
         self.hits = self.saves = self.evictions = 0
 
     @property
@@ -105,6 +107,7 @@ class SnapshotPool:
         self._slot_of[key] = slot
         self._key_of[slot] = key
         self._lru[slot] = None
+        self._uses[slot] = 0
         self.saves += 1
         return True
 
@@ -115,7 +118,23 @@ class SnapshotPool:
     def use(self, slot: int) -> None:
         """Count a restore from registered ``slot`` and make it the most recently used."""
         self._lru.move_to_end(slot)
+        self._uses[slot] += 1
         self.hits += 1
+
+    def key_of(self, slot: int) -> bytes | None:
+        return self._key_of.get(slot)
+
+    def uses(self, key: bytes) -> int:
+        """Restores of the snapshot under ``key`` since it was registered (0: none, or no
+        snapshot)."""
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else self._uses[slot]
+
+    def demote(self, key: bytes) -> None:
+        """Make the snapshot under ``key`` (if any) the next one ``acquire`` evicts."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._lru.move_to_end(slot, last=False)
 
     def drop(self, key: bytes) -> None:
         """Forget the snapshot under ``key`` (its page was forgotten), if there is one."""
@@ -135,6 +154,7 @@ class SnapshotPool:
         key = self._key_of.pop(slot)
         del self._slot_of[key]
         del self._lru[slot]
+        del self._uses[slot]
 
     def stats(self) -> SnapshotStats:
         return SnapshotStats(self.hits, self.saves, self.evictions, self.num_registered,

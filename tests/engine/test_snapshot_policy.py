@@ -172,3 +172,38 @@ def test_a_finished_turn_leaves_its_last_page_boundary(run):
         prev = q
         conv = q.tokens + [rnd.randrange(3, V) for _ in range(rnd.randint(1, 5))]
     assert s.snapshot_stats().evictions == 0
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_round_robin_sessions_keep_their_last_turn(run):
+    """Four conversations take turns, one at a time, with snapshot slots for about two per
+    conversation: a finished request's earlier states (the one it restored, its prompt's)
+    go before other conversations' last ones, so every next turn still finds its own."""
+    ps, rnd = 4, random.Random()
+    s = Scheduler(PageAllocator(200), ps, 400, 1, 16, 4, state_slots=1, snapshot_slots=(3, 9))
+    dev = Device()
+    convs = [[rnd.randrange(3, V) for _ in range(rnd.randint(9, 30))] for _ in range(4)]
+    prev: dict[int, Sequence] = {}
+    for turn in range(5):
+        for i in range(4):
+            q = Sequence(f"{i}.{turn}", list(convs[i]), SamplingParams(
+                max_tokens=rnd.randint(5, 12)), seed=0)
+            s.add(q)
+            while s.has_work():
+                plan = s.schedule()
+                for r in plan.decode:
+                    n0 = r.seq.num_cached
+                    toks = dev.decode(r)
+                    r.seq.num_cached += r.steps
+                    take(s, r.seq, toks, n0 + 1)
+                for c in plan.prefill:
+                    tok = dev.prefill(c)
+                    c.seq.num_cached += c.length
+                    if c.completes:
+                        take(s, c.seq, [tok], c.seq.num_cached)
+                check(s, dev)
+            if i in prev:
+                assert q.num_cached_prompt_tokens == (len(prev[i].tokens) - 1) // ps * ps
+            prev[i] = q
+            convs[i] = q.tokens + [rnd.randrange(3, V) for _ in range(rnd.randint(1, 6))]
+    assert s.snapshot_stats().evictions > 0

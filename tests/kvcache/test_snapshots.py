@@ -38,6 +38,20 @@ def test_acquire_register_evict_in_lru_order():
     assert pool.evictions == 3
 
 
+def test_demoted_and_used_snapshots():
+    pool = SnapshotPool(1, 3)
+    for i in range(3):
+        pool.register(bytes([i]), pool.acquire())
+    assert pool.uses(bytes([1])) == 0
+    pool.use(pool.lookup(bytes([1])))
+    pool.use(pool.lookup(bytes([1])))
+    assert pool.uses(bytes([1])) == 2 and pool.uses(bytes([7])) == 0
+    pool.demote(bytes([2]))  # the newest becomes the next to go
+    pool.demote(bytes([7]))  # no snapshot there: nothing happens
+    assert pool.acquire() == 3 and pool.lookup(bytes([2])) is None
+    assert pool.acquire() == 1 and pool.key_of(2) == bytes([1])
+
+
 def test_snapshot_is_dropped_with_its_page_and_restore_point_is_the_longest():
     alloc = PageAllocator(9)
     pool = SnapshotPool(3, 4)
