@@ -29,7 +29,9 @@ cache. One engine is built per (S, cache dtype) and warmed up (``--warmup bucket
 Per turn: prompt tokens, the tokens it shares with the session's previous turn (that prompt
 and its answer; a later session's first turn shares the system prompt), cached tokens (the
 API's ``cached_tokens``) and their share of the shared tokens, TTFT, decode tokens/s, end to
-end, and after it the pool (pages in use and cached) and the state snapshots (held, bytes).
+end, the seconds XLA spent compiling meanwhile (``compile_s``: with ``--warmup off`` a turn
+that meets a new shape waits for it), and after it the pool (pages in use and cached) and the
+state snapshots (held, bytes).
 Per run: the summary of those, ``ttft_on_over_off`` for each replayed turn, and at the end
 how many sessions the cache still holds (``reusable_tokens`` of each conversation: all of it
 up to its last page boundary). Writes ``bench/results/agent-<machine>.json`` (``--out``): machine, versions, the
@@ -132,6 +134,7 @@ def drive(llm, trace: Trace, sessions: int, prompts=None) -> dict:
     """Play the trace (``prompts`` None) or replay ``prompts`` {(s, t): ids} all at once.
     Returns {"turns": [...], "conversations": [final tokens per session], "wall_s"}."""
     from jfp8kv import SamplingParams
+    from jfp8kv.engine.stats import compile_count
 
     eng, args = internals.engine(llm), trace.args
     live, turns, convs = {}, [], [None] * sessions
@@ -141,7 +144,8 @@ def drive(llm, trace: Trace, sessions: int, prompts=None) -> dict:
         rid = f"s{s}t{t}"
         eng.add_request(rid, prompt, SamplingParams(max_tokens=trace.answer_len(s, t),
                                                     temperature=0, ignore_eos=True))
-        live[rid] = dict(session=s, turn=t, prompt=prompt, t0=time.perf_counter(), first=None)
+        live[rid] = dict(session=s, turn=t, prompt=prompt, t0=time.perf_counter(), first=None,
+                         compiles=compile_count())
 
     t_start = time.perf_counter()
     first = prompts if prompts is not None else {(s, 0): trace.first(s)
@@ -164,6 +168,7 @@ def drive(llm, trace: Trace, sessions: int, prompts=None) -> dict:
                 cached_tokens=o.num_cached_tokens,
                 reuse=o.num_cached_tokens / shared[s] if shared[s] else None,
                 ttft_s=r["first"] - r["t0"], output_tokens=n, e2e_s=now - r["t0"],
+                compile_s=compile_count()[1] - r["compiles"][1],
                 decode_tok_s=(n - 1) / (now - r["first"]) if n > 1 and now > r["first"]
                 else None, prompt_ids=np.asarray(prompt, np.int32), **pool_now(llm)))
             convs[s] = prompt + o.token_ids

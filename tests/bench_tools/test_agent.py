@@ -32,6 +32,7 @@ def check_turns(rec):
     prev = {}
     for t in turns:
         assert t["ttft_s"] > 0 and t["e2e_s"] >= t["ttft_s"] and t["output_tokens"] >= 3
+        assert t["compile_s"] >= 0
         if t["session"] in prev:
             assert t["shared_tokens"] == prev[t["session"]]
             assert t["cached_tokens"] == (t["shared_tokens"] - 1) // PS * PS
