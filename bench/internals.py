@@ -19,7 +19,14 @@ to follow. What each needs and why:
 * ``eos_after``: requests that end early as if EOS were sampled (random weights never sample
   it), for workloads such as chat where outputs stop far below max_tokens
   (``bench.offline --eos-after``);
-* ``admission_state``: the admission policy's learned ratio and floor.
+* ``admission_state``: the admission policy's learned ratio and floor;
+* ``engine``: the ``LLMEngine`` itself, to add requests as a conversation needs them and
+  step it (``bench.agent``: each turn is submitted when the last one ends);
+* ``without_prefix_cache``: the same engine (compiled steps, pools) on a fresh scheduler
+  with prefix caching off, for a cache-off replay of the same prompts;
+* ``reusable_tokens``: how many tokens of a conversation the cache would serve now (its
+  cached pages, cut to end at a state snapshot where the family needs one), read on the
+  host without admitting anything.
 
 (Nothing here changes an engine's settings at run time: knobs such as the minimum prefill
 chunk are ``EngineConfig`` fields, given when the ``LLM`` is built. ``eos_after`` changes
@@ -194,3 +201,38 @@ def admission_state(llm) -> dict:
     seen yet)."""
     a = llm.engine.scheduler.admission
     return dict(policy=a.policy, ratio=a.ratio, used=a.used)
+
+
+def engine(llm):
+    """The ``LLMEngine`` of ``llm`` (``add_request``, ``step``, ``has_unfinished``,
+    ``metrics``)."""
+    return llm.engine
+
+
+def without_prefix_cache(llm) -> None:
+    """Give ``llm``'s engine a fresh scheduler like its own (pages, slots, limits) with
+    prefix caching off: what it had cached is forgotten (the pool's arrays stay)."""
+    from jfp8kv.engine.scheduler import Scheduler
+    from jfp8kv.kvcache.allocator import PageAllocator
+
+    old = llm.engine.scheduler
+    if old.has_work():
+        raise RuntimeError("without_prefix_cache needs an idle engine")
+    states = old.scratch_state_slot - 1 if old.scratch_state_slot else 0
+    llm.engine.scheduler = Scheduler(
+        PageAllocator(old.allocator.num_pages), old.page_size, old.max_model_len,
+        old.max_num_seqs, old.max_num_batched_tokens, old.decode_steps,
+        enable_prefix_caching=False, state_slots=states, admission=old.admission.policy)
+
+
+def reusable_tokens(llm, tokens) -> int:
+    """Tokens of ``tokens`` (a conversation so far) that an admission would take from the
+    cache now: its longest run of cached pages, cut to end at a state snapshot where the
+    family keeps a state (``PrefixCache.restore_point``), in tokens."""
+    cache = llm.engine.scheduler.prefix_cache
+    if cache is None:
+        return 0
+    keys: list[bytes] = []
+    hit = cache.match(list(tokens), keys)
+    pages = cache.restore_point(keys, len(hit))[0] if cache.snapshots else len(hit)
+    return pages * cache.page_size

@@ -304,6 +304,11 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(
         True, "reuse the cached KV pages of a prompt's prefix computed by an earlier request "
               "(same tokens, same cache settings) instead of recomputing it")
+    state_snapshot_memory: float | None = _knob(
+        None, "models with a per-sequence state (Qwen3.5/3.6 hybrids, DeepSeek-V4): the "
+              "cache pools kept for state snapshots of prefix caching, as a fraction (< 1) "
+              "of the pools or bytes (>= 1); 0 turns their prefix caching off (default: 4 "
+              "snapshots per running sequence, at most a fifth of the pools)")
     overlap_scheduling: bool = _knob(
         True, "schedule and dispatch the next engine step while the device runs the current "
               "one, reading its sampled tokens one step later (same tokens as the serialized "
@@ -336,6 +341,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.state_snapshot_memory is not None and not self.state_snapshot_memory >= 0:
+            raise ValueError(f"state_snapshot_memory must be >= 0 (a fraction below 1, or "
+                             f"bytes), got {self.state_snapshot_memory!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")

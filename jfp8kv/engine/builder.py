@@ -162,6 +162,21 @@ def check_settings(layout: CacheLayout, cache: CacheOptions, engine: EngineConfi
     if engine.enable_prefix_caching and not ok.prefix_caching:
         log.warning("prefix caching is off for %s: %s", layout.family, ok.why_no_prefix_caching)
         engine = dataclasses.replace(engine, enable_prefix_caching=False)
+    elif engine.enable_prefix_caching and layout.slots and engine.state_snapshot_memory == 0:
+        log.warning("prefix caching is off for %s: a cached prefix needs the state after it, "
+                    "and state_snapshot_memory=0 keeps no state snapshot", layout.family)
+        engine = dataclasses.replace(engine, enable_prefix_caching=False)
+    return engine
+
+
+def check_snapshots(plan: CachePlan, engine: EngineConfig) -> EngineConfig:
+    """``engine`` with prefix caching off (and a warning) where the layout has slot pools and
+    the plan holds no state snapshot (the pools too small for one)."""
+    if plan.layout.slots and engine.enable_prefix_caching and not plan.num_snapshots:
+        log.warning("prefix caching is off for %s: the pools hold no state snapshot (%d bytes "
+                    "each); raise --state-snapshot-memory or --kv-cache-memory",
+                    plan.layout.family, plan.layout.bytes_per_slot())
+        engine = dataclasses.replace(engine, enable_prefix_caching=False)
     return engine
 
 
@@ -195,7 +210,8 @@ def assemble_engine(loaded, plan: CachePlan, engine_cfg: EngineConfig, runner: M
     within one)."""
     runner.cache = Cache.init(plan, pool_args)
     scheduler = Scheduler.from_config(PageAllocator(plan.num_pages), engine_cfg, namespace,
-                                      plan.sequence_slots)
+                                      plan.sequence_slots,
+                                      (plan.first_snapshot, plan.num_snapshots))
     eos = set(loaded.config.eos_token_ids)
     if getattr(loaded.tokenizer, "eos_token_id", None) is not None:
         eos.add(loaded.tokenizer.eos_token_id)
@@ -265,6 +281,7 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     sizing, runner = size_cache(loaded, layout, engine, asked, device, backend, tp)
     engine = dataclasses.replace(sizing.engine, max_queue_len=sizing.engine.max_queue_len
                                  or sizing.engine.max_num_seqs)
+    engine = check_snapshots(sizing.plan, engine)
     pool_args, source = static_pool_args(loaded, layout, engine.page_size, cache.kv_scales, tp)
     if runner is None:
         runner = make_runner(loaded, abstract_cache(sizing.plan, pool_args), engine, backend,
@@ -312,6 +329,8 @@ def cache_info(built: BuiltEngine) -> dict:
                 enable_prefix_caching=built.engine_config.enable_prefix_caching,
                 prefix_cache=dataclasses.asdict(
                     built.engine.scheduler.prefix_cache_stats()),
+                snapshot_slots=plan.num_snapshots, snapshot_bytes=plan.snapshot_bytes(),
+                snapshots=dataclasses.asdict(built.engine.scheduler.snapshot_stats()),
                 **tensor_parallel_info(built))
 
 

@@ -9,6 +9,11 @@ running sequences are halved while their state slots would take more than ``SLOT
 of the pools; ``max_model_len`` becomes what the pages hold when that is less than the
 model's context. Each change is logged. A value the user set is kept, or refused with a
 message naming what would fit.
+
+Layouts with slot pools and prefix caching on also get state snapshot slots
+(``snapshot_memory``: ``state_snapshot_memory`` of the pools, by default
+``SNAPSHOTS_PER_SEQUENCE`` per running sequence and at most ``SNAPSHOT_SHARE`` of them),
+taken after the sequences' slots and before the pages.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ TEMP_SHARE = 1 / 3
 SLOT_SHARE = 1 / 4
 MIN_AUTO_BATCHED_TOKENS = 512
 MAX_COMPILE_THREADS = min(8, os.cpu_count() or 1)
+# The default snapshots: a running sequence holds one or two (its latest page-boundary state,
+# a capture in flight) and leaves one when it ends; the rest serve other conversations.
+SNAPSHOTS_PER_SEQUENCE = 4
+SNAPSHOT_SHARE = 1 / 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +64,20 @@ def context_length(cfg: ModelConfig, asked: int | None, family_default: int | No
                              f"most {ctx}")
         return asked
     return min(ctx, family_default or ctx)
+
+
+def snapshot_memory(engine: EngineConfig, layout: CacheLayout, budget: int) -> int:
+    """Bytes of a ``budget``-byte pool kept for state snapshots (module docstring): 0
+    without slot pools or prefix caching; ``engine.state_snapshot_memory`` as a fraction
+    (< 1) of ``budget`` or bytes; by default ``SNAPSHOTS_PER_SEQUENCE`` slots per running
+    sequence, at most ``SNAPSHOT_SHARE`` of the budget."""
+    if not layout.slots or not engine.enable_prefix_caching:
+        return 0
+    asked = engine.state_snapshot_memory
+    if asked is None:
+        per_seq = SNAPSHOTS_PER_SEQUENCE * engine.max_num_seqs * layout.bytes_per_slot()
+        return int(min(SNAPSHOT_SHARE * budget, per_seq))
+    return int(asked * budget if asked < 1 else asked)
 
 
 def cpu_default_budget(layout: CacheLayout, page_size: int, max_len: int, seqs: int) -> int:
@@ -129,11 +152,12 @@ class Sizer:
         """The peak temporaries of ``engine``'s largest decode and one-row prefill
         executables (their full-featured variant) against a two-page probe pool, each kept
         in the memo; the verification at the planned pool adds the widest prefill."""
-        slots = engine.max_num_seqs + EXTRA_SLOTS if self.layout.slots else 0
-        plan = CachePlan(self.layout, self.ps, 2, slots)
+        snaps = int(snapshot_memory(engine, self.layout, 1 << 62) > 0)  # their copies' code
+        slots = engine.max_num_seqs + EXTRA_SLOTS + snaps if self.layout.slots else 0
+        plan = CachePlan(self.layout, self.ps, 2, slots, snaps)
         runner = self.new_runner(plan, engine)
         keys = {shape: PeakMemo.key(repr(self.cfg), repr(self.layout), self.ps, repr(shape),
-                                    engine.max_model_len, self.program_key)
+                                    engine.max_model_len, self.program_key, snaps)
                 for shape in self._largest(runner, engine)[:2]}
         peaks = {shape: self.memo.get(key) for shape, key in keys.items()}
         todo = [shape for shape, peak in peaks.items() if peak is None]
@@ -174,6 +198,11 @@ class Sizer:
             e, peaks = smaller, fewer
         return e, peaks
 
+    def plan(self, budget: int, e: EngineConfig) -> CachePlan:
+        """``plan_cache`` of ``budget`` with ``e``'s sequences and snapshots."""
+        return plan_cache(self.layout, budget, self.ps, e.max_num_seqs, e.max_model_len,
+                          snapshot_memory(e, self.layout, budget))
+
     def verify(self, plan: CachePlan, engine: EngineConfig):
         """(runner, peak): the largest executables compiled against ``plan``'s pools, every
         variant, registered with the runner for its warm-up (one device)."""
@@ -193,7 +222,7 @@ class Sizer:
         budget0 = given or cpu_default_budget(self.layout, self.ps, max_len, e.max_num_seqs)
         if not self.dm.on_gpu and self.dm.in_use + budget0 <= self.dm.capacity / 2:
             e = self._fit_context(e, budget0)
-            plan = plan_cache(self.layout, budget0, self.ps, e.max_num_seqs, e.max_model_len)
+            plan = self.plan(budget0, e)
             mem = MemoryPlan(self.dm.capacity, self.dm.in_use, None, self.dm.margin, budget0,
                              "kv_cache_memory" if given else "cpu default", total=self.dm.total)
             return Sizing(plan, mem, dataclasses.replace(e, kv_cache_memory=budget0)), None
@@ -203,7 +232,7 @@ class Sizer:
 
     def _given(self, e: EngineConfig, given: int):
         e = self._fit_context(e, given)
-        plan = plan_cache(self.layout, given, self.ps, e.max_num_seqs, e.max_model_len)
+        plan = self.plan(given, e)
         runner, peak = self.verify(plan, e)
         free = self.dm.free_for(peak)
         if given > free:
@@ -230,7 +259,7 @@ class Sizer:
             free = min(free, cpu_budget)
         e = self._fit_sequences(e, free)
         e = self._fit_context(e, free)
-        plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
+        plan = self.plan(free, e)
         runner, real = self.verify(plan, e)
         if real > peak:
             e, plan, free, runner, real = self._regrow(e, plan, free, peak, real)
@@ -251,7 +280,7 @@ class Sizer:
         if self.dm.free_for(real) > 0:
             free = self.dm.free_for(real)
             e = self._fit_context(e, free)
-            plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
+            plan = self.plan(free, e)
             runner, again = self.verify(plan, e)
             if abs(again - real) <= 0.05 * real:  # a constant: the plan holds
                 return e, plan, free, runner, again
@@ -262,7 +291,7 @@ class Sizer:
         page = self.layout.bytes_per_page(self.ps)
         free = int((self.dm.free_for(base) - per_page) / (1 + per_page / page))
         e = self._fit_context(e, free)
-        plan = plan_cache(self.layout, free, self.ps, e.max_num_seqs, e.max_model_len)
+        plan = self.plan(free, e)
         runner, real = self.verify(plan, e)
         if free + real > self.dm.free_for(0):
             raise ValueError(f"the step's temporaries grow with the pool ({real} bytes beside "
@@ -300,6 +329,8 @@ class Sizer:
             return e
         slots = (e.max_num_seqs + EXTRA_SLOTS) * self.layout.bytes_per_slot() \
             if self.layout.slots else 0
+        slots += snapshot_memory(e, self.layout, free) // max(1, self.layout.bytes_per_slot()) \
+            * self.layout.bytes_per_slot()
         pages = (free - slots - self.layout.fixed_bytes()) // self.layout.bytes_per_page(self.ps)
         fits = pages * self.ps
         if fits >= e.max_model_len:

@@ -18,7 +18,7 @@ from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.overlap import InFlight, feed
 from jfp8kv.engine.overlap import host_outputs as _host, host_parts, pick_logprob as _pick
 from jfp8kv.engine.runner import ModelRunner, bucket
-from jfp8kv.engine.sampler import STOP_ID_WIDTH, PenaltyArrays, SamplingArrays, SamplingExtras
+from jfp8kv.engine.sampler import SamplingArrays, sampling_of
 from jfp8kv.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from jfp8kv.engine.stats import StepStats
 from jfp8kv.engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
@@ -159,8 +159,8 @@ class LLMEngine:
         f = InFlight(plan)
         if plan.decode:
             seqs = [r.seq for r in plan.decode]
-            rows = [(s.last_token, s.num_cached, s.pages, s.num_cached + r.steps, s.state_slot)
-                    for s, r in zip(seqs, plan.decode)]
+            rows = [(s.last_token, s.num_cached, s.pages, s.num_cached + r.steps, s.state_slot,
+                     *(r.capture or (-1, 0))) for s, r in zip(seqs, plan.decode)]
             fed = None
             if any(s.num_pending for s in seqs):  # inputs still on the device
                 b = self.runner.decode_bucket(len(rows))
@@ -181,7 +181,7 @@ class LLMEngine:
         if plan.prefill:
             seqs = [c.seq for c in plan.prefill]
             chunks = [(c.seq.tokens[c.start:c.start + c.length], c.start, c.seq.pages,
-                       c.seq.state_slot) for c in plan.prefill]
+                       c.seq.state_slot, c.restore, c.capture) for c in plan.prefill]
             f.completes = [c.completes for c in plan.prefill]
             f.prefill_out = self.runner.prefill(chunks, self._sampling(seqs))
             for i, c in enumerate(plan.prefill):
@@ -216,41 +216,8 @@ class LLMEngine:
                         changed[seq.request_id] = seq
 
     def _sampling(self, seqs: list[Sequence]) -> SamplingArrays:
-        extras = None
-        penalized = any(s.params.uses_penalties for s in seqs)
-        logprobs = any(s.params.logprobs is not None for s in seqs)
-        if penalized or logprobs:
-            extras = SamplingExtras(self._penalty_arrays(seqs) if penalized else None, logprobs)
-        return SamplingArrays(
-            temperature=np.array([s.params.temperature for s in seqs], np.float32),
-            top_k=np.array([s.params.top_k for s in seqs], np.int32),
-            top_p=np.array([s.params.top_p for s in seqs], np.float32),
-            seeds=np.array([s.seed for s in seqs], np.uint32),
-            counters=np.array([s.num_generated for s in seqs], np.int32),
-            extras=extras)
-
-    def _penalty_arrays(self, seqs: list[Sequence]) -> PenaltyArrays:
-        """The token history at a fixed width (one compile per batch bucket) and the ids
-        min_tokens masks (EOS unless ignore_eos, and stop_token_ids), bucketed in width."""
-        width = self.runner.max_pages_per_seq * self.runner.page_size
-        history = np.full((len(seqs), width), -1, np.int32)
-        stops = [sorted(set(s.params.stop_token_ids)
-                        | (set() if s.params.ignore_eos else self.eos_token_ids))
-                 if s.params.min_tokens > 0 else [] for s in seqs]
-        stop_ids = np.full((len(seqs), bucket(max(map(len, stops)), STOP_ID_WIDTH)), -1, np.int32)
-        for i, s in enumerate(seqs):  # (rows with tokens in flight use no penalty)
-            t = s.tokens
-            history[i, :len(t)] = t
-            stop_ids[i, :len(stops[i])] = stops[i]
-        p = [s.params for s in seqs]
-        return PenaltyArrays(
-            history=history,
-            num_prompt=np.array([len(s.prompt_token_ids) for s in seqs], np.int32),
-            presence=np.array([x.presence_penalty for x in p], np.float32),
-            frequency=np.array([x.frequency_penalty for x in p], np.float32),
-            repetition=np.array([x.repetition_penalty for x in p], np.float32),
-            min_tokens=np.array([x.min_tokens for x in p], np.int32),
-            stop_ids=stop_ids)
+        return sampling_of(seqs, self.eos_token_ids,
+                           self.runner.max_pages_per_seq * self.runner.page_size)
 
     @staticmethod
     def _greedy(seqs) -> bool:
@@ -381,7 +348,11 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------
     def metrics(self) -> dict:
+        """Pool, queue and fp8 counts, the state snapshots' (``snapshot_*``: hits, saves,
+        evictions, registered now and their bytes), the memory plan and the device's."""
         alloc, stats = self.scheduler.allocator, np.asarray(self.runner.cache.stats)
+        snap = self.scheduler.snapshot_stats()
+        per_slot = self.runner.cache.plan.layout.bytes_per_slot()
         return dict(
             pages_used=alloc.num_used, pages_total=alloc.num_pages - 1,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -389,6 +360,9 @@ class LLMEngine:
             kv_saturated_total=float(stats[:, 0].sum() + stats[:, 1].sum()),
             kv_nan_total=float(stats[:, 2].sum() + stats[:, 3].sum()),
             generated_tokens_total=self.num_generated_tokens, time=time.time(),
+            snapshot_hits_total=snap.hits, snapshot_saves_total=snap.saves,
+            snapshot_evictions_total=snap.evictions, snapshots_cached=snap.cached,
+            snapshot_bytes=snap.cached * per_slot, snapshot_pool_bytes=snap.slots * per_slot,
             **{f"memory_plan_{k}": v for k, v in self.memory_plan.items()
                if isinstance(v, int) and not isinstance(v, bool)},
             **self.runner.device_memory())

@@ -20,6 +20,9 @@ page in the table; the Pallas decode kernel stops at each row's length). So the 
 finite: ``warmup_shapes`` lists them all, and nothing compiles after ``warmup``. On CPU the
 runner holds float32 copies of the matmul weights (``device_policy.cpu_float32_weights``).
 
+With snapshot slots in the plan every prefill row carries (restore, capture) slots and every
+decode row (capture step, capture slot); ``steps`` runs the copies on the device.
+
 Tensor parallelism: ``tp`` (a ``models.sharding.TensorParallel``; None on one device) is
 passed to the steps; params and cache arrive already placed on the mesh, host arrays are
 replicated by jit.
@@ -86,8 +89,10 @@ class ModelRunner:
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
         self.variants = Variants(feature_executables, on_cpu, max_pages_per_seq * self.page_size)
-        # Rows carry state slots where the cache has slot pools (the family's layout).
+        # Rows carry state slots where the cache has slot pools (the family's layout), and
+        # snapshot copies where the plan has snapshot slots.
         self.slotted = cache.plan.num_slots > 0
+        self.snapshots = cache.plan.num_snapshots > 0
         self.tp = tp
         self._decode = steps.DECODE_JITS[decode_gemm_autotune]
         self._labels = {steps.prefill: "prefill", self._decode: f"decode:{decode_gemm_autotune}"}
@@ -177,9 +182,10 @@ class ModelRunner:
                   state_slots=self._state_slots([], b))
         if kind == "decode":
             return (self._decode, (self.params, cache, z, z, pt, z, *sampling),
-                    dict(kw, num_steps=t))
+                    dict(kw, num_steps=t, captures=self._snapshot_pairs([], b, -1)))
         return steps.prefill, (self.params, cache, zz, zz, zz, pt, z, z, *sampling,
-                               v.scoring(b, t, None, switched)), kw
+                               v.scoring(b, t, None, switched)), dict(
+                                   kw, snapshots=self._snapshot_pairs([], b, 0))
 
     def _state_slots(self, slots: list[int], b: int):
         """int32[b] state slots of the rows (0: the padding slot), or None when the cache has
@@ -189,6 +195,15 @@ class ModelRunner:
         out = np.zeros(b, np.int32)
         out[:len(slots)] = slots
         return out
+
+    def _snapshot_pairs(self, pairs: list[tuple[int, int]], b: int, none: int):
+        """(int32[b], int32[b]) of the rows' snapshot pairs (padding: (none, 0)), or None."""
+        if not self.snapshots:
+            return None
+        out = np.zeros((2, b), np.int32)
+        out[0] = none
+        out[:, :len(pairs)] = np.asarray(pairs, np.int32).T.reshape(2, -1)
+        return out[0], out[1]
 
     def warmup(self, shapes, progress: bool = True) -> None:
         """Compile (and run once, writing only to the sink page) each shape, in every
@@ -240,7 +255,9 @@ class ModelRunner:
             return self._executables[sig]
         key = compiled = None
         if store is not None and self.tp is None:
-            key = store.key(self._labels[fn], args, {k: v for k, v in kw.items() if k in _STATIC})
+            dynamic = {k: v for k, v in kw.items() if k not in _STATIC}  # their structure too
+            key = store.key(self._labels[fn], (args, dynamic),
+                            {k: v for k, v in kw.items() if k in _STATIC})
             compiled = store.load(key)
             self.stored_loads += compiled is not None
         if compiled is None:
@@ -283,8 +300,8 @@ class ModelRunner:
         return pt
 
     def _chunk_arrays(self, chunks, b: int, t: int):
-        """chunks: list of (token_ids, start_pos, pages[, state slot]). Returns padded host
-        arrays."""
+        """chunks: list of (token_ids, start_pos, pages[, state slot, restore, capture]).
+        Returns padded host arrays."""
         ps = self.page_size
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
@@ -326,13 +343,15 @@ class ModelRunner:
             self.params, self.cache, tokens, positions, slots, pt, seq_lens, last_idx,
             *v.sampling(sampling, b, switched).args(), scoring), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=None, tp=self.tp,
-                state_slots=self._state_slots([c[3] if len(c) > 3 else 0 for c in chunks], b)))
+                state_slots=self._state_slots([c[3] if len(c) > 3 else 0 for c in chunks], b),
+                snapshots=self._snapshot_pairs([c[4:6] if len(c) > 4 else (0, 0)
+                                                for c in chunks], b, 0)))
         return out if targets is not None or scoring is None else out[0]
 
     def decode(self, rows, sampling: SamplingArrays, all_greedy: bool, num_steps: int,
                input_tokens=None):
-        """rows: list of (last_token, position, pages, limit[, state slot]). Returns
-        int32[B_bucket, steps].
+        """rows: list of (last_token, position, pages, limit[, state slot, capture step,
+        capture slot]). Returns int32[B_bucket, steps].
         ``input_tokens``: a device int32[B_bucket] used instead of the rows' last tokens
         (overlap scheduling feeds tokens the host has not read yet)."""
         b = self.decode_bucket(len(rows))
@@ -352,7 +371,9 @@ class ModelRunner:
             *self.variants.sampling(sampling, b, switched).args()), dict(
                 cfg=self.cfg, backend=self.backend, all_greedy=None if switched else all_greedy,
                 tp=self.tp, num_steps=num_steps, state_slots=self._state_slots(
-                    [r[4] if len(r) > 4 else 0 for r in rows], b)))
+                    [r[4] if len(r) > 4 else 0 for r in rows], b),
+                captures=self._snapshot_pairs([r[5:7] if len(r) > 5 else (-1, 0)
+                                               for r in rows], b, -1)))
         return toks
 
     def score(self, ids, targets, start: int, pages, state_slot: int = 0):

@@ -280,3 +280,46 @@ def sample_step(logits, state, temperature, top_k, top_p, seeds, counters, extra
         lp = branch(extras.switch(1), token_logprobs,
                     lambda x, t: zero_logprobs(t, x.shape[-1]), raw, toks)
     return toks, state, lp
+
+
+def sampling_of(seqs, eos_token_ids, history_width: int) -> SamplingArrays:
+    """The host arrays of ``seqs``' (scheduler ``Sequence``s) sampling: their parameters,
+    seeds and counters, and when any asks for penalties or log-probs the extras: each
+    row's token history at ``history_width`` (one compile per batch bucket) and the ids
+    min_tokens masks (EOS unless ignore_eos, and stop_token_ids), bucketed in width."""
+    penalized = any(s.params.uses_penalties for s in seqs)
+    logprobs = any(s.params.logprobs is not None for s in seqs)
+    extras = None
+    if penalized or logprobs:
+        penalties = _penalty_arrays(seqs, eos_token_ids, history_width) if penalized else None
+        extras = SamplingExtras(penalties, logprobs)
+    return SamplingArrays(
+        temperature=np.array([s.params.temperature for s in seqs], np.float32),
+        top_k=np.array([s.params.top_k for s in seqs], np.int32),
+        top_p=np.array([s.params.top_p for s in seqs], np.float32),
+        seeds=np.array([s.seed for s in seqs], np.uint32),
+        counters=np.array([s.num_generated for s in seqs], np.int32),
+        extras=extras)
+
+
+def _penalty_arrays(seqs, eos_token_ids, width: int) -> PenaltyArrays:
+    history = np.full((len(seqs), width), -1, np.int32)
+    stops = [sorted(set(s.params.stop_token_ids)
+                    | (set() if s.params.ignore_eos else set(eos_token_ids)))
+             if s.params.min_tokens > 0 else [] for s in seqs]
+    longest = max(map(len, stops))
+    stop_ids = np.full((len(seqs), max(STOP_ID_WIDTH, 1 << max(0, (longest - 1).bit_length()))),
+                       -1, np.int32)
+    for i, s in enumerate(seqs):  # (rows with tokens in flight use no penalty)
+        t = s.tokens
+        history[i, :len(t)] = t
+        stop_ids[i, :len(stops[i])] = stops[i]
+    p = [s.params for s in seqs]
+    return PenaltyArrays(
+        history=history,
+        num_prompt=np.array([len(s.prompt_token_ids) for s in seqs], np.int32),
+        presence=np.array([x.presence_penalty for x in p], np.float32),
+        frequency=np.array([x.frequency_penalty for x in p], np.float32),
+        repetition=np.array([x.repetition_penalty for x in p], np.float32),
+        min_tokens=np.array([x.min_tokens for x in p], np.int32),
+        stop_ids=stop_ids)

@@ -19,6 +19,9 @@ abort, preemption). An admission maps the registered pages its tokens start with
 reference-counted) and starts with ``num_cached`` at the end of them, so only the rest is
 prefilled. Shared pages are full and lie below every holder's ``num_cached``: nobody writes
 them. A preempted sequence usually finds its own pages still cached when readmitted.
+Caches with slot pools need the state after a matched prefix too: ``snapshot_slots`` turn on
+state snapshots (``jfp8kv.engine.snapshot_policy``: saved at page boundaries, restored by an
+admission whose match is cut to end at one).
 
 Each step decodes every running sequence in decode state (decode has priority, so
 inter-token latency stays low while others prefill) and spends the token budget
@@ -41,109 +44,22 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import time
-from typing import Any
 
 from jfp8kv.config import EngineConfig
 from jfp8kv.engine.admission import Admission
-from jfp8kv.engine.types import SamplingParams
+from jfp8kv.engine.sequence import DecodeRow, PrefillChunk, ScheduledStep, Sequence
+from jfp8kv.engine.snapshot_policy import SnapshotPolicy
 from jfp8kv.kvcache.allocator import PageAllocator
 from jfp8kv.kvcache.prefix_cache import PrefixCache, PrefixCacheStats
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    prompt: str | None = None
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0
-    finish_reason: str | None = None
-    text: str = ""
-    num_preemptions: int = 0
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    order: int = 0
-    # Prompt tokens whose K/V came from the prefix cache at the first admission (OpenAI's
-    # usage.prompt_tokens_details.cached_tokens); readmissions after preemption don't count.
-    num_cached_prompt_tokens: int = 0
-    # Prefix-cache keys of the first full pages of ``tokens`` (hashed once, kept across
-    # preemption since tokens only grow), and how many of ``pages`` were offered to the cache.
-    page_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)
-    num_registered: int = 0
-    # Sampled by dispatched steps, not read by the host yet, and the mailbox slot of the
-    # last of them (overlap scheduling, see jfp8kv/engine/overlap.py).
-    num_pending: int = 0
-    mail_slot: int = -1
-    # Hybrid models: the DeltaNet state slot held while running (0: none; Scheduler docs).
-    state_slot: int = 0
-    # The engine's post-processing state: incremental detokenizer, the ids that stop the
-    # sequence (stop_token_ids, EOS unless ignore_eos), text searched for stop strings.
-    detok: Any = dataclasses.field(default=None, repr=False)
-    stop_ids: Any = dataclasses.field(default=None, repr=False)
-    stop_searched: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        """The known tokens (prompt + read output; pending ones are not included)."""
-        return self.prompt_token_ids + self.output_ids
-
-    @property
-    def last_token(self) -> int:
-        """The last known token (without building ``tokens``)."""
-        return self.output_ids[-1] if self.output_ids else self.prompt_token_ids[-1]
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt + generated tokens, pending ones included."""
-        return len(self.prompt_token_ids) + len(self.output_ids) + self.num_pending
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.output_ids) + self.num_pending
-
-    @property
-    def remaining(self) -> int:
-        return self.num_tokens - self.num_cached
-
-
-@dataclasses.dataclass
-class PrefillChunk:
-    seq: Sequence
-    start: int
-    length: int
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the last token, so a new token is sampled."""
-        return self.start + self.length == self.seq.num_tokens
-
-
-@dataclasses.dataclass
-class DecodeRow:
-    seq: Sequence
-    steps: int  # tokens this row may produce in this dispatch
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    decode: list[DecodeRow]
-    prefill: list[PrefillChunk]
-    preempted: list[Sequence]
-    num_steps: int = 1  # the decode dispatch's scan length (one of Scheduler.step_counts)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
+from jfp8kv.kvcache.snapshots import SnapshotPool, SnapshotStats
 
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, decode_steps: int = 1, *,
                  enable_prefix_caching: bool = True, prefix_cache_namespace="",
-                 state_slots: int = 0, admission: str = "greedy"):
+                 state_slots: int = 0, admission: str = "greedy",
+                 snapshot_slots: tuple[int, int] = (0, 0)):
         """``prefix_cache_namespace``: anything that changes the numbers stored in a page
         (model, cache dtype, scale mode, static-scale version, rotation); pages are reused
         only within one namespace (see ``PrefixCache``). ``state_slots`` (caches with slot
@@ -151,7 +67,9 @@ class Scheduler:
         sequences at admission and taken back with their pages (finish, abort, preemption:
         the state is then recomputed by prefill, as the pages are); slot state_slots + 1 is
         ``scratch_state_slot`` (``LLM.nll``). ``admission``: when a waiting sequence may
-        start, ``jfp8kv.engine.admission``."""
+        start, ``jfp8kv.engine.admission``. ``snapshot_slots`` (first, count): the state
+        snapshot slots of prefix caching over slot pools (needed there: ValueError
+        without)."""
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -164,16 +82,22 @@ class Scheduler:
         self.admission = Admission(admission, allocator, page_size, max_model_len,
                                    max_num_batched_tokens, decode_steps)
         self._order = itertools.count()
-        self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace)
-                             if enable_prefix_caching else None)
+        first, count = snapshot_slots
         if state_slots and state_slots < max_num_seqs:
             raise ValueError(f"state_slots={state_slots} < max_num_seqs={max_num_seqs}")
+        if enable_prefix_caching and state_slots and not count:
+            raise ValueError("prefix caching over state slots needs snapshot slots")
+        pool = SnapshotPool(first, count) if enable_prefix_caching and count else None
+        self.prefix_cache = (PrefixCache(allocator, page_size, prefix_cache_namespace, pool)
+                             if enable_prefix_caching else None)
+        self.snapshots = SnapshotPolicy(self.prefix_cache, page_size) if pool else None
         self._free_states = list(range(state_slots, 0, -1))
         self.scratch_state_slot = state_slots + 1 if state_slots else 0
 
     @classmethod
     def from_config(cls, allocator: PageAllocator, cfg: EngineConfig,
-                    prefix_cache_namespace="", state_slots: int = 0) -> "Scheduler":
+                    prefix_cache_namespace="", state_slots: int = 0,
+                    snapshot_slots: tuple[int, int] = (0, 0)) -> "Scheduler":
         """A scheduler with ``cfg``'s limits; ``cfg`` must be resolved (max_model_len and
         decode_steps set, as ``jfp8kv.engine.builder`` returns it)."""
         if cfg.max_model_len is None or cfg.decode_steps is None:
@@ -183,7 +107,7 @@ class Scheduler:
                    cfg.max_num_batched_tokens, cfg.decode_steps,
                    enable_prefix_caching=cfg.enable_prefix_caching,
                    prefix_cache_namespace=prefix_cache_namespace, state_slots=state_slots,
-                   admission=cfg.admission)
+                   admission=cfg.admission, snapshot_slots=snapshot_slots)
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -212,6 +136,10 @@ class Scheduler:
         """Hit and query token counts, cached pages, evictions (all zero when disabled)."""
         return self.prefix_cache.stats() if self.prefix_cache else PrefixCacheStats()
 
+    def snapshot_stats(self) -> SnapshotStats:
+        """State snapshots' hits, saves, evictions and slots (all zero without them)."""
+        return self.snapshots.pool.stats() if self.snapshots else SnapshotStats()
+
     def reset_prefix_cache(self, namespace=None) -> None:
         """Forget every cached page (e.g. after static scales changed); with ``namespace``,
         also key new pages under it. Needs no running sequence (their pages hold old numbers)."""
@@ -223,14 +151,19 @@ class Scheduler:
             seq.page_keys = []
 
     def _register(self, seq: Sequence) -> None:
-        """Offer ``seq``'s newly full, computed pages to the prefix cache."""
+        """Offer ``seq``'s newly full, computed pages to the prefix cache (then its state
+        snapshots that are valid)."""
         computed = min(seq.num_cached, seq.num_tokens - seq.num_pending)  # known tokens only
         if self.prefix_cache and computed // self.page_size > seq.num_registered:
             seq.num_registered = self.prefix_cache.register(
                 seq.tokens, seq.page_keys, seq.pages, seq.num_registered, computed)
+        if self.snapshots and seq.snap is not None:
+            self.snapshots.register(seq)
 
     def _release(self, seq: Sequence) -> None:
         self._register(seq)
+        if self.snapshots and seq.snap is not None:
+            self.snapshots.release(seq)
         # Last page first: of one sequence's cached pages the tail is evicted first, so a
         # cached prefix is not cut in the middle while its continuation survives.
         self.allocator.free(reversed(seq.pages))
@@ -272,6 +205,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         self._preempted: list[Sequence] = []
+        if self.snapshots:
+            self.snapshots.begin_step()
         for seq in self.running:
             self._register(seq)
         budget = self.max_num_batched_tokens
@@ -306,6 +241,8 @@ class Scheduler:
         if prefill:  # one decode token per row beside prefill (see the module docstring)
             decode = [dataclasses.replace(r, steps=1) for r in decode]
             prefill.sort(key=lambda c: -c.length)  # longest first: see the module docstring
+        if self.snapshots:
+            self.snapshots.plan_decode(decode)
         num_steps = max((r.steps for r in decode), default=1)
         num_steps = min(c for c in self.step_counts if c >= num_steps)
         self.admission.step(num_steps if decode else 1)
@@ -336,6 +273,9 @@ class Scheduler:
         running sequences' futures, ``Admission.rows``."""
         assert not seq.pages and seq.num_cached == 0, "a waiting sequence holds no pages"
         hit = self.prefix_cache.match(seq.tokens, seq.page_keys) if self.prefix_cache else []
+        run, restore = len(hit), 0
+        if self.snapshots:  # the state after the pages too: the match ends at a snapshot
+            hit, restore = self.snapshots.match(seq, hit)
         start = len(hit) * self.page_size
         n = min(seq.num_tokens - start, budget)
         free = self.allocator.num_free_after(sharing=hit)
@@ -348,6 +288,8 @@ class Scheduler:
             seq.state_slot = self._free_states.pop()
         seq.num_cached = start
         seq.num_registered = len(hit)
+        if self.snapshots:
+            self.snapshots.admitted(seq, restore, run)
         if self.prefix_cache:
             self.prefix_cache.record(seq.num_tokens, start)
         if seq.num_preemptions == 0:
@@ -356,7 +298,12 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: Sequence, budget: int, protect: set) -> PrefillChunk | None:
         n = min(seq.remaining, budget)
+        if self.snapshots:  # chunks end on page boundaries (snapshot_policy)
+            n = self.snapshots.chunk_length(seq, n)
         if not self._grow(seq, seq.num_cached + n, protect):
             return None
         protect.add(seq)
-        return PrefillChunk(seq, seq.num_cached, n)
+        chunk = PrefillChunk(seq, seq.num_cached, n)
+        if self.snapshots:
+            self.snapshots.on_chunk(chunk)
+        return chunk

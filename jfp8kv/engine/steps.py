@@ -13,6 +13,12 @@ batches into their buckets and calls these.
 
 ``tp`` (a ``models.sharding.TensorParallel``, static; None on one device) runs attention
 per device over its KV heads and pins the output cache to the pool's sharding.
+
+State snapshots (prefix caching over slot pools, ``engine.snapshot_policy``) are copies
+between state slots folded into the steps, every slot pool's rows at once
+(``Cache.copy_slots``; nothing is copied through the host): ``prefill``'s ``snapshots``
+restore a row's slot before the forward and capture it after; ``_decode_steps``'
+``captures`` copy a row's slot after the scan step where it reaches a page boundary.
 """
 
 from __future__ import annotations
@@ -30,6 +36,15 @@ def _placed(cache, tp):
     return cache if tp is None else tp.constrain_cache(cache)
 
 
+def copy_rows(cache, src, dst):
+    """``cache`` with each row's state slot src[b] copied to dst[b] where dst[b] > 0 (slot 0,
+    the padding sink, is never a destination): the rows that copy first, one slot at a time
+    (``Cache.copy_slots``), so rows without a copy cost nothing."""
+    want = dst > 0
+    order = jnp.argsort(~want, stable=True)
+    return cache.copy_slots(src[order], dst[order], want.sum())
+
+
 def _forward(params, cache, tokens, positions, slots, page_tables, seq_lens, state_slots, *,
              cfg, backend, tp):
     """The model family's forward over the cache (``models.families``' contract)."""
@@ -41,14 +56,20 @@ def _forward(params, cache, tokens, positions, slots, page_tables, seq_lens, sta
                    donate_argnames=("cache",))
 def prefill(params, cache, tokens, positions, slots, page_tables, seq_lens, last_idx,
             temperature, top_k, top_p, seeds, counters, extras=None, scoring=None, *, cfg,
-            backend, all_greedy, tp=None, state_slots=None):
-    """Static: cfg, backend, all_greedy, tp (and the structure of extras and scoring).
-    Donated: cache. Returns (out, cache): out int32[B], or (int32[B], log-probs) when
-    extras.logprobs; with ``scoring`` (a ``sampler.Scoring``) (out, (log-prob [B, T] of each
-    target, top values [B, T, K], top ids [B, T, K])). ``state_slots`` int32[B]: the rows'
-    state slots when the cache has slot pools (None otherwise)."""
+            backend, all_greedy, tp=None, state_slots=None, snapshots=None):
+    """Static: cfg, backend, all_greedy, tp (and the structure of extras, scoring and
+    snapshots). Donated: cache. Returns (out, cache): out int32[B], or (int32[B], log-probs)
+    when extras.logprobs; with ``scoring`` (a ``sampler.Scoring``) (out, (log-prob [B, T] of
+    each target, top values [B, T, K], top ids [B, T, K])). ``state_slots`` int32[B]: the
+    rows' state slots when the cache has slot pools (None otherwise); ``snapshots``
+    (restore, capture) int32[B] each: a snapshot slot copied into the row's state slot
+    before the forward, and one its state is copied into after (0: none)."""
+    if snapshots is not None:
+        cache = copy_rows(cache, snapshots[0], jnp.where(snapshots[0] > 0, state_slots, 0))
     hidden, cache = _forward(params, cache, tokens, positions, slots, page_tables, seq_lens,
                              state_slots, cfg=cfg, backend=backend, tp=tp)
+    if snapshots is not None:
+        cache = copy_rows(cache, state_slots, snapshots[1])
     last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     logits = transformer.logits(params, last)
     state = init_state(extras, logits.shape[-1])
@@ -94,12 +115,14 @@ def score_positions(params, hidden, targets):
 
 def _decode_steps(params, cache, tokens, positions, page_tables, limits, temperature, top_k,
                   top_p, seeds, counters, extras=None, *, cfg, backend, all_greedy, num_steps,
-                  tp=None, state_slots=None):
+                  tp=None, state_slots=None, captures=None):
     """``num_steps`` decode steps. Row b is active at step i iff positions[b] + i < limits[b];
     inactive rows write to the sink page and attend nothing. Static: cfg, backend,
-    all_greedy, num_steps, tp (and extras' structure: the penalty token counts ride in the scan
-    carry only when given). Donated: cache. Returns (int32[B, num_steps], cache), or
-    ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs."""
+    all_greedy, num_steps, tp (and extras' and captures' structure: the penalty token counts
+    ride in the scan carry only when given). Donated: cache. Returns (int32[B, num_steps],
+    cache), or ((tokens, log-probs [B, num_steps, ...]), cache) when extras.logprobs.
+    ``captures`` (step, slot) int32[B] each: row b's state slot is copied to slot[b] after
+    scan step step[b] (-1: never)."""
     ps = cache.page_size
 
     def body(carry, i):
@@ -113,6 +136,8 @@ def _decode_steps(params, cache, tokens, positions, page_tables, limits, tempera
         hidden, cache = _forward(params, cache, tok[:, None], pos[:, None], slot[:, None],
                                  page_tables, seq_len, state_slots, cfg=cfg, backend=backend,
                                  tp=tp)
+        if captures is not None:
+            cache = copy_rows(cache, state_slots, jnp.where(captures[0] == i, captures[1], 0))
         logits = transformer.logits(params, hidden[:, 0])
         nxt, state, lp = sample_step(logits, state, temperature, top_k, top_p, seeds,
                                      counters + i, extras, all_greedy=all_greedy)

@@ -18,10 +18,11 @@ The families' own modules in this package declare their layouts (the dense one i
 ``cache``, the others beside their pools); ``jfp8kv.models.families`` maps a model config to
 its family. Nothing here knows a family.
 
-``plan_cache`` turns (layout, budget, page size, max_num_seqs, max_model_len) into a
-``CachePlan``: slots first (slot 0 the padding sink, one per running sequence, one scratch
-slot for ``LLM.nll``), then the static bytes, then as many pages as the rest holds, plus
-page 0 (the padding sink; not counted against the budget). ``Cache`` is the pytree every
+``plan_cache`` turns (layout, budget, page size, max_num_seqs, max_model_len, snapshot
+bytes) into a ``CachePlan``: slots first (slot 0 the padding sink, one per running sequence,
+one scratch slot for ``LLM.nll``, then the state snapshots of prefix caching:
+``snapshots.py``), then the static bytes, then as many pages as the rest holds, plus page 0
+(the padding sink; not counted against the budget). ``Cache`` is the pytree every
 family's forward takes: a dict of pool pytrees (each pool's own arrays) and the plan,
 static.
 """
@@ -76,7 +77,9 @@ class PagedPool:
 
 
 class SlotPool:
-    """A fixed-size state per sequence slot (frozen dataclass subclasses, as ``PagedPool``)."""
+    """A fixed-size state per sequence slot (frozen dataclass subclasses, as ``PagedPool``).
+    Every array of the pool's pytree has the slot axis first, so a slot is copied whole by
+    ``Cache.copy_slots`` (a state snapshot) without the engine knowing the pool."""
 
     name: ClassVar[str]
     kind: ClassVar[str] = "slot"
@@ -214,13 +217,15 @@ class CacheLayout:
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
     """A layout sized: pages of ``page_size`` tokens (``num_pages`` with the sink page 0) and
-    ``num_slots`` state slots (with the sink slot 0 and the scratch slot; 0 when the layout
-    has no slot pools). Hashable: the cache pytree's static part."""
+    ``num_slots`` state slots (with the sink slot 0, the scratch slot and the last
+    ``num_snapshots``: state snapshots; 0 when the layout has no slot pools). Hashable: the
+    cache pytree's static part."""
 
     layout: CacheLayout
     page_size: int
     num_pages: int
     num_slots: int = 0
+    num_snapshots: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -230,7 +235,16 @@ class CachePlan:
     @property
     def sequence_slots(self) -> int:
         """Slots the scheduler hands to sequences (0: the layout has no slot pools)."""
-        return max(0, self.num_slots - EXTRA_SLOTS)
+        return max(0, self.num_slots - EXTRA_SLOTS - self.num_snapshots)
+
+    @property
+    def first_snapshot(self) -> int:
+        """The first snapshot slot (the snapshots are the plan's last ``num_snapshots``)."""
+        return self.num_slots - self.num_snapshots
+
+    def snapshot_bytes(self) -> int:
+        """Bytes the snapshot slots take of the slot pools."""
+        return self.num_snapshots * self.layout.bytes_per_slot()
 
     def pool_bytes(self) -> dict[str, int]:
         """Bytes each pool allocates (what ``Cache.init`` allocates, exactly)."""
@@ -262,12 +276,14 @@ def abstract_cache(plan: CachePlan, pool_args: dict[str, dict] | None = None) ->
 
 
 def plan_cache(layout: CacheLayout, budget: int, page_size: int, max_num_seqs: int,
-               max_model_len: int) -> CachePlan:
+               max_model_len: int, snapshot_bytes: int = 0) -> CachePlan:
     """The pages and slots ``budget`` bytes (``kv_cache_memory``: the user's, or the memory
-    plan's) hold: ``max_num_seqs + EXTRA_SLOTS`` slots first (layouts with slot pools), the
-    fixed bytes, then whole pages, plus the sink page. ValueError, naming what would fit,
-    when one ``max_model_len`` sequence does not."""
-    slots = max_num_seqs + EXTRA_SLOTS if layout.slots else 0
+    plan's) hold: ``max_num_seqs + EXTRA_SLOTS`` slots first (layouts with slot pools), then
+    as many snapshot slots as ``snapshot_bytes`` hold, the fixed bytes, then whole pages,
+    plus the sink page. ValueError, naming what would fit, when one ``max_model_len``
+    sequence does not."""
+    snapshots = snapshot_bytes // layout.bytes_per_slot() if layout.slots else 0
+    slots = max_num_seqs + EXTRA_SLOTS + snapshots if layout.slots else 0
     per_page = layout.bytes_per_page(page_size)
     left = budget - slots * layout.bytes_per_slot() - layout.fixed_bytes()
     usable = max(0, left // per_page) if per_page else 0
@@ -279,10 +295,10 @@ def plan_cache(layout: CacheLayout, budget: int, page_size: int, max_num_seqs: i
             f"kv_cache_memory={budget} bytes holds {fits} tokens of {layout.family} "
             f"({float(layout.bytes_per_token(page_size)):g} bytes/token"
             + (f", after {slots} state slots of {layout.bytes_per_slot()} bytes" if slots
-               else "")
+               else "") + (f" ({snapshots} of them snapshots)" if snapshots else "")
             + f"), fewer than one sequence of max_model_len={max_model_len}; give at least "
             f"{least} bytes, or lower max_model_len" + (" or max_num_seqs" if slots else ""))
-    return CachePlan(layout, page_size, usable + 1, slots)
+    return CachePlan(layout, page_size, usable + 1, slots, snapshots)
 
 
 @jax.tree_util.register_dataclass
@@ -308,6 +324,22 @@ class Cache:
 
     def __getitem__(self, name: str):
         return self.pools[name]
+
+    def copy_slots(self, src, dst, n) -> "Cache":
+        """Every slot pool's row ``src[k]`` copied to row ``dst[k]``, for k < ``n`` (traced
+        int32[K], int32[K] and a scalar: one dynamic slice per pair and array, in place
+        under donation, nothing gathered for the pairs past ``n``). Pairs are copied in
+        order, so a pair may read what an earlier one wrote."""
+        names = [p.name for p in self.plan.layout.slots]
+
+        def one(k, pools):
+            def row(x):
+                got = jax.lax.dynamic_slice_in_dim(x, src[k], 1, 0)
+                return jax.lax.dynamic_update_slice_in_dim(x, got, dst[k], 0)
+            return {name: jax.tree.map(row, pool) for name, pool in pools.items()}
+
+        pools = jax.lax.fori_loop(0, n, one, {name: self.pools[name] for name in names})
+        return self.replace(**pools)
 
     def replace(self, **pools) -> "Cache":
         return Cache({**self.pools, **pools}, self.plan)

@@ -12,6 +12,11 @@ A request maps the longest run of registered pages that its tokens start with in
 table (taking a reference to each through the allocator) and computes only the rest. Pages
 stay registered after their users finish; the allocator evicts them least-recently-freed
 first when it runs out of clean pages and calls back here to forget them.
+
+With ``snapshots`` (a ``snapshots.SnapshotPool``: families whose cache has slot pools) a
+state saved at a page boundary is registered under the key of the page that ends there, and
+forgotten with that page; ``restore_point`` finds the longest matched run of pages that ends
+at one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import hashlib
 from typing import Sequence
 
 from jfp8kv.kvcache.allocator import PageAllocator
+from jfp8kv.kvcache.snapshots import SnapshotPool
 
 DIGEST_BYTES = 16
 
@@ -51,10 +57,12 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, namespace=""):
+    def __init__(self, allocator: PageAllocator, page_size: int, namespace="",
+                 snapshots: SnapshotPool | None = None):
         if allocator.on_evict is not None:
             raise ValueError("the allocator already serves a prefix cache")
         self.allocator = allocator
+        self.snapshots = snapshots
         self.page_size = page_size
         self.root = namespace_root(namespace)
         self._page_of: dict[bytes, int] = {}
@@ -90,6 +98,21 @@ class PrefixCache:
             pages.append(page)
         return pages
 
+    def restore_point(self, keys: list[bytes], num_pages: int) -> tuple[int, int]:
+        """(j, slot): the longest j <= ``num_pages`` matched pages whose last one (key
+        ``keys[j - 1]``) has a snapshot registered, and that snapshot's slot; (0, 0) when
+        none has (or there is no snapshot pool)."""
+        if self.snapshots is not None:
+            for j in range(num_pages, 0, -1):
+                slot = self.snapshots.lookup(keys[j - 1])
+                if slot is not None:
+                    return j, slot
+        return 0, 0
+
+    def is_registered(self, key: bytes) -> bool:
+        """Whether a page is registered under ``key`` now."""
+        return key in self._page_of
+
     def record(self, queried_tokens: int, hit_tokens: int) -> None:
         """Count one admitted request's lookup in the stats."""
         self._queried += queried_tokens
@@ -117,12 +140,16 @@ class PrefixCache:
             self.allocator.uncache(page)
         self._page_of.clear()
         self._key_of.clear()
+        if self.snapshots is not None:
+            self.snapshots.reset()
         if namespace is not None:
             self.root = namespace_root(namespace)
 
     def _forget(self, page: int) -> None:
         key = self._key_of.pop(page)
         del self._page_of[key]
+        if self.snapshots is not None:
+            self.snapshots.drop(key)
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._queried, self._hits, len(self._key_of),

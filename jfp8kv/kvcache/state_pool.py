@@ -14,7 +14,10 @@ reads, so its rounding compounds over the sequence (the issue's point 2).
 
 A sequence's slot needs no clearing when it is (re)allocated: the model starts from zeros
 for a chunk that begins at position 0 (``models.qwen3_hybrid``), so a preempted sequence's
-state is simply recomputed by its prefill, as its pages are.
+state is simply recomputed by its prefill, as its pages are. With prefix caching, slots past
+the sequences' hold state snapshots (``snapshots.py``): the conv and recurrent rows after a
+page boundary, copied whole; a sequence restored from one continues from it exactly as it
+would have from its own slot.
 
 ``bytes_per_slot`` is the capacity model of this pool, as ``cache.bytes_per_token`` is the
 pages'; ``DeltaState.nbytes`` equals ``num_slots * bytes_per_slot`` exactly.
@@ -110,12 +113,11 @@ class DeltaState:
 
 
 # Static scale modes run with a float kv_scales only: start-up calibration runs the dense
-# forward. Prefix caching would need the state after exactly the cached prefix.
+# forward. Prefix caching restores the state after a cached prefix from a state snapshot
+# (``snapshots.py``: a copy of a slot, taken at a page boundary).
 HYBRID_SUPPORTS = Supports(
     scale_modes=KV_SCALE_MODES, default_scale_mode=DEFAULT_FP8_SCALE_MODE,
-    rotations=("none", "hadamard"),
-    why_no_prefix_caching="a cached prefix would need the DeltaNet state after exactly that "
-                          "prefix, and the state pool keeps one state per running sequence")
+    rotations=("none", "hadamard"), prefix_caching=True)
 
 
 @dataclasses.dataclass(frozen=True)

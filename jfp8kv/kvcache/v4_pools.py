@@ -217,11 +217,13 @@ class IndexerPool(PagedPool):
         return dict(dtype=INDEXER_DTYPE, layers=len(self.spec.indexer_ratios))
 
 
-# Block scales only (computed at store time), e4m3 only, no K transform, one device.
+# Block scales only (computed at store time), e4m3 only, no K transform, one device. Prefix
+# caching: a page boundary is a window boundary for every compress ratio (``page_multiple``),
+# so the pages before it hold every entry a window closed there; the window ring and the
+# compressor state after it come from a state snapshot (``snapshots.py``).
 V4_SUPPORTS = Supports(
     scale_modes=("block",), default_scale_mode="block", fp8_dtypes=("float8_e4m3fn",),
-    why_no_prefix_caching="a cached prefix would need the compressor state after exactly "
-                          "that prefix, and the slot pool keeps one state per running sequence")
+    prefix_caching=True)
 
 
 def v4_layout(cfg: ModelConfig, req: CacheRequest) -> CacheLayout:

@@ -14,6 +14,10 @@ those whose K/V was reused; the hit rate since start is hits / queries, also exp
 gauge. ``prefix_cache_pages`` are the pages registered now (in use or evictable),
 ``prefix_cache_evictions`` the cached pages handed out again. ``prompt_tokens_cached`` is
 per request (its first admission, the API's ``cached_tokens``), next to ``prompt_tokens``.
+Models with a per-sequence state (hybrid, DeepSeek-V4) reuse a prefix through a state
+snapshot: ``state_snapshot_hits`` counts admissions that restored one, ``saves`` and
+``evictions`` the snapshots registered and dropped, and the gauges the ones held now and
+their bytes beside the snapshot slots' (``engine.snapshot_policy``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,18 @@ _ENGINE_METRICS = {
                            "KV cache pages registered in the prefix cache", "gauge"),
     "prefix_cache_evictions_total": ("jfp8kv_prefix_cache_evictions",
                                      "Cached pages evicted to be reused", "counter"),
+    "snapshot_hits_total": ("jfp8kv_state_snapshot_hits",
+                            "Admissions that restored a state snapshot", "counter"),
+    "snapshot_saves_total": ("jfp8kv_state_snapshot_saves", "State snapshots registered",
+                             "counter"),
+    "snapshot_evictions_total": ("jfp8kv_state_snapshot_evictions",
+                                 "State snapshots dropped (for a free slot, or with their "
+                                 "page)", "counter"),
+    "snapshots_cached": ("jfp8kv_state_snapshots", "State snapshots registered now", "gauge"),
+    "snapshot_bytes": ("jfp8kv_state_snapshot_bytes",
+                       "Bytes of the state snapshots registered now", "gauge"),
+    "snapshot_pool_bytes": ("jfp8kv_state_snapshot_pool_bytes",
+                            "Bytes of the pools' state snapshot slots", "gauge"),
 }
 
 

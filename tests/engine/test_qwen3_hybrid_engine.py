@@ -2,9 +2,10 @@
 per-sequence DeltaNet state slots. Greedy generation equals transformers (float32 cache) and
 the engine's own teacher-forced path (fp8 e4m3 and bf16 caches, float64 check mode); a pool
 small enough to force preemption gives the same tokens; the planner's capacity is the byte
-model exactly; the scheduler's state slots follow the pages; prefix caching and unsupported
-settings are refused at construction. The in-place DeltaNet decode step (``kernels.deltanet``
-on a Pallas backend): interpret mode's greedy tokens equal the reference backend's with every
+model exactly (snapshot slots included); the scheduler's state slots follow the pages;
+unsupported settings are refused at construction (prefix caching over state snapshots:
+``test_state_snapshots.py``). The in-place DeltaNet decode step (``kernels.deltanet`` on a
+Pallas backend): interpret mode's greedy tokens equal the reference backend's with every
 state slot NaN-poisoned, the slots no sequence used keep their NaN, and the engine's decode
 step, lowered for CUDA, touches each state pool only through the kernels' aliased operand."""
 
@@ -32,7 +33,8 @@ def _llm(loaded, **kw):
 
 def test_float32_cache_matches_transformers(hybrid_checkpoint):  # noqa: F811
     llm = _llm(load_model(str(hybrid_checkpoint), "float32"))
-    assert llm.cache_info()["enable_prefix_caching"] is False
+    info = llm.cache_info()
+    assert info["enable_prefix_caching"] is True and info["snapshot_slots"] == 4 * 4
     assert_llm_matches_transformers(llm, hybrid_checkpoint)
 
 
@@ -67,7 +69,7 @@ def test_preemption_recomputes_the_state(hybrid_checkpoint):  # noqa: F811
     # Greedy admission starts them all (reserve admission would mostly avoid preempting).
     state = 6 * bytes_per_slot(state_config(loaded.config.hybrid, 6))  # max_num_seqs + 2
     small = _llm(loaded, kv_cache_memory=state + 8 * 16 * 1024, max_model_len=64,
-                 admission="greedy")
+                 admission="greedy", enable_prefix_caching=False)
     assert small.cache_info()["num_pages"] == 8
     outs = small.generate(prompts, GREEDY)
     assert sum(o.num_preemptions for o in outs) > 0
@@ -79,15 +81,17 @@ def test_preemption_recomputes_the_state(hybrid_checkpoint):  # noqa: F811
 def test_capacity_is_the_byte_model(hybrid_checkpoint, dtype, mode):  # noqa: F811
     loaded = load_model(str(hybrid_checkpoint), "float32")
     memory = 300_000
-    info = _llm(loaded, kv_cache_dtype=dtype, kv_scale_mode=mode,
-                kv_cache_memory=memory).cache_info()
+    per_slot = 2 * (3 * (2 * 2 * 16 + 4 * 16) + 4 * 16 * 16) * 4  # conv + recurrent, fp32
+    info = _llm(loaded, kv_cache_dtype=dtype, kv_scale_mode=mode, kv_cache_memory=memory,
+                state_snapshot_memory=3 * per_slot + per_slot // 2).cache_info()
     cfg = loaded.config
     bpt = bytes_per_token(2, cfg.num_kv_heads, cfg.head_dim, info["storage_dtype"], mode)
-    slots = 4 + 2  # max_num_seqs sequences, the padding slot and the nll scratch slot
-    per_slot = 2 * (3 * (2 * 2 * 16 + 4 * 16) + 4 * 16 * 16) * 4  # conv + recurrent, fp32
+    # max_num_seqs sequences, the padding slot, the nll scratch slot, then 3 snapshots
+    slots = 4 + 2 + 3
     kv, state = info["pools"]["kv"], info["pools"]["deltanet"]
     assert info["bytes_per_token"] == bpt and state["bytes_per_slot"] == per_slot
     assert state["kind"] == "slot" and state["bytes"] == slots * per_slot
+    assert info["snapshot_slots"] == 3 and info["snapshot_bytes"] == 3 * per_slot
     assert info["num_pages"] == (memory - slots * per_slot) // (16 * bpt)
     assert kv["kind"] == "paged" and kv["bytes"] == (info["num_pages"] + 1) * 16 * bpt
     assert info["pool_bytes"] == kv["bytes"] + state["bytes"]

@@ -577,8 +577,11 @@ def test_prefix_hit_pages_count_as_held_at_admission():
 
 
 def test_reserve_admission_on_hybrid_state_slots():
-    """A hybrid model's state slots are handed out at admission and all come back."""
-    s = Scheduler(PageAllocator(41), 4, 40, 4, 32, 2, state_slots=4)
+    """A hybrid model's state slots are handed out at admission and all come back (prefix
+    caching over them needs snapshot slots: refused without)."""
+    with pytest.raises(ValueError, match="needs snapshot slots"):
+        Scheduler(PageAllocator(41), 4, 40, 4, 32, 2, state_slots=4)
+    s = Scheduler(PageAllocator(41), 4, 40, 4, 32, 2, state_slots=4, snapshot_slots=(6, 4))
     rng = random.Random(3)
     seqs = [seq(str(i), rng.randint(4, 20), max_tokens=rng.randint(1, 12)) for i in range(12)]
     drive(s, seqs)

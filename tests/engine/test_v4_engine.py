@@ -63,7 +63,7 @@ def test_greedy_equals_reference_forward_bf16(loaded):
     the scratch slot (chunks of 16) gives the generated tokens as its argmaxes."""
     llm = _llm(loaded, kv_cache_dtype="bfloat16", decode_steps=4)
     info = llm.cache_info()
-    assert info["kv_layout"] == "v4" and info["enable_prefix_caching"] is False
+    assert info["kv_layout"] == "v4" and info["enable_prefix_caching"] is True
     assert info["kv_scale_mode"] is None
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.kv_stats()["saturated_total"] == 0  # not counted for V4 yet: zeros
@@ -74,20 +74,22 @@ def test_greedy_equals_reference_forward_bf16(loaded):
 
 
 def test_capacity_at_a_fixed_budget_is_the_byte_model(loaded):
-    """At one budget, each dtype's pages are what V4PoolSpec's bytes say (slots first, the
-    padding page 0 beside the budget), the allocated pools are those bytes exactly, and fp8
-    holds more tokens by the byte ratio."""
+    """At one budget, each dtype's pages are what V4PoolSpec's bytes say (slots first: the
+    sequences', then 2 state snapshots; the padding page 0 beside the budget), the allocated
+    pools are those bytes exactly, and fp8 holds more tokens by the byte ratio."""
     budget = 200_000
     tokens = {}
     for kv, name in (("bfloat16", "auto"), ("fp8_e4m3", "fp8_e4m3")):
-        info = _llm(loaded, kv_cache_dtype=kv, kv_cache_memory=budget).cache_info()
         spec = v4_pools.V4PoolSpec.from_model(loaded.config, name, 16)
-        pages = (budget - 6 * spec.bytes_per_slot()) // spec.bytes_per_page()
+        info = _llm(loaded, kv_cache_dtype=kv, kv_cache_memory=budget,
+                    state_snapshot_memory=2 * spec.bytes_per_slot()).cache_info()
+        pages = (budget - 8 * spec.bytes_per_slot()) // spec.bytes_per_page()
         assert info["num_pages"] == pages and info["state_slots"] == 4
+        assert info["snapshot_slots"] == 2
         want = {"compressed": (pages + 1) * spec.compressed_bytes_per_page(),
                 "indexer": (pages + 1) * spec.indexer_bytes_per_page(),
-                "window": 6 * spec.window_bytes_per_slot(),
-                "compressor": 6 * spec.state_bytes_per_slot()}
+                "window": 8 * spec.window_bytes_per_slot(),
+                "compressor": 8 * spec.state_bytes_per_slot()}
         assert {k: p["bytes"] for k, p in info["pools"].items()} == want
         assert {k: p["kind"] for k, p in info["pools"].items()} == {
             "compressed": "paged", "indexer": "paged", "window": "slot", "compressor": "slot"}
@@ -108,7 +110,10 @@ def test_refusals_name_what_works(loaded):
         _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_rotation="hadamard")
     layout = families.of(cfg).cache_layout(cfg, CacheRequest("bfloat16"), "reference")
     engine = builder.check_settings(layout, CacheOptions(), EngineConfig(page_size=8))
-    assert engine.enable_prefix_caching is False and layout.page_size(8) == 8
+    assert engine.enable_prefix_caching is True and layout.page_size(8) == 8
+    engine = builder.check_settings(layout, CacheOptions(),
+                                    EngineConfig(page_size=8, state_snapshot_memory=0))
+    assert engine.enable_prefix_caching is False
     from jfp8kv.models.v4_presets import v4_config
 
     big = v4_config("deepseek-v4-flash-4l")
