@@ -1,7 +1,7 @@
 """State snapshots keyed like pages: plain Python, no arrays, testable without a device.
 
-A family whose cache has slot pools (``layout.SlotPool``: the hybrid's DeltaNet state,
-DeepSeek-V4's window ring and compressor state) keeps one fixed-size state per running
+A family whose cache has slot pools (``layout.SlotPool``: a Gated DeltaNet state, a
+sliding-window ring and compressor state) keeps one fixed-size state per running
 sequence, so a cached run of pages is reusable only together with the state after exactly
 that run. A *snapshot* is a copy of a sequence's slot, every slot pool's rows as the pool
 keeps them (float32 state stays float32), taken when the sequence's computed tokens end on
