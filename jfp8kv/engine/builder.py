@@ -186,14 +186,14 @@ def make_runner(loaded, cache, engine_cfg: EngineConfig, backend: str, on_gpu: b
 
 
 def assemble_engine(loaded, plan: CachePlan, engine_cfg: EngineConfig, runner: ModelRunner,
-                    pool_args: dict, namespace: tuple, memory_plan: dict | None = None
-                    ) -> LLMEngine:
-    """Allocate the pools of ``plan`` (``pool_args``: their static scales and shardings),
-    hand them to ``runner`` (built over the plan's shapes, its largest executables compiled
-    before anything was allocated), and make the scheduler and engine. ``namespace``: what
-    besides the tokens decides a cached page's numbers (prefix caching reuses pages only
-    within one)."""
-    runner.cache = Cache.init(plan, pool_args)
+                    pool_args: dict, namespace: tuple, memory_plan: dict | None = None,
+                    shardings: dict | None = None) -> LLMEngine:
+    """Allocate the pools of ``plan`` (``pool_args``: their static scales; ``shardings``:
+    where each pool lives under tensor parallelism), hand them to ``runner`` (built over the
+    plan's shapes, its largest executables compiled before anything was allocated), and
+    make the scheduler and engine. ``namespace``: what besides the tokens decides a cached
+    page's numbers (prefix caching reuses pages only within one)."""
+    runner.cache = Cache.init(plan, pool_args, shardings)
     scheduler = Scheduler.from_config(PageAllocator(plan.num_pages), engine_cfg, namespace,
                                       plan.sequence_slots)
     eos = set(loaded.config.eos_token_ids)
@@ -224,16 +224,22 @@ def size_cache(loaded, layout: CacheLayout, engine: EngineConfig, asked: EngineC
                               memory.params_bytes(loaded.params))
     memo_dir = cache_dir().parent / "memory-plans" if engine.compile_cache else None
 
+    shardings = pool_shardings(layout, tp)
+
     def new_runner(plan, eng):
-        shard = {"kv": {"shardings": tp.cache_shardings}} if tp is not None else None
-        return make_runner(loaded, abstract_cache(plan, shard), eng, backend, on_gpu, tp)
+        return make_runner(loaded, abstract_cache(plan, shardings=shardings), eng, backend,
+                           on_gpu, tp)
 
     key = (backend, engine.feature_executables, engine.decode_gemm_autotune,
            tp.size if tp else 1)
     sizer = Sizer(loaded.config, layout, engine, asked, dm, new_runner, memory.PeakMemo(memo_dir),
-                  {"kv": {"shardings": tp.cache_shardings}} if tp is not None else None, key,
-                  families.of(loaded.config).default_max_model_len)
+                  shardings, key, families.of(loaded.config).default_max_model_len)
     return sizer.size()
+
+
+def pool_shardings(layout: CacheLayout, tp) -> dict | None:
+    """Where each pool of ``layout`` lives on ``tp``'s mesh (None on one device)."""
+    return None if tp is None else tp.cache_shardings(layout)
 
 
 def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
@@ -266,12 +272,13 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     engine = dataclasses.replace(sizing.engine, max_queue_len=sizing.engine.max_queue_len
                                  or sizing.engine.max_num_seqs)
     pool_args, source = static_pool_args(loaded, layout, engine.page_size, cache.kv_scales, tp)
+    shardings = pool_shardings(layout, tp)
     if runner is None:
-        runner = make_runner(loaded, abstract_cache(sizing.plan, pool_args), engine, backend,
-                             device.platform == "gpu", tp)
+        runner = make_runner(loaded, abstract_cache(sizing.plan, pool_args, shardings), engine,
+                             backend, device.platform == "gpu", tp)
     built = BuiltEngine(assemble_engine(loaded, sizing.plan, engine, runner, pool_args,
                                         _namespace(loaded, layout, pool_args),
-                                        sizing.memory.info()),
+                                        sizing.memory.info(), shardings),
                         loaded, load.dtype, backend, engine, sizing.plan, sizing.memory,
                         source, tp)
     log.info(sizing.memory.line(sizing.plan.max_tokens, sizing.plan.sequence_slots))
@@ -295,7 +302,6 @@ def cache_info(built: BuiltEngine) -> dict:
     parallelism the per-device figures."""
     plan = built.cache_plan
     layout = plan.layout
-    tp_size = built.tp.size if built.tp else 1
     return dict(kv_cache_dtype=fp8.user_dtype_name(layout.storage_dtype),
                 storage_dtype=layout.storage_dtype, kv_scale_mode=layout.scale_mode,
                 kv_layout=layout.kind, model_family=families.of(built.loaded.config).name,
@@ -303,7 +309,8 @@ def cache_info(built: BuiltEngine) -> dict:
                 num_pages=plan.num_pages - 1, max_tokens=plan.max_tokens,
                 state_slots=plan.sequence_slots, bytes_per_token=built.bytes_per_token,
                 kv_cache_memory=built.engine_config.kv_cache_memory,
-                pool_bytes=built.engine.runner.cache.nbytes() // tp_size, pools=plan.info(),
+                pool_bytes=built.engine.runner.cache.nbytes(per_device=True),
+                pools=plan.info(),
                 memory_plan=built.memory.info(), compute_dtype=built.dtype,
                 attention_backend=built.backend,
                 max_model_len=built.engine_config.max_model_len,

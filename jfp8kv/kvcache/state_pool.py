@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jfp8kv.config import KV_SCALE_MODES, ModelConfig
 from jfp8kv.kvcache.cache import DEFAULT_FP8_SCALE_MODE, kv_pool
 from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, SlotPool, Supports,
-                                   resolve_scale_mode)
+                                   array_bytes, resolve_scale_mode)
 
 STATE_DTYPES = ("float32", "bfloat16", "float64")  # float64: the float64 check mode only
 
@@ -105,8 +105,9 @@ class DeltaState:
                for _ in range(cfg.num_layers)]
         return cls(conv, rec, cfg)
 
-    def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in (*self.conv, *self.recurrent))
+    def nbytes(self, per_device: bool = False) -> int:
+        """Bytes of the states (``per_device``: one device's share)."""
+        return sum(array_bytes(x, per_device) for x in (*self.conv, *self.recurrent))
 
 
 # Static scale modes run with a float kv_scales only: start-up calibration runs the dense

@@ -18,9 +18,10 @@ Everything else is XLA's SPMD partitioner working from the weights' shardings::
 (``w_gate``/``w_up``/``w_down`` and the vocab stay replicated when their size does not
 divide by the mesh size.)
 
-Cache: pages and dynamic scales ``[kv_heads, pages, ...]`` and static scales
-``[kv_heads, head_dim]`` are sharded on the head axis, so a device holds its heads' pages;
-the stats and the (empty) scales of unscaled pools are replicated. Page tables, lengths,
+Cache: every pool says how it splits (``PagedPool.partition``): pages and dynamic scales
+``[kv_heads, pages, ...]`` and static scales ``[kv_heads, head_dim]`` are sharded on the head
+axis, so a device holds its heads' pages; the stats and the (empty) scales of unscaled pools
+are replicated. Page tables, lengths,
 the allocator and the scheduler are host-side: the same numbers go to every device.
 
 KV-head replication rule. The mesh size ``n`` must divide ``num_heads`` ``H``. When it does
@@ -47,8 +48,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache import scale_modes
-from jfp8kv.kvcache.cache import KVCache, LayerKV, reduce_stat_rows
-from jfp8kv.kvcache.layout import Cache
+from jfp8kv.kvcache.cache import LayerKV, reduce_stat_rows
+from jfp8kv.kvcache.layout import Cache, CacheLayout, fit_shardings
 from jfp8kv.models import families
 from jfp8kv.models.layers import store_and_attend
 
@@ -156,22 +157,20 @@ class TensorParallel:
         return out
 
     # -- cache --------------------------------------------------------------------------
-    def cache_shardings(self, ccfg: CacheConfig) -> KVCache:
-        """A KVCache-shaped pytree of NamedShardings: heads sharded, stats replicated
-        (``KVPool.init`` allocates each device's share in place with it)."""
-        heads = NamedSharding(self.mesh, P(AXIS))
-        scales = heads if scale_modes.of(ccfg).name is not None else NamedSharding(self.mesh, P())
-        layers = range(ccfg.num_layers)
-        return KVCache([heads for _ in layers], [heads for _ in layers],
-                       [scales for _ in layers], [scales for _ in layers],
-                       NamedSharding(self.mesh, P()), ccfg)
+    def cache_shardings(self, layout: CacheLayout) -> dict:
+        """Each pool's placement (its ``partition``: a pytree prefix of NamedShardings),
+        for ``Cache.init`` / ``abstract_cache`` to allocate every device's share in place."""
+        def named(spec):
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec,
+                                is_leaf=lambda x: isinstance(x, P))
+
+        return {p.name: named(p.partition(AXIS)) for p in layout.pools}
 
     def constrain_cache(self, cache: Cache) -> Cache:
-        """Pin a jitted step's output cache to the pool's layout (so donation reuses it):
-        its K/V pool (the only pool of the families that shard)."""
-        kv = cache["kv"]
-        return cache.replace(kv=jax.lax.with_sharding_constraint(
-            kv, self.cache_shardings(kv.config)))
+        """Pin a jitted step's output cache to the pools' layout (so donation reuses it)."""
+        where = self.cache_shardings(cache.plan.layout)
+        return cache.replace(**{name: jax.lax.with_sharding_constraint(
+            pool, fit_shardings(where[name], pool)) for name, pool in cache.pools.items()})
 
     def expand_kv_heads(self, x: np.ndarray, axis: int = 1) -> np.ndarray:
         """Per-head host arrays (static scales [layers, G, ...]) to the cache's G' heads."""
