@@ -43,7 +43,6 @@ from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.engine.static_scales import static_pool_args
 from jfp8kv.kvcache import fp8, scale_modes
 from jfp8kv.kvcache.allocator import PageAllocator
-from jfp8kv.kvcache.cache import bytes_per_token
 from jfp8kv.kvcache.layout import (Cache, CacheLayout, CachePlan, CacheRequest, abstract_cache,
                                    choices, refuse)
 from jfp8kv.models import families, sharding
@@ -292,8 +291,13 @@ def place_model(loaded, size: int):
     (``LLM(loaded=...)``) is moved onto the mesh."""
     tp = sharding.plan(loaded.config, size)
     if tp is None:
+        if loaded.tensor_parallel_size > 1:
+            raise ValueError(f"{loaded.name} was loaded for tensor_parallel_size="
+                             f"{loaded.tensor_parallel_size}; load it again with "
+                             "tensor_parallel_size=1 to run it on one device")
         return loaded, None
-    return dataclasses.replace(loaded, params=tp.place_params(loaded.params)), tp
+    params = tp.place_params(loaded.params, loaded.tensor_parallel_size)
+    return dataclasses.replace(loaded, params=params, tensor_parallel_size=size), tp
 
 
 def cache_info(built: BuiltEngine) -> dict:
@@ -323,19 +327,22 @@ def cache_info(built: BuiltEngine) -> dict:
 
 
 def tensor_parallel_info(built: BuiltEngine) -> dict:
-    """Mesh size and the per-device KV layout. ``bytes_per_token``, ``kv_cache_memory`` and
-    ``pool_bytes`` are per device; ``kv_replication_bytes_per_token`` is what replicated KV
-    heads add over all devices together (0 when the mesh size divides the KV heads)."""
-    tp = built.tp
-    heads = built.cache_plan.layout.paged[0].info().get("kv_heads", 1)
+    """Mesh size and the per-device cache layout. ``bytes_per_token``, ``kv_cache_memory``,
+    ``pool_bytes`` and every pool's ``bytes`` are per device (each pool's ``split``: whether
+    the devices hold shares of it, or each a whole copy); ``kv_replication_bytes_per_token``
+    is what the devices hold beyond one copy of each token's rows, over all of them together
+    (replicated KV heads, replicated pools; 0 when everything is split);
+    ``kv_heads_per_device``: the first paged pool's heads on one device."""
+    tp, plan = built.tp, built.cache_plan
+    heads = plan.layout.paged[0].info().get("heads_per_device", 1)
     replicated = 0
     if tp is not None:
-        c = built.cache_plan.layout.pool("kv").config
-        unsharded = bytes_per_token(c.num_layers, tp.num_kv_heads, c.head_dim, c.storage_dtype,
-                                    c.scale_mode)
-        replicated = tp.size * built.bytes_per_token - unsharded
-    return dict(tensor_parallel_size=tp.size if tp else 1,
-                kv_heads_per_device=tp.kv_heads_per_device if tp else heads,
+        one = cache_layout(built.loaded.config, CacheOptions(), plan.layout.storage_dtype,
+                           plan.layout.scale_mode, built.backend, None, False)
+        replicated = (tp.size * plan.layout.bytes_per_token(plan.page_size)
+                      - one.bytes_per_token(plan.page_size))
+        replicated = int(replicated) if replicated.denominator == 1 else float(replicated)
+    return dict(tensor_parallel_size=tp.size if tp else 1, kv_heads_per_device=heads,
                 kv_head_replication=tp.kv_repeat if tp else 1,
                 kv_replication_bytes_per_token=replicated)
 

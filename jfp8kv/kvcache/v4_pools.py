@@ -217,9 +217,12 @@ class IndexerPool(PagedPool):
         return dict(dtype=INDEXER_DTYPE, layers=len(self.spec.indexer_ratios))
 
 
-# Block scales only (computed at store time), e4m3 only, no K transform, one device.
+# Block scales only (computed at store time), e4m3 only, no K transform. Under tensor
+# parallelism every pool is replicated (one KV head that all query heads read; the indexer
+# and compressors run whole on every device): bytes per device are one device's.
 V4_SUPPORTS = Supports(
     scale_modes=("block",), default_scale_mode="block", fp8_dtypes=("float8_e4m3fn",),
+    tensor_parallel=True,
     why_no_prefix_caching="a cached prefix would need the compressor state after exactly "
                           "that prefix, and the slot pool keeps one state per running sequence")
 
