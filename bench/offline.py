@@ -464,6 +464,7 @@ def run_one(args, loaded, kv: str, rates: dict, admission: str | None = None,
               kv_scale_mode=args.kv_scale_mode if kv.startswith("fp8") else None,
               kv_cache_memory=parse_bytes(args.kv_cache_memory), seed=args.seed,
               attention_backend=args.attention_backend, decode_steps=args.decode_steps,
+              tensor_parallel_size=args.tensor_parallel_size,
               warmup=False)  # --warmup decides (build_s stays the build alone)
     if args.overlap_scheduling is not None:
         kw["overlap_scheduling"] = args.overlap_scheduling == "on"
@@ -624,6 +625,8 @@ def parse_args(argv):
                    help="default: longest prompt + longest output")
     p.add_argument("--decode-steps", type=int, default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs the model runs over (the ideal times stay one device's)")
     p.add_argument("--overlap-scheduling", choices=("on", "off"), default=None,
                    help="the engine's overlap scheduling (default: the engine's default)")
     p.add_argument("--admission", default=None,
@@ -700,14 +703,15 @@ def main(argv=None) -> int:
             doc = json.load(f)
     doc["commands"].append(command)
     doc["rates"].append(rates)
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, args.tensor_parallel_size)
     policies = [a.strip() for a in args.admission.split(",")] if args.admission else [None]
     features = ([f.strip() for f in args.feature_executables.split(",")]
                 if args.feature_executables else [None])
     for kv in args.kv_cache_dtype.split(","):
         for admission, feature in itertools.product(policies, features):
             rec = run_one(args, loaded, kv.strip(), rates, admission, feature)
-            rec.update(rates=rates, command=command)
+            rec.update(rates=rates, command=command,
+                       tensor_parallel_size=args.tensor_parallel_size)
             doc["runs"].append(rec)
             print(summary_line(rec), flush=True)
             write_result(out, doc)  # after every run: a run cut short keeps what it measured

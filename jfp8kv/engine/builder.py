@@ -43,7 +43,6 @@ from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.engine.static_scales import static_pool_args
 from jfp8kv.kvcache import fp8, scale_modes
 from jfp8kv.kvcache.allocator import PageAllocator
-from jfp8kv.kvcache.cache import bytes_per_token
 from jfp8kv.kvcache.layout import (Cache, CacheLayout, CachePlan, CacheRequest, abstract_cache,
                                    choices, refuse)
 from jfp8kv.models import families, sharding
@@ -201,14 +200,14 @@ def make_runner(loaded, cache, engine_cfg: EngineConfig, backend: str, on_gpu: b
 
 
 def assemble_engine(loaded, plan: CachePlan, engine_cfg: EngineConfig, runner: ModelRunner,
-                    pool_args: dict, namespace: tuple, memory_plan: dict | None = None
-                    ) -> LLMEngine:
-    """Allocate the pools of ``plan`` (``pool_args``: their static scales and shardings),
-    hand them to ``runner`` (built over the plan's shapes, its largest executables compiled
-    before anything was allocated), and make the scheduler and engine. ``namespace``: what
-    besides the tokens decides a cached page's numbers (prefix caching reuses pages only
-    within one)."""
-    runner.cache = Cache.init(plan, pool_args)
+                    pool_args: dict, namespace: tuple, memory_plan: dict | None = None,
+                    shardings: dict | None = None) -> LLMEngine:
+    """Allocate the pools of ``plan`` (``pool_args``: their static scales; ``shardings``:
+    where each pool lives under tensor parallelism), hand them to ``runner`` (built over the
+    plan's shapes, its largest executables compiled before anything was allocated), and
+    make the scheduler and engine. ``namespace``: what besides the tokens decides a cached
+    page's numbers (prefix caching reuses pages only within one)."""
+    runner.cache = Cache.init(plan, pool_args, shardings)
     scheduler = Scheduler.from_config(PageAllocator(plan.num_pages), engine_cfg, namespace,
                                       plan.sequence_slots,
                                       (plan.first_snapshot, plan.num_snapshots))
@@ -240,16 +239,22 @@ def size_cache(loaded, layout: CacheLayout, engine: EngineConfig, asked: EngineC
                               memory.params_bytes(loaded.params))
     memo_dir = cache_dir().parent / "memory-plans" if engine.compile_cache else None
 
+    shardings = pool_shardings(layout, tp)
+
     def new_runner(plan, eng):
-        shard = {"kv": {"shardings": tp.cache_shardings}} if tp is not None else None
-        return make_runner(loaded, abstract_cache(plan, shard), eng, backend, on_gpu, tp)
+        return make_runner(loaded, abstract_cache(plan, shardings=shardings), eng, backend,
+                           on_gpu, tp)
 
     key = (backend, engine.feature_executables, engine.decode_gemm_autotune,
            tp.size if tp else 1)
     sizer = Sizer(loaded.config, layout, engine, asked, dm, new_runner, memory.PeakMemo(memo_dir),
-                  {"kv": {"shardings": tp.cache_shardings}} if tp is not None else None, key,
-                  families.of(loaded.config).default_max_model_len)
+                  shardings, key, families.of(loaded.config).default_max_model_len)
     return sizer.size()
+
+
+def pool_shardings(layout: CacheLayout, tp) -> dict | None:
+    """Where each pool of ``layout`` lives on ``tp``'s mesh (None on one device)."""
+    return None if tp is None else tp.cache_shardings(layout)
 
 
 def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
@@ -283,12 +288,13 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
                                  or sizing.engine.max_num_seqs)
     engine = check_snapshots(sizing.plan, engine)
     pool_args, source = static_pool_args(loaded, layout, engine.page_size, cache.kv_scales, tp)
+    shardings = pool_shardings(layout, tp)
     if runner is None:
-        runner = make_runner(loaded, abstract_cache(sizing.plan, pool_args), engine, backend,
-                             device.platform == "gpu", tp)
+        runner = make_runner(loaded, abstract_cache(sizing.plan, pool_args, shardings), engine,
+                             backend, device.platform == "gpu", tp)
     built = BuiltEngine(assemble_engine(loaded, sizing.plan, engine, runner, pool_args,
                                         _namespace(loaded, layout, pool_args),
-                                        sizing.memory.info()),
+                                        sizing.memory.info(), shardings),
                         loaded, load.dtype, backend, engine, sizing.plan, sizing.memory,
                         source, tp)
     log.info(sizing.memory.line(sizing.plan.max_tokens, sizing.plan.sequence_slots))
@@ -302,8 +308,13 @@ def place_model(loaded, size: int):
     (``LLM(loaded=...)``) is moved onto the mesh."""
     tp = sharding.plan(loaded.config, size)
     if tp is None:
+        if loaded.tensor_parallel_size > 1:
+            raise ValueError(f"{loaded.name} was loaded for tensor_parallel_size="
+                             f"{loaded.tensor_parallel_size}; load it again with "
+                             "tensor_parallel_size=1 to run it on one device")
         return loaded, None
-    return dataclasses.replace(loaded, params=tp.place_params(loaded.params)), tp
+    params = tp.place_params(loaded.params, loaded.tensor_parallel_size)
+    return dataclasses.replace(loaded, params=params, tensor_parallel_size=size), tp
 
 
 def cache_info(built: BuiltEngine) -> dict:
@@ -312,7 +323,6 @@ def cache_info(built: BuiltEngine) -> dict:
     parallelism the per-device figures."""
     plan = built.cache_plan
     layout = plan.layout
-    tp_size = built.tp.size if built.tp else 1
     return dict(kv_cache_dtype=fp8.user_dtype_name(layout.storage_dtype),
                 storage_dtype=layout.storage_dtype, kv_scale_mode=layout.scale_mode,
                 kv_layout=layout.kind, model_family=families.of(built.loaded.config).name,
@@ -320,7 +330,8 @@ def cache_info(built: BuiltEngine) -> dict:
                 num_pages=plan.num_pages - 1, max_tokens=plan.max_tokens,
                 state_slots=plan.sequence_slots, bytes_per_token=built.bytes_per_token,
                 kv_cache_memory=built.engine_config.kv_cache_memory,
-                pool_bytes=built.engine.runner.cache.nbytes() // tp_size, pools=plan.info(),
+                pool_bytes=built.engine.runner.cache.nbytes(per_device=True),
+                pools=plan.info(),
                 memory_plan=built.memory.info(), compute_dtype=built.dtype,
                 attention_backend=built.backend,
                 max_model_len=built.engine_config.max_model_len,
@@ -335,19 +346,22 @@ def cache_info(built: BuiltEngine) -> dict:
 
 
 def tensor_parallel_info(built: BuiltEngine) -> dict:
-    """Mesh size and the per-device KV layout. ``bytes_per_token``, ``kv_cache_memory`` and
-    ``pool_bytes`` are per device; ``kv_replication_bytes_per_token`` is what replicated KV
-    heads add over all devices together (0 when the mesh size divides the KV heads)."""
-    tp = built.tp
-    heads = built.cache_plan.layout.paged[0].info().get("kv_heads", 1)
+    """Mesh size and the per-device cache layout. ``bytes_per_token``, ``kv_cache_memory``,
+    ``pool_bytes`` and every pool's ``bytes`` are per device (each pool's ``split``: whether
+    the devices hold shares of it, or each a whole copy); ``kv_replication_bytes_per_token``
+    is what the devices hold beyond one copy of each token's rows, over all of them together
+    (replicated KV heads, replicated pools; 0 when everything is split);
+    ``kv_heads_per_device``: the first paged pool's heads on one device."""
+    tp, plan = built.tp, built.cache_plan
+    heads = plan.layout.paged[0].info().get("heads_per_device", 1)
     replicated = 0
     if tp is not None:
-        c = built.cache_plan.layout.pool("kv").config
-        unsharded = bytes_per_token(c.num_layers, tp.num_kv_heads, c.head_dim, c.storage_dtype,
-                                    c.scale_mode)
-        replicated = tp.size * built.bytes_per_token - unsharded
-    return dict(tensor_parallel_size=tp.size if tp else 1,
-                kv_heads_per_device=tp.kv_heads_per_device if tp else heads,
+        one = cache_layout(built.loaded.config, CacheOptions(), plan.layout.storage_dtype,
+                           plan.layout.scale_mode, built.backend, None, False)
+        replicated = (tp.size * plan.layout.bytes_per_token(plan.page_size)
+                      - one.bytes_per_token(plan.page_size))
+        replicated = int(replicated) if replicated.denominator == 1 else float(replicated)
+    return dict(tensor_parallel_size=tp.size if tp else 1, kv_heads_per_device=heads,
                 kv_head_replication=tp.kv_repeat if tp else 1,
                 kv_replication_bytes_per_token=replicated)
 

@@ -26,9 +26,9 @@ def _run(model_cfg, params, token_chunks, ccfg, k_shift, fold, *, page_size, bac
     pool = KVPool(ccfg, ccfg.num_kv_heads // (tp.size if tp else 1))
     plan = CachePlan(CacheLayout(model_cfg.family, "kv", (pool,), storage_dtype="float32",
                                  kv_rotation=ccfg.kv_rotation), page_size, ccfg.num_pages)
-    args = {"shardings": tp.cache_shardings} if tp else {"k_shift": k_shift}
-    runner = ModelRunner(model_cfg, params, Cache.init(plan, {"kv": args}), backend,
-                         ccfg.num_pages - 1, tp=tp)
+    cache = (Cache.init(plan, shardings=tp.cache_shardings(plan.layout)) if tp
+             else Cache.init(plan, {"kv": {"k_shift": k_shift}}))
+    runner = ModelRunner(model_cfg, params, cache, backend, ccfg.num_pages - 1, tp=tp)
     pages = list(range(1, ccfg.num_pages))
     for ids in token_chunks:
         for s in range(0, len(ids), chunk):

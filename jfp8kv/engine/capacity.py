@@ -130,17 +130,17 @@ class Sizer:
     """One engine's sizing. ``engine``: the config with the device's defaults filled in;
     ``asked``: as the user gave it (what was left unset may adapt). ``new_runner(plan,
     engine)``: a ``ModelRunner`` over the ``abstract_cache`` of ``plan`` (it compiles, runs
-    nothing); ``pool_args``: the pools' ``init`` arguments that shape them (shardings);
+    nothing); ``shardings``: where each pool lives (tensor parallelism; ``Cache.init``);
     ``program_key``: what else picks the executables (backend, tunings), for the memo;
     ``family_default``: the family's context when the user names none."""
 
     def __init__(self, cfg: ModelConfig, layout: CacheLayout, engine: EngineConfig,
                  asked: EngineConfig, memory: DeviceMemory, new_runner: Callable,
-                 memo: PeakMemo, pool_args: dict | None = None, program_key: tuple = (),
+                 memo: PeakMemo, shardings: dict | None = None, program_key: tuple = (),
                  family_default: int | None = None):
         self.cfg, self.layout, self.engine, self.asked = cfg, layout, engine, asked
         self.dm, self.new_runner, self.memo = memory, new_runner, memo
-        self.pool_args, self.program_key = pool_args or {}, program_key
+        self.shardings, self.program_key = shardings, program_key
         self.family_default = family_default
         self.ps = engine.page_size
 
@@ -162,7 +162,8 @@ class Sizer:
         peaks = {shape: self.memo.get(key) for shape, key in keys.items()}
         todo = [shape for shape, peak in peaks.items() if peak is None]
         if todo:
-            peaks.update(peak_bytes(runner, todo, abstract_cache(plan, self.pool_args)))
+            peaks.update(peak_bytes(runner, todo,
+                                    abstract_cache(plan, shardings=self.shardings)))
             for shape in todo:
                 self.memo.put(keys[shape], peaks[shape])
         return peaks
@@ -208,7 +209,7 @@ class Sizer:
         variant, registered with the runner for its warm-up (one device)."""
         runner = self.new_runner(plan, engine)
         peaks = peak_bytes(runner, self._largest(runner, engine),
-                           abstract_cache(plan, self.pool_args), every_variant=True,
+                           abstract_cache(plan, shardings=self.shardings), every_variant=True,
                            register=runner.tp is None)
         return runner, max(peaks.values())
 

@@ -31,8 +31,7 @@ def static_pool_args(loaded, layout: CacheLayout, page_size: int, kv_scales, tp=
     k, v, shift, source = resolve_static_scales(loaded, ccfg, kv_scales, tp)
     if tp is not None:
         k, v = (None if x is None else tp.expand_kv_heads(x) for x in (k, v))
-    args = dict(k_scale=k, v_scale=v, k_shift=shift,
-                shardings=None if tp is None else tp.cache_shardings)
+    args = dict(k_scale=k, v_scale=v, k_shift=shift)
     return {"kv": {n: x for n, x in args.items() if x is not None}}, source
 
 

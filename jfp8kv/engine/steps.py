@@ -11,8 +11,9 @@ batches into their buckets and calls these.
   docs/lab/engine-notes.md).
 * ``nll``: teacher-forced next-token NLL of a chunk, through the cache like ``prefill``.
 
-``tp`` (a ``models.sharding.TensorParallel``, static; None on one device) runs attention
-per device over its KV heads and pins the output cache to the pool's sharding.
+``tp`` (a ``models.sharding.TensorParallel``, static; None on one device) runs the family's
+kernel sections per device (``models.families``) and pins the output cache to the pools'
+shardings.
 
 State snapshots (prefix caching over slot pools, ``engine.snapshot_policy``) are copies
 between state slots folded into the steps, every slot pool's rows at once

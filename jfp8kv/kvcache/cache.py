@@ -32,6 +32,9 @@ Page 0 is reserved: padding lanes write there and no sequence ever owns it.
 ``layout.PagedPool``: its bytes per page and static bytes) and ``plan_num_pages`` both go
 through it. ``dense_layout`` declares the dense families' cache (Llama, Qwen2/3, Qwen3-MoE):
 one ``KVPool``; ``kv_pool`` builds that pool for the hybrid family's attention layers too.
+Under tensor parallelism a ``KVPool`` of several heads splits on the head axis
+(``KVPool.partition``) and counts one device's heads; the one-head latent pool is whole on
+every device.
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Float32, Shaped
 
 from jfp8kv.config import KV_ROTATIONS, KV_SCALE_MODES, CacheConfig, ModelConfig
 from jfp8kv.kvcache import k_transform, scale_modes
 from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, PagedPool, Supports,
-                                   resolve_scale_mode)
+                                   array_bytes, resolve_scale_mode)
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
 
@@ -202,9 +206,10 @@ class KVCache:
         return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i],
                        None if self.k_shift is None else self.k_shift[i])
 
-    def nbytes(self) -> int:
+    def nbytes(self, per_device: bool = False) -> int:
+        """Bytes of the pages and scales (``per_device``: one device's share)."""
         leaves = jax.tree_util.tree_leaves((self.k, self.v, self.k_scale, self.v_scale))
-        return sum(x.size * x.dtype.itemsize for x in leaves)
+        return sum(array_bytes(x, per_device) for x in leaves)
 
 
 @typing.no_type_check  # as KVCache
@@ -253,20 +258,32 @@ class KVPool(PagedPool):
     def fixed_bytes(self) -> int:
         return static_overhead_bytes(*self._per_device())
 
-    def init(self, num_pages: int, page_size: int, k_scale=None, v_scale=None, k_shift=None,
-             shardings=None) -> KVCache:
-        """``KVCache.init`` of the sized config; ``shardings(cfg)``: a ``KVCache`` of
-        NamedShardings to allocate every device's share in place (tensor parallelism)."""
+    def init(self, num_pages: int, page_size: int, k_scale=None, v_scale=None,
+             k_shift=None) -> KVCache:
+        """``KVCache.init`` of the sized config."""
         cfg = dataclasses.replace(self.config, num_pages=num_pages, page_size=page_size)
-        if shardings is None:
-            return KVCache.init(cfg, k_scale, v_scale, k_shift)
-        return jax.jit(lambda k, v: KVCache.init(cfg, k, v),
-                       out_shardings=shardings(cfg))(k_scale, v_scale)
+        return KVCache.init(cfg, k_scale, v_scale, k_shift)
+
+    @property
+    def split(self) -> bool:
+        return self.heads_per_device < self.config.num_kv_heads
+
+    def partition(self, axis: str):
+        """Split: pages and (scaled pools) their scales on the head axis, the statistics
+        rows replicated. Else (one head: the MLA latent) every device holds it all."""
+        if not self.split:
+            return P()
+        c, heads = self.config, P(axis)
+        scales = heads if scale_modes.of(c).name is not None else P()
+        layers = range(c.num_layers)
+        return KVCache([heads for _ in layers], [heads for _ in layers],
+                       [scales for _ in layers], [scales for _ in layers], P(), c)
 
     def info(self) -> dict:
         c = self.config
         return dict(dtype=c.storage_dtype, scale_mode=c.scale_mode, layers=c.num_layers,
-                    kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+                    kv_heads=c.num_kv_heads, heads_per_device=self.heads_per_device,
+                    head_dim=c.head_dim)
 
     def placeholder_args(self) -> dict:
         c = self.config

@@ -16,7 +16,10 @@ policy applied to that one head (``scale_modes`` / ``fp8``), nothing of its own:
 * bf16/f16/f32 storage: R x itemsize.
 
 ``latent_layout`` declares the MLA families' cache: one ``cache.KVPool`` named "latent".
-No K transform (the rows are not per-head keys), no static scales, one device.
+No K transform (the rows are not per-head keys), no static scales. Under tensor parallelism
+the pool is replicated (every query head reads the whole latent row, so each device keeps
+every row, as vLLM does per rank; ``models/sharding.py`` splits the query heads): its bytes
+per device are one device's.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from jfp8kv.kvcache.layout import CacheLayout, CacheRequest, Supports, resolve_s
 LATENT_SCALE_MODES = ("block", "token")
 DEFAULT_LATENT_SCALE_MODE = "block"
 LATENT_SUPPORTS = Supports(scale_modes=LATENT_SCALE_MODES,
-                           default_scale_mode=DEFAULT_LATENT_SCALE_MODE, prefix_caching=True)
+                           default_scale_mode=DEFAULT_LATENT_SCALE_MODE, tensor_parallel=True,
+                           prefix_caching=True)
 
 
 def check_latent_mode(cfg: ModelConfig, storage_dtype: str, scale_mode: str | None,

@@ -14,6 +14,13 @@ A family's cache is made of two kinds of pool:
 A ``CacheLayout`` lists a family's pools, the page multiple it needs (V4: a page holds whole
 compressed windows) and what the family supports (``Supports``: scale modes, K transforms,
 start-up calibration, tensor parallelism, prefix caching), with one wording for a refusal.
+
+Tensor parallelism: a layout is declared for ``CacheRequest.devices`` devices, and each pool
+says how it lies on them (``partition``: a ``PartitionSpec`` pytree over the mesh axis;
+``split``: whether the devices hold shares or each a whole copy). Bytes per page and per
+slot are one device's, so every budget and figure of the planner is per device;
+``Cache.init`` / ``abstract_cache`` take the resulting shardings (``models/sharding.py``
+builds them) and allocate each device's share in place.
 The families' own modules in this package declare their layouts (the dense one in
 ``cache``, the others beside their pools); ``jfp8kv.models.families`` maps a model config to
 its family. Nothing here knows a family.
@@ -36,6 +43,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jfp8kv.kvcache import fp8
 
@@ -54,7 +62,8 @@ class PagedPool:
     kind: ClassVar[str] = "paged"
 
     def bytes_per_page(self, page_size: int) -> int:
-        """Bytes every array of the pool allocates per page of ``page_size`` tokens."""
+        """Bytes every array of the pool allocates per page of ``page_size`` tokens, on one
+        device (its share where the pool is ``split``: budgets are per device)."""
         raise NotImplementedError
 
     def fixed_bytes(self) -> int:
@@ -75,6 +84,18 @@ class PagedPool:
         that the pool's shapes can be traced before they are (``abstract_cache``)."""
         return {}
 
+    @property
+    def split(self) -> bool:
+        """Whether the pool is split over the devices of a tensor-parallel mesh (each holds
+        its share, and ``bytes_per_page`` counts that share); False: every device holds
+        all of it (replicated), and the bytes are one copy's."""
+        return False
+
+    def partition(self, axis: str) -> Any:
+        """Where the pool's arrays live on a 1-D mesh whose axis is ``axis``: a pytree
+        prefix of ``PartitionSpec`` matching ``init``'s result. Default: replicated."""
+        return P()
+
 
 class SlotPool:
     """A fixed-size state per sequence slot (frozen dataclass subclasses, as ``PagedPool``).
@@ -89,11 +110,14 @@ class SlotPool:
 
     def init(self, num_slots: int) -> Any:
         """The pool's zeroed pytree of ``num_slots`` slots (slot 0 included); its bytes are
-        ``num_slots * bytes_per_slot()`` exactly."""
+        ``num_slots * bytes_per_slot()`` exactly (per device where the pool is ``split``)."""
         raise NotImplementedError
 
     def info(self) -> dict:
         return {}
+
+    split = PagedPool.split
+    partition = PagedPool.partition
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,22 +281,44 @@ class CachePlan:
         return sum(self.pool_bytes().values())
 
     def info(self) -> dict:
-        """Every pool the same way: kind, bytes, bytes per page or slot, and its own facts."""
+        """Every pool the same way: kind, bytes, bytes per page or slot (one device's: its
+        share where ``split``, else a whole copy), and its own facts."""
         out = {}
         for p, n in zip(self.layout.pools, self.pool_bytes().values()):
             unit = ({"bytes_per_page": p.bytes_per_page(self.page_size)} if p.kind == "paged"
                     else {"bytes_per_slot": p.bytes_per_slot()})
-            out[p.name] = {"kind": p.kind, "bytes": n, **unit, **p.info()}
+            out[p.name] = {"kind": p.kind, "bytes": n, **unit, "split": p.split, **p.info()}
         return out
 
 
-def abstract_cache(plan: CachePlan, pool_args: dict[str, dict] | None = None) -> "Cache":
+def abstract_cache(plan: CachePlan, pool_args: dict[str, dict] | None = None,
+                   shardings: dict | None = None) -> "Cache":
     """The cache of ``plan`` as shapes and dtypes (``jax.ShapeDtypeStruct`` leaves; with
-    shardings where ``pool_args`` give them): what the steps compile against before a pool
-    is allocated."""
+    their shardings where ``shardings`` gives them, as ``Cache.init``): what the steps
+    compile against before a pool is allocated."""
     args = {p.name: {**p.placeholder_args(), **(pool_args or {}).get(p.name, {})}
             for p in plan.layout.paged}
-    return jax.eval_shape(lambda: Cache.init(plan, args))
+    return jax.eval_shape(lambda: Cache.init(plan, args, shardings))
+
+
+def fit_shardings(where, tree):
+    """``where`` (one sharding for a whole pool, or a pytree with one per array, as a pool's
+    ``partition`` builds it) in the structure of the pool pytree ``tree`` (whose static
+    parts, e.g. a sized config, may differ from those ``where`` was built with)."""
+    leaves = jax.tree.leaves(where, is_leaf=lambda x: isinstance(x, P))
+    if len(leaves) == 1:
+        return leaves[0]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+def array_bytes(x, per_device: bool = False) -> int:
+    """Bytes of an array (or ``jax.ShapeDtypeStruct``): all of it, or with ``per_device``
+    the share one device holds under its sharding (all of it when replicated or unsharded)."""
+    shape = x.shape
+    where = getattr(x, "sharding", None) if per_device else None
+    if where is not None:
+        shape = where.shard_shape(x.shape)
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
 
 
 def plan_cache(layout: CacheLayout, budget: int, page_size: int, max_num_seqs: int,
@@ -313,13 +359,27 @@ class Cache:
     plan: CachePlan = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
-    def init(cls, plan: CachePlan, pool_args: dict[str, dict] | None = None) -> "Cache":
+    def init(cls, plan: CachePlan, pool_args: dict[str, dict] | None = None,
+             shardings: dict | None = None) -> "Cache":
         """Every pool zeroed; ``pool_args[name]``: extra arguments of that pool's ``init``
-        (a dense pool's static scales and K shift)."""
-        args = pool_args or {}
-        pools = {p.name: p.init(plan.num_pages, plan.page_size, **args.get(p.name, {}))
-                 for p in plan.layout.paged}
-        pools.update({p.name: p.init(plan.num_slots) for p in plan.layout.slots})
+        (a dense pool's static scales and K shift). ``shardings[name]``: a pytree prefix of
+        ``jax.sharding.Sharding`` for that pool's arrays (tensor parallelism: each device
+        allocates its share in place); a pool it does not name is made on the default
+        device."""
+        args, shardings = pool_args or {}, shardings or {}
+
+        def make(pool, *sizes):
+            def init(extra):
+                return pool.init(*sizes, **extra)
+
+            extra = args.get(pool.name, {})
+            if pool.name not in shardings:
+                return init(extra)
+            where = fit_shardings(shardings[pool.name], jax.eval_shape(init, extra))
+            return jax.jit(init, out_shardings=where)(extra)
+
+        pools = {p.name: make(p, plan.num_pages, plan.page_size) for p in plan.layout.paged}
+        pools.update({p.name: make(p, plan.num_slots) for p in plan.layout.slots})
         return cls(pools, plan)
 
     def __getitem__(self, name: str):
@@ -357,13 +417,15 @@ class Cache:
                 return pool.stats
         return jnp.zeros((0, STAT_COLUMNS), jnp.float32)
 
-    def pool_nbytes(self) -> dict[str, int]:
-        """Bytes allocated per pool (equal to ``plan.pool_bytes()``): a pool pytree's own
-        ``nbytes()`` where it has one (a ``KVCache`` leaves out its statistics rows and K
-        shift, bookkeeping beside the storage), else every leaf."""
-        return {name: pool.nbytes() if callable(getattr(pool, "nbytes", None))
-                else sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
+    def pool_nbytes(self, per_device: bool = False) -> dict[str, int]:
+        """Bytes allocated per pool: a pool pytree's own ``nbytes()`` where it has one (a
+        ``KVCache`` leaves out its statistics rows and K shift, bookkeeping beside the
+        storage), else every leaf. ``per_device``: what one device holds (a split pool's
+        share, a replicated pool whole): equal to ``plan.pool_bytes()``, whose byte model
+        is per device; without it, every device's share together."""
+        return {name: pool.nbytes(per_device) if callable(getattr(pool, "nbytes", None))
+                else sum(array_bytes(x, per_device) for x in jax.tree.leaves(pool))
                 for name, pool in self.pools.items()}
 
-    def nbytes(self) -> int:
-        return sum(self.pool_nbytes().values())
+    def nbytes(self, per_device: bool = False) -> int:
+        return sum(self.pool_nbytes(per_device).values())

@@ -217,13 +217,15 @@ class IndexerPool(PagedPool):
         return dict(dtype=INDEXER_DTYPE, layers=len(self.spec.indexer_ratios))
 
 
-# Block scales only (computed at store time), e4m3 only, no K transform, one device. Prefix
+# Block scales only (computed at store time), e4m3 only, no K transform. Under tensor
+# parallelism every pool is replicated (one KV head that all query heads read; the indexer
+# and compressors run whole on every device): bytes per device are one device's. Prefix
 # caching: a page boundary is a window boundary for every compress ratio (``page_multiple``),
 # so the pages before it hold every entry a window closed there; the window ring and the
 # compressor state after it come from a state snapshot (``snapshots.py``).
 V4_SUPPORTS = Supports(
     scale_modes=("block",), default_scale_mode="block", fp8_dtypes=("float8_e4m3fn",),
-    prefix_caching=True)
+    tensor_parallel=True, prefix_caching=True)
 
 
 def v4_layout(cfg: ModelConfig, req: CacheRequest) -> CacheLayout:

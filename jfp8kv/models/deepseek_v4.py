@@ -34,6 +34,7 @@ from jfp8kv.kernels import v4_sparse
 from jfp8kv.kvcache import v4_pools
 from jfp8kv.models import v4_attention as va
 from jfp8kv.models import v4_blocks as vb
+from jfp8kv.models.layers import ONE_DEVICE, map_named
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
@@ -179,7 +180,7 @@ def _attention(h, lp, ls, positions, n_new, cfg: ModelConfig, kind: str, inv, st
 
 
 def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage, backend,
-                  moe_backend=None, query_block=None, attention=None):
+                  moe_backend=None, query_block=None, attention=None, mlp=None):
     """The layers on tokens [B, T] after ``pos`` [B] tokens, with per-layer states
     ``layers`` (``init_state``'s "layers"); the first n_new[b] tokens of row b are real.
     Returns (final-normed hidden [B, T, D], new layer states, per-layer pool writes:
@@ -190,7 +191,9 @@ def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage,
     bounds the logits held at once. ``attention``: None (``_attention`` over the dense
     state), or ``attention(i, h, lp, layers[i], positions, n_new, kind, inv) -> (out
     [B, T, D], state, writes)`` for layer i (the paged forward's, which reads and writes
-    the pools itself)."""
+    the pools itself). ``mlp``: the MoE block's per-device hook (``layers.OneDevice.mlp``,
+    the default: the block as it is)."""
+    mlp = mlp or ONE_DEVICE.mlp
     b, t = tokens.shape
     v4 = cfg.v4
     positions = pos[:, None] + jnp.arange(t)[None]
@@ -211,8 +214,10 @@ def hidden_states(params, layers, tokens, pos, n_new, cfg: ModelConfig, storage,
         writes.append(w)
         streams = vb.hc_post(streams, a, post, comb)
         col, post, comb = vb.hc_pre(streams, lp["hc_ffn"], cfg)
-        f = vb.moe(vb.rms_norm(col, lp["mlp_norm"], cfg.rms_norm_eps), tokens, lp, cfg,
-                   v4.hash_layers[i], moe_backend)
+        block = functools.partial(vb.moe, cfg=cfg, is_hash=v4.hash_layers[i],
+                                  backend=moe_backend)
+        f = mlp(lambda h, lp, tok, block=block: block(h, tok, lp),
+                vb.rms_norm(col, lp["mlp_norm"], cfg.rms_norm_eps), lp, tokens)
         streams = vb.hc_post(streams, f, post, comb)
     h = vb.rms_norm(vb.hc_head(streams, params["hc_head"], cfg), params["final_norm"],
                     cfg.rms_norm_eps)
@@ -286,13 +291,15 @@ def layer_from_hf(get, i: int, cfg: ModelConfig) -> dict[str, Any]:
     return lp
 
 
-def params_from_hf(get, cfg: ModelConfig, dtype=jnp.float32) -> dict[str, Any]:
+def params_from_hf(get, cfg: ModelConfig, dtype=jnp.float32, put=None) -> dict[str, Any]:
     """The params pytree from transformers' DeepseekV4ForCausalLM tensor names (``get(name)``
     -> numpy, e.g. a state_dict or safetensors reader); float weights cast to ``dtype``,
-    the hash tables stay int32."""
+    the hash tables stay int32. ``put(name, host)``: where each leaf goes (by its
+    ``layers.map_named`` name; tensor parallelism's placer), else the default device."""
     tree = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"),
             "lm_head": get("lm_head.weight").T,
             "hc_head": _hc_from_hf(get, "model.hc_head.", ("hc_fn", "hc_base", "hc_scale")),
             "layers": [layer_from_hf(get, i, cfg) for i in range(cfg.num_layers)]}
-    return jax.tree.map(
-        lambda x: jnp.asarray(x, x.dtype if np.issubdtype(x.dtype, np.integer) else dtype), tree)
+    put = put or (lambda name, x: jnp.asarray(x))
+    return map_named(lambda name, x: put(name, np.ascontiguousarray(
+        x, x.dtype if np.issubdtype(x.dtype, np.integer) else dtype)), tree)

@@ -25,7 +25,13 @@ The forward contract (every family)::
 tokens, positions, slots int32[B, T] (padding lanes: slot in page 0), page_tables
 int32[B, max_pages], seq_lens int32[B] (cached length after the chunk), state_slots int32[B]
 (each row's state slot; slot 0 for padding; unused by families without slot pools), tp a
-``sharding.TensorParallel`` or None. Static: cfg, backend, tp.
+``sharding.TensorParallel`` or None: the per-device hooks the family's model runs its
+kernel sections through (``layers.OneDevice`` on one device). Static: cfg, backend, tp.
+
+Tensor parallelism (``models/sharding.py``): every family splits its query heads; dense and
+hybrid K/V pages split on the KV-head axis, the hybrid's DeltaNet states by value head; the
+MLA latent and V4's pools are replicated; MoE experts split on their intermediate axis.
+``tp_counts(cfg)`` names the counts a mesh size must divide.
 """
 
 from __future__ import annotations
@@ -46,15 +52,14 @@ log = logging.getLogger(__name__)
 def _dense_forward(params, cache: Cache, tokens, positions, slots, page_tables, seq_lens,
                    state_slots, *, cfg, backend, tp):
     hidden, kv = transformer.forward(params, cache["kv"], tokens, positions, slots,
-                                     page_tables, seq_lens, cfg=cfg, backend=backend,
-                                     attend=None if tp is None else tp.attend)
+                                     page_tables, seq_lens, cfg=cfg, backend=backend, par=tp)
     return hidden, cache.replace(kv=kv)
 
 
 def _mla_forward(params, cache: Cache, tokens, positions, slots, page_tables, seq_lens,
                  state_slots, *, cfg, backend, tp):
     hidden, rows = mla.forward(params, cache["latent"], tokens, positions, slots, page_tables,
-                               seq_lens, cfg=cfg, backend=backend)
+                               seq_lens, cfg=cfg, backend=backend, par=tp)
     return hidden, cache.replace(latent=rows)
 
 
@@ -62,14 +67,26 @@ def _hybrid_forward(params, cache: Cache, tokens, positions, slots, page_tables,
                     state_slots, *, cfg, backend, tp):
     hidden, kv, state = qwen3_hybrid.forward(params, cache["kv"], cache["deltanet"], tokens,
                                              positions, slots, page_tables, seq_lens,
-                                             state_slots, cfg=cfg, backend=backend)
+                                             state_slots, cfg=cfg, backend=backend, par=tp)
     return hidden, cache.replace(kv=kv, deltanet=state)
 
 
 def _v4_forward(params, cache: Cache, tokens, positions, slots, page_tables, seq_lens,
                 state_slots, *, cfg, backend, tp):
     return v4_paged.forward(params, cache, tokens, positions, page_tables, seq_lens,
-                            state_slots, cfg=cfg, backend=backend)
+                            state_slots, cfg=cfg, backend=backend, par=tp)
+
+
+def _heads(cfg: ModelConfig) -> dict[str, int]:
+    return {"attention heads": cfg.num_heads}
+
+
+def _hybrid_counts(cfg: ModelConfig) -> dict[str, int]:
+    return {**_heads(cfg), "DeltaNet value heads": cfg.hybrid.linear_num_value_heads}
+
+
+def _v4_counts(cfg: ModelConfig) -> dict[str, int]:
+    return {**_heads(cfg), "output groups (o_groups)": cfg.v4.o_groups}
 
 
 def _check_kv_kernels(layout: CacheLayout, cfg: ModelConfig, backend: str) -> None:
@@ -82,8 +99,9 @@ def _check_latent_kernels(layout: CacheLayout, cfg: ModelConfig, backend: str) -
     kernels.check_latent_cache(pool, cfg.kv_lora_rank, backend)
 
 
-def _v4_random_params(cfg, key, dtype, layer_shapes, scale=None, sharding_of=None):
-    return v4_presets.init_random_params(cfg, key, dtype)
+def _v4_random_params(cfg, key, dtype, layer_shapes, scale=None, sharding_of=None,
+                      arrange=None):
+    return v4_presets.init_random_params(cfg, key, dtype, sharding_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +114,8 @@ class Family:
     weights' shapes. ``one_row_prefill``: each prefill dispatch holds one row (V4: its
     reference attention's logits and its CSA top-k's scores grow with the rows).
     ``default_max_model_len``: the context when the user names none (None: the model's
-    own, as the pool allows)."""
+    own, as the pool allows). ``tp_counts(cfg)``: the counts (by name) a tensor-parallel
+    mesh size must divide (the query heads, and what else the family splits by head)."""
 
     name: str
     declare: Callable[..., CacheLayout]
@@ -107,6 +126,7 @@ class Family:
     random: Callable = random_weights.init_random_params
     one_row_prefill: bool = False
     default_max_model_len: int | None = None
+    tp_counts: Callable = _heads
 
     def cache_layout(self, cfg: ModelConfig, req: CacheRequest, backend: str) -> CacheLayout:
         """The layout of ``cfg``'s cache for ``req``, checked against ``backend``'s kernels
@@ -122,12 +142,13 @@ DENSE = Family("dense", kv_cache.dense_layout, kv_cache.DENSE_SUPPORTS, _dense_f
 MLA = Family("mla", latent.latent_layout, latent.LATENT_SUPPORTS,
              _mla_forward, mla.random_layer_shapes, _check_latent_kernels)
 HYBRID = Family("hybrid", state_pool.hybrid_layout, state_pool.HYBRID_SUPPORTS,
-                _hybrid_forward, qwen3_hybrid.layer_shapes, _check_kv_kernels)
+                _hybrid_forward, qwen3_hybrid.layer_shapes, _check_kv_kernels,
+                tp_counts=_hybrid_counts)
 # V4 reads its pools in place (``v4_paged``): a step's work follows its rows' own lengths,
 # not the page table's width, so its context is the model's (1M tokens for the presets),
 # as far as the pool holds it.
 V4 = Family("v4", v4_pools.v4_layout, v4_pools.V4_SUPPORTS, _v4_forward, None,
-            random=_v4_random_params, one_row_prefill=True)
+            random=_v4_random_params, one_row_prefill=True, tp_counts=_v4_counts)
 
 
 def of(cfg: ModelConfig) -> Family:
@@ -142,12 +163,13 @@ def of(cfg: ModelConfig) -> Family:
 
 
 def random_params(cfg: ModelConfig, key, dtype="bfloat16", scale: float = 0.02,
-                  sharding_of=None) -> dict:
-    """Random weights in ``cfg``'s family's params layout (``scale``, ``sharding_of``: see
-    ``random_weights.init_random_params``; DeepSeek-V4's own generator takes neither)."""
+                  sharding_of=None, arrange=None) -> dict:
+    """Random weights in ``cfg``'s family's params layout (``scale``, ``sharding_of``,
+    ``arrange``: see ``random_weights.init_random_params``; DeepSeek-V4's own generator
+    takes ``sharding_of`` only)."""
     fam = of(cfg)
     return fam.random(cfg, key, dtype=dtype, layer_shapes=fam.layer_shapes, scale=scale,
-                      sharding_of=sharding_of)
+                      sharding_of=sharding_of, arrange=arrange)
 
 
 def forward(params, cache: Cache, tokens, positions, slots, page_tables, seq_lens,

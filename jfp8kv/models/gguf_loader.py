@@ -155,4 +155,5 @@ def load_gguf(path: Path, dtype: str, name: str | None = None,
                                     tensor_parallel_size=tensor_parallel_size)
     tokenizer = load_gguf_tokenizer(path, reader)
     cfg = hf_loader.with_stop_ids(cfg, tokenizer)
-    return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, kv_scales=None, name=name)
+    return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, kv_scales=None, name=name,
+                       tensor_parallel_size=tensor_parallel_size)

@@ -222,14 +222,13 @@ def with_stop_ids(cfg: ModelConfig, tokenizer: Any, extra: Iterable[int] = ()) -
 
 def _load_v4_dir(path: Path, cfg: ModelConfig, dtype: str, tensor_parallel_size: int):
     """A DeepSeek-V4 checkpoint of float tensors, in DeepSeek's names or transformers'
-    (``v4_checkpoint``), through ``deepseek_v4.params_from_hf``; the MTP layer is skipped.
-    ValueError for TP > 1, a quantized (fp8 / fp4) tensor, a missing or an unused one."""
+    (``v4_checkpoint``), through ``deepseek_v4.params_from_hf``, each leaf onto its shards
+    of a ``tensor_parallel_size`` mesh; the MTP layer is skipped. ValueError for a
+    quantized (fp8 / fp4) tensor, a missing or an unused one."""
     from safetensors import safe_open
 
     from jfp8kv.models import deepseek_v4, v4_checkpoint
 
-    if tensor_parallel_size > 1:
-        raise ValueError(f"{path}: DeepSeek-V4 runs on one device; use tensor_parallel_size=1")
     files = {n: f for n, f in _tensor_files(path).items() if not n.startswith("mtp.")}
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), framework="numpy"))
@@ -251,14 +250,16 @@ def _load_v4_dir(path: Path, cfg: ModelConfig, dtype: str, tensor_parallel_size:
             except KeyError:
                 raise ValueError(f"checkpoint {path} is missing tensor {name}") from None
 
-        params = deepseek_v4.params_from_hf(need, cfg, NP_DTYPES[dtype])
+        params = deepseek_v4.params_from_hf(need, cfg, NP_DTYPES[dtype],
+                                            sharding.weight_placer(cfg, tensor_parallel_size))
     unused = sorted(set(files) - consumed)
     if unused:
         raise ValueError(f"checkpoint {path} has tensors jfp8kv's DeepSeek-V4 model does not "
                          f"use: {unused[:5]}; this variant is not supported")
     tokenizer = _load_tokenizer(path)
     return LoadedModel(config=with_stop_ids(cfg, tokenizer), params=params,
-                       tokenizer=tokenizer, kv_scales=None, name=path.resolve().name)
+                       tokenizer=tokenizer, kv_scales=None, name=path.resolve().name,
+                       tensor_parallel_size=tensor_parallel_size)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -331,4 +332,4 @@ def load_hf_dir(path: Path, dtype: str, tensor_parallel_size: int = 1) -> Loaded
     extra = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
     cfg = with_stop_ids(cfg, tokenizer, extra)
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, kv_scales=kv_scales,
-                       name=name)
+                       name=name, tensor_parallel_size=tensor_parallel_size)

@@ -1,6 +1,9 @@
-"""Pieces the attention families share: a linear layer with float32 accumulation and the
-paged cache step of one attention layer. The dense transformer, the MLA and hybrid families
-and tensor parallelism import these from here, so no family module imports another."""
+"""Pieces the attention families share: a linear layer with float32 accumulation, the
+paged cache step of one attention layer, the one-device form of the per-device hooks a
+family's forward takes (``OneDevice``; ``models/sharding.py``'s ``TensorParallel`` is the
+other) and the params' leaf names (``map_named``). The dense transformer, the MLA, hybrid and
+V4 families and tensor parallelism import these from here, so no family module imports
+another."""
 
 from __future__ import annotations
 
@@ -31,3 +34,45 @@ def store_and_attend(q, k_new, v_new, pro: QKPrologue, layer, slots, page_tables
     out = kernels.paged_attention(q, layer, page_tables, seq_lens, positions, ccfg, sm_scale,
                                   backend)
     return out, layer, st
+
+
+class OneDevice:
+    """The per-device hooks a family's forward takes (``par``), on one device: every
+    section runs as it is. ``models.sharding.TensorParallel`` has the same three and runs
+    them per device of its mesh (``jax.shard_map``):
+
+    * ``attend``: ``store_and_attend``'s signature (a dense attention layer's cache step);
+    * ``split(fn, in_axes, out_axes)``: ``fn`` with each argument split on its axis of
+      ``in_axes`` (an int per argument, or None: whole on every device; pytree prefixes),
+      outputs by ``out_axes`` ("sum": partial sums, added over the devices);
+    * ``mlp(fn, h, lp, *rest)``: ``fn(h, lp, *rest)``, an MLP / MoE block over the layer's
+      params ``lp``, computed per device on its slice of the intermediate axis and summed.
+    """
+
+    attend = staticmethod(store_and_attend)
+
+    @staticmethod
+    def split(fn, in_axes, out_axes):
+        return fn
+
+    @staticmethod
+    def mlp(fn, h, lp, *rest):
+        return fn(h, lp, *rest)
+
+
+ONE_DEVICE = OneDevice()
+
+
+def map_named(fn, tree: dict, prefix: str = "") -> dict:
+    """``fn(name, leaf)`` over a params pytree (or one layer's dict): a leaf's name is its
+    key in its layer's dict (or the top level), nested dicts joining keys with "/"
+    ("compressor/wkv"); the top-level "layers" list is walked layer by layer."""
+    out = {}
+    for k, v in tree.items():
+        if k == "layers" and not prefix and isinstance(v, list):
+            out[k] = [map_named(fn, lp) for lp in v]
+        elif isinstance(v, dict):
+            out[k] = map_named(fn, v, f"{prefix}{k}/")
+        else:
+            out[k] = fn(prefix + k, v)
+    return out

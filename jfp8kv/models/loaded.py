@@ -19,6 +19,8 @@ class LoadedModel:
     ``lm_head`` absent when embeddings are tied). ``tokenizer``: a transformers tokenizer
     (with the checkpoint's chat template when it has one). ``kv_scales``: checkpoint fp8
     scales ``{"k": float32[num_layers], "v": float32[num_layers]}`` or None when absent.
+    ``tensor_parallel_size``: the mesh the params were loaded onto (``models/sharding.py``:
+    a few leaves are stored in an order of that size).
     """
 
     config: ModelConfig
@@ -26,3 +28,4 @@ class LoadedModel:
     tokenizer: Any
     kv_scales: dict[str, np.ndarray] | None
     name: str
+    tensor_parallel_size: int = 1

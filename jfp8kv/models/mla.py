@@ -27,6 +27,7 @@ Params of an MLA layer (weights [in, out])::
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from jfp8kv.config import ModelConfig, YarnScaling
 from jfp8kv.kernels.prologue import acc_dtype, rms_norm
 from jfp8kv.kvcache.cache import KVCache, accumulate_stats
 from jfp8kv.models import moe
-from jfp8kv.models.layers import linear
+from jfp8kv.models.layers import ONE_DEVICE, linear
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -117,12 +118,27 @@ def _queries(h, lp, cfg: ModelConfig):
     return q.reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 
 
+def store_and_attend_latent(q_abs, rows, pages, scale, flat_slots, page_tables, seq_lens,
+                            positions, *, ccfg, sm_scale: float, rank: int, backend: str):
+    """One layer's latent cache step: the chunk's rows [N, R] stored at ``flat_slots``,
+    then the absorbed queries q_abs [B, T, H, R] attend over the latent pages. Returns
+    (latent output [B, T, H, kv_lora_rank], pages, scale, stats row). Per query head: under
+    tensor parallelism each device runs it on its heads with every row (the pool is
+    replicated, the store the same on every device)."""
+    pages, scale, st = kernels.store_latent(pages, scale, rows, flat_slots, ccfg, backend)
+    o_lat = kernels.latent_attention(q_abs, pages, scale, page_tables, seq_lens, positions,
+                                     ccfg, sm_scale, rank, backend)
+    return o_lat, pages, scale, st
+
+
 def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_tables, seq_lens,
-              ccfg, cfg: ModelConfig, rope, backend: str = "reference"):
+              ccfg, cfg: ModelConfig, rope, backend: str = "reference", par=None):
     """One MLA layer's attention on h [B, T, D] (normalized). Stores the chunk's latent rows,
-    attends over the latent pages (absorbed) through ``jfp8kv.kernels`` with ``backend``.
+    attends over the latent pages (absorbed) through ``jfp8kv.kernels`` with ``backend``
+    (``store_and_attend_latent``, through ``par.split``: split by query head).
     ``rope``: (inv_freq, factor). Returns
     (attention output [B, T, D] before the residual, pages, scale, stats row)."""
+    par = par or ONE_DEVICE
 
     b, t, _ = h.shape
     r, dn, dv, hh = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.num_heads
@@ -134,36 +150,40 @@ def attention(h, lp, layer_pages, layer_scale, positions, flat_slots, page_table
     q_rope = apply_rope(q[..., dn:], positions, inv_freq, factor, cfg.rope_interleave)
     k_rope = apply_rope(kv[..., None, r:], positions, inv_freq, factor, cfg.rope_interleave)
     rows = jnp.concatenate([c, k_rope[:, :, 0]], -1).reshape(b * t, r + cfg.qk_rope_head_dim)
-    pages, scale, st = kernels.store_latent(layer_pages, layer_scale, rows, flat_slots, ccfg,
-                                            backend)
     w_kv = lp["wkv_b"].reshape(r, hh, dn + dv)
     w_uk, w_uv = w_kv[..., :dn], w_kv[..., dn:]  # [r, H, d_n], [r, H, d_v]
     q_lat = jnp.einsum("bthn,rhn->bthr", q[..., :dn], w_uk, preferred_element_type=acc)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(acc)], -1)
-    o_lat = kernels.latent_attention(q_abs, pages, scale, page_tables, seq_lens, positions,
-                                     ccfg, softmax_scale(cfg), r, backend)
+    step = par.split(functools.partial(store_and_attend_latent, ccfg=ccfg, rank=r,
+                                       sm_scale=softmax_scale(cfg), backend=backend),
+                     (2, None, None, None, None, None, None, None), (2, None, None, None))
+    o_lat, pages, scale, st = step(q_abs, rows, layer_pages, layer_scale, flat_slots,
+                                   page_tables, seq_lens, positions)
     o = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv.astype(acc), preferred_element_type=acc)
     out = linear(o.reshape(b, t, hh * dv).astype(h.dtype), lp["wo"])
     return out, pages, scale, st
 
 
-def mlp(h, lp, cfg: ModelConfig, backend: str = "reference"):
-    """Dense SwiGLU, or the DeepSeek MoE block (V2 softmax / V3 sigmoid routing); ``backend``
-    picks its grouped matmul (``moe.grouped_experts``)."""
+def mlp(h, lp, cfg: ModelConfig, backend: str = "reference", par=None):
+    """Dense SwiGLU, or the DeepSeek MoE block (V2 softmax / V3 sigmoid routing) through
+    ``par.mlp`` (per device on its slice of every expert); ``backend`` picks its grouped
+    matmul (``moe.grouped_experts``)."""
     if "router" not in lp:
         return moe.swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"])
-    return moe.deepseek_moe_mlp(
-        h, lp, version=3 if cfg.family == "deepseek_v3" else 2, top_k=cfg.num_experts_per_tok,
-        n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor, topk_method=cfg.topk_method,
-        backend=backend)
+    block = functools.partial(
+        moe.deepseek_moe_mlp, version=3 if cfg.family == "deepseek_v3" else 2,
+        top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+        topk_method=cfg.topk_method, backend=backend)
+    return (par or ONE_DEVICE).mlp(block, h, lp)
 
 
 def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens, *,
-            cfg: ModelConfig, backend: str = "reference"):
+            cfg: ModelConfig, backend: str = "reference", par=None):
     """``transformer.forward`` for MLA models (same arguments and result; the cache has the
     latent layout). ``backend`` picks the latent attention kernel (``kernels.latent_attention``:
-    ``pallas_mla`` on the Pallas backends); the latent store is the jnp one on every backend."""
+    ``pallas_mla`` on the Pallas backends); the latent store is the jnp one on every backend.
+    ``par``: the per-device hooks (``layers.OneDevice``)."""
     if cache.config.layout != "latent":
         raise ValueError(f"{cfg.family} needs the latent cache layout (CacheConfig.layout="
                          f"'latent'), got {cache.config.layout!r}")
@@ -175,9 +195,9 @@ def forward(params: dict, cache, tokens, positions, slots, page_tables, seq_lens
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         a, p, s, st = attention(h, lp, cache.k[i], cache.k_scale[i], positions, flat_slots,
-                                page_tables, seq_lens, cache.config, cfg, rope, backend)
+                                page_tables, seq_lens, cache.config, cfg, rope, backend, par)
         x = x + a
-        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, backend)
+        x = x + mlp(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, backend, par)
         pages.append(p)
         scales.append(s)
         stats.append(st)

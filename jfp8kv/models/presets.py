@@ -142,6 +142,8 @@ def load_random(preset: str, dtype: str, seed: int = 0, tensor_parallel_size: in
                          + ", ".join("random:" + k for k in names))
     tp = sharding.plan(cfg, tensor_parallel_size)
     params = families.random_params(cfg, jax.random.PRNGKey(seed), dtype,
-                                    sharding_of=None if tp is None else tp.sharding)
+                                    sharding_of=None if tp is None else tp.sharding,
+                                    arrange=None if tp is None else tp.arrange)
     tok = IdTokenizer(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
-    return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name)
+    return LoadedModel(config=cfg, params=params, tokenizer=tok, kv_scales=None, name=cfg.name,
+                       tensor_parallel_size=tensor_parallel_size)

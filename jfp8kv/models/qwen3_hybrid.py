@@ -36,6 +36,7 @@ Params (weights [in, out]; HF names in ``tensor_specs``)::
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -48,7 +49,7 @@ from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
 from jfp8kv.kvcache.cache import KVCache, accumulate_stats, reduce_stat_rows
 from jfp8kv.kvcache.state_pool import DeltaState
 from jfp8kv.models import moe
-from jfp8kv.models.layers import linear, store_and_attend
+from jfp8kv.models.layers import ONE_DEVICE, linear
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -72,9 +73,9 @@ def _norm(x, w, eps):
     return rms_norm(x, 1.0 + w.astype(acc_dtype(x.dtype)), eps)
 
 
-def _attention(h, lp, layer, ccfg, tables, rows, cfg, backend):
-    """Gated full attention of h [B, T, D] on the paged cache. Returns (out [B, T, D],
-    updated layer, stats rows)."""
+def _attention(h, lp, layer, ccfg, tables, rows, cfg, backend, par):
+    """Gated full attention of h [B, T, D] on the paged cache (its cache step through
+    ``par.attend``). Returns (out [B, T, D], updated layer, stats rows)."""
     b, t, _ = h.shape
     n, hd, heads = b * t, cfg.head_dim, cfg.num_heads
     perm, cos, sin = tables
@@ -86,41 +87,62 @@ def _attention(h, lp, layer, ccfg, tables, rows, cfg, backend):
     pro = QKPrologue(cos, sin, (1.0 + lp["q_norm"].astype(acc))[perm],
                      (1.0 + lp["k_norm"].astype(acc))[perm], cfg.rms_norm_eps)
     flat_slots, page_tables, seq_lens, positions = rows
-    out, layer, st = store_and_attend(q, k, v, pro, layer, flat_slots, page_tables, seq_lens,
-                                      positions, ccfg, 1.0 / math.sqrt(hd), backend)
+    out, layer, st = par.attend(q, k, v, pro, layer, flat_slots, page_tables, seq_lens,
+                                positions, ccfg, 1.0 / math.sqrt(hd), backend)
     out = out.reshape(n, heads, hd).astype(h.dtype)
     out = (out.astype(acc) * jax.nn.sigmoid(gate.astype(acc))).astype(h.dtype)
     return linear(out.reshape(b, t, -1), lp["wo"]), layer, st
 
 
-def _delta_net(h, lp, conv_pool, rec_pool, state_slots, n_valid, fresh, cfg, backend):
+def conv_and_rule(qkv, conv_w, beta, g, conv_pool, rec_pool, state_slots, n_valid, fresh, *,
+                  dk: int, dv: int, backend: str):
+    """One DeltaNet layer's state step on its projections: qkv [B, T, C] (q, k, v channels)
+    through the causal conv from each row's slot (conv_w [C, K], conv pool [S, K-1, C]),
+    split into q, k [B, T, Hk, dk] and v [B, T, Hv, dv] (Hv: beta's heads, Hk what the
+    channels leave), then the gated delta rule (g, beta [B, T, Hv]) from the recurrent pool
+    [S, Hv, dk, dv]. Returns (out [B, T, Hv, dv], conv pool, recurrent pool). Per value
+    head: under tensor parallelism each device runs it on its heads' channels
+    (``models/sharding.py`` orders them device by device)."""
+    b, t, c = qkv.shape
+    hv = beta.shape[-1]
+    kd = (c - hv * dv) // 2
+    mixed, conv_pool = deltanet.causal_conv(conv_pool, state_slots, qkv, conv_w, n_valid,
+                                            fresh, backend)
+    q = mixed[..., :kd].reshape(b, t, kd // dk, dk)
+    k = mixed[..., kd:2 * kd].reshape(b, t, kd // dk, dk)
+    v = mixed[..., 2 * kd:].reshape(b, t, hv, dv)
+    out, rec_pool = deltanet.gated_delta_rule(rec_pool, state_slots, q, k, v, g, beta, fresh,
+                                              backend)
+    return out, conv_pool, rec_pool
+
+
+def _delta_net(h, lp, conv_pool, rec_pool, state_slots, n_valid, fresh, cfg, backend, par):
     """Gated DeltaNet of h [B, T, D] from the rows' slots of one layer's pools (conv
     [S, K-1, C], recurrent [S, Hv, dk, dv]); ``state_slots`` int32[B], ``n_valid`` int32[B]
     real tokens per row, ``fresh`` bool[B]: the chunk starts the sequence (states read as
-    zeros). Returns (out, conv pool, recurrent pool)."""
+    zeros). The state step (``conv_and_rule``) goes through ``par.split`` by value head.
+    Returns (out, conv pool, recurrent pool)."""
     hy = cfg.hybrid
     b, t, _ = h.shape
     acc = acc_dtype(h.dtype)
-    mixed, conv_pool = deltanet.causal_conv(conv_pool, state_slots, linear(h, lp["w_qkv"]),
-                                            lp["conv_w"][:, 0, :], n_valid, fresh, backend)
-    kd, vd = hy.key_dim, hy.value_dim
-    q = mixed[..., :kd].reshape(b, t, hy.linear_num_key_heads, hy.linear_key_head_dim)
-    k = mixed[..., kd:2 * kd].reshape(b, t, hy.linear_num_key_heads, hy.linear_key_head_dim)
-    v = mixed[..., 2 * kd:].reshape(b, t, hy.linear_num_value_heads, hy.linear_value_head_dim)
     valid = jnp.arange(t)[None, :, None] < n_valid[:, None, None]
     beta = jnp.where(valid, jax.nn.sigmoid(linear(h, lp["w_b"]).astype(acc)), 0.0)
     a = linear(h, lp["w_a"]).astype(acc) + lp["dt_bias"].astype(acc)
     g = jnp.where(valid, -jnp.exp(lp["A_log"].astype(acc)) * jax.nn.softplus(a), 0.0)
-    out, rec_pool = deltanet.gated_delta_rule(rec_pool, state_slots, q, k, v, g, beta, fresh,
-                                              backend)
+    step = par.split(functools.partial(conv_and_rule, dk=hy.linear_key_head_dim,
+                                       dv=hy.linear_value_head_dim, backend=backend),
+                     (2, 0, 2, 2, 2, 1, None, None, None), (2, 2, 1))
+    out, conv_pool, rec_pool = step(linear(h, lp["w_qkv"]), lp["conv_w"][:, 0, :], beta, g,
+                                    conv_pool, rec_pool, state_slots, n_valid, fresh)
     z = linear(h, lp["w_z"]).reshape(b, t, hy.linear_num_value_heads, -1)
     y = rms_norm(out, lp["lin_norm"], cfg.rms_norm_eps)  # weight times the rounded norm
     y = (y.astype(acc) * jax.nn.silu(z.astype(acc))).astype(h.dtype)
-    return linear(y.reshape(b, t, vd), lp["w_out"]), conv_pool, rec_pool
+    return linear(y.reshape(b, t, hy.value_dim), lp["w_out"]), conv_pool, rec_pool
 
 
 def _moe(h, lp, cfg, backend):
-    """Routed experts (renormalized top-k) plus the sigmoid-gated shared expert."""
+    """Routed experts (renormalized top-k) plus the sigmoid-gated shared expert (linear in
+    the experts' intermediate axis: ``par.mlp`` splits it)."""
     shared = moe.swiglu(h, lp["shared_gate"], lp["shared_up"], lp["shared_down"])
     gate = jax.nn.sigmoid(moe.router_logits(h, lp["shared_router"]))
     shared = (shared.astype(gate.dtype) * gate).astype(h.dtype)
@@ -129,7 +151,7 @@ def _moe(h, lp, cfg, backend):
 
 def forward(params: dict, cache: KVCache, state: DeltaState, tokens, positions, slots,
             page_tables, seq_lens, state_slots, *, cfg: ModelConfig,
-            backend: str = "reference"):
+            backend: str = "reference", par=None):
     """Run the hybrid model over a (possibly padded) chunk of new tokens.
 
     tokens, positions, slots int32[B, T] as ``transformer.forward`` (slots: the attention
@@ -138,8 +160,10 @@ def forward(params: dict, cache: KVCache, state: DeltaState, tokens, positions, 
     seq_lens[b] - positions[b, 0] (the rest is padding, which leaves every state alone);
     state_slots int32[B]: each row's DeltaNet slot (0 for padding rows). ``cache`` holds the
     full-attention layers only, in layer order. Returns (hidden [B, T, D] after the final
-    norm, cache, state). Static: cfg, backend.
+    norm, cache, state). Static: cfg, backend. ``par``: the per-device hooks
+    (``layers.OneDevice``; ``models/sharding.py`` under tensor parallelism).
     """
+    par = par or ONE_DEVICE
     b, t = tokens.shape
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
@@ -155,17 +179,18 @@ def forward(params: dict, cache: KVCache, state: DeltaState, tokens, positions, 
         h = _norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         if kind == "full_attention":
             y, layer, st = _attention(h, lp, cache.layer(a_idx), cache.config,
-                                      (perm, cos, sin), rows, cfg, backend)
+                                      (perm, cos, sin), rows, cfg, backend, par)
             new_k.append(layer.k), new_v.append(layer.v), stats.append(st)
             k_scale.append(layer.k_scale), v_scale.append(layer.v_scale)
             a_idx += 1
         else:
             y, conv[l_idx], rec[l_idx] = _delta_net(h, lp, conv[l_idx], rec[l_idx],
                                                     state_slots, n_valid, start == 0, cfg,
-                                                    backend)
+                                                    backend, par)
             l_idx += 1
         x = x + y
-        x = x + _moe(_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, cfg, backend)
+        x = x + par.mlp(functools.partial(_moe, cfg=cfg, backend=backend),
+                        _norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp)
     merged = accumulate_stats(cache.stats, reduce_stat_rows(jnp.stack(stats)))
     cache = KVCache(new_k, new_v, k_scale, v_scale, merged, cache.config, cache.k_shift)
     state = DeltaState(conv, rec, state.config)

@@ -12,14 +12,16 @@ from jfp8kv.config import ModelConfig
 
 
 def init_random_params(cfg: ModelConfig, key, layer_shapes: Callable, dtype=jnp.bfloat16,
-                       scale: float = 0.02, sharding_of: Callable | None = None):
+                       scale: float = 0.02, sharding_of: Callable | None = None,
+                       arrange: Callable | None = None):
     """Random weights with ``layer_shapes(cfg, i)`` per layer plus the embedding, final norm
     and (untied) LM head; norms are ones, the rest normal(0, ``scale``).
 
-    ``sharding_of(name, ndim)``: a ``jax.sharding.Sharding`` per leaf name; each leaf is
-    then generated in place by a jitted generator (the same random bits: JAX's partitionable
-    threefry; the jitted transform may round a last bit differently). None: eager, on the
-    default device."""
+    ``sharding_of(name, shape)``: a ``jax.sharding.Sharding`` per leaf name and model shape;
+    each leaf is then generated in place by a jitted generator (the same random bits: JAX's
+    partitionable threefry; the jitted transform may round a last bit differently), stored
+    as ``arrange(name, x)`` gives it (None: as generated; ``models/sharding.py`` reorders
+    some columns device by device). None: eager, on the default device."""
     per_layer = [layer_shapes(cfg, i) for i in range(cfg.num_layers)]
     d = cfg.hidden_size
     keys = iter(jax.random.split(key, sum(map(len, per_layer)) + 2))
@@ -35,11 +37,14 @@ def init_random_params(cfg: ModelConfig, key, layer_shapes: Callable, dtype=jnp.
         k = None if ones else next(keys)
         if sharding_of is None:
             return generate(k, shape, ones)
-        where = sharding_of(name, len(shape))
-        if (shape, ones, where) not in generators:
-            generators[shape, ones, where] = jax.jit(
-                lambda k, shape=shape, ones=ones: generate(k, shape, ones), out_shardings=where)
-        return generators[shape, ones, where](k)
+        where = sharding_of(name, shape)
+        if (name, shape, ones, where) not in generators:
+            def gen(k, name=name, shape=shape, ones=ones):
+                x = generate(k, shape, ones)
+                return x if arrange is None else arrange(name, x)
+
+            generators[name, shape, ones, where] = jax.jit(gen, out_shardings=where)
+        return generators[name, shape, ones, where](k)
 
     layers = [{n: make(n, s) for n, s in sh.items()} for sh in per_layer]
     params = {"embed": make("embed", (cfg.vocab_size, d)), "final_norm": make("final_norm", (d,)),

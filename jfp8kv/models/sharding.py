@@ -1,34 +1,54 @@
 """Tensor parallelism over a 1-D device mesh (axis ``"tp"``), applied from outside the model.
 
-The transformer knows nothing of devices. This module says where each weight and each
-cache array lives, and wraps the model's attention step (``transformer.store_and_attend``:
-store the chunk's K/V, attend over the pages) in ``jax.shard_map`` over the KV-head axis, so
-the kernels (reference twins and Pallas alike) see one device's heads and run unchanged.
-Everything else is XLA's SPMD partitioner working from the weights' shardings::
+The models know nothing of devices. This module says where each weight and each cache
+array lives, and runs the sections of a family's step that hold kernels (attention, the
+DeltaNet rule, the MoE's grouped matmuls) in ``jax.shard_map``, so the kernels (reference
+twins and Pallas alike) see one device's heads and run unchanged. Everything else is XLA's
+SPMD partitioner working from the weights' shardings. Weights, by the name of the leaf
+(``param_spec``; a weight whose split axis does not divide by the mesh size stays
+replicated)::
 
-    wq, bq            columns (query heads)   each device computes its heads' queries
-    wk, wv, bk, bv    columns (KV heads)      ... its KV heads (replicated if KV heads are)
-    wo                rows                    partial sums: one all-reduce per layer
-    w_gate, w_up      columns                 each device computes a slice of the MLP ...
-    w_down            rows                    ... and one all-reduce per layer
-    embed, lm_head    vocab                   masked local gather + all-reduce; logits
-                                              sharded on vocab (the sampler reduces across)
-    norms, MoE router and experts             replicated
+    wq, bq, wq_b, wkv_b       columns (query heads)    each device computes its heads
+    wk, wv, bk, bv            columns (KV heads)       ... its KV heads (replicated if KV
+                                                        heads are)
+    w_qkv, conv_w             DeltaNet channels,       arranged device by device (below)
+    w_z, w_b, w_a, dt_bias,   DeltaNet value heads
+    A_log
+    sinks, wo_a               query heads / o_groups   (DeepSeek-V4)
+    wo, wo_b, w_out           rows                     partial sums: one all-reduce per layer
+    w_gate, w_up, shared_*    columns (intermediate)   each device computes a slice of the
+    experts_gate, experts_up  [E, D, I] on I           MLP or of every expert ...
+    w_down, shared_down,      rows (intermediate)      ... and one all-reduce per layer
+    experts_down
+    embed, lm_head            vocab                    masked local gather + all-reduce;
+                                                        logits sharded on vocab
+    everything else           replicated               norms, routers, MLA's wq_a / wkv_a,
+                                                        V4's wq_a / wkv, compressors, indexer
 
-(``w_gate``/``w_up``/``w_down`` and the vocab stay replicated when their size does not
-divide by the mesh size.)
+MoE experts are split by tensor parallelism (each device holds every expert's 1/N slice of
+the intermediate axis), not expert parallelism: the hidden states are replicated, so every
+device runs the same routing and the same grouped matmul over all assignments at 1/N width,
+with no load imbalance and no all-to-all; the expert sums are one all-reduce, as an MLP's.
 
-Cache: pages and dynamic scales ``[kv_heads, pages, ...]`` and static scales
-``[kv_heads, head_dim]`` are sharded on the head axis, so a device holds its heads' pages;
-the stats and the (empty) scales of unscaled pools are replicated. Page tables, lengths,
-the allocator and the scheduler are host-side: the same numbers go to every device.
+Cache: every pool says how it splits (``PagedPool.partition``): dense K/V pages and scales on
+the KV-head axis, DeltaNet states on channels / value heads; the MLA latent and DeepSeek-V4's
+single-head pools are replicated (every query head reads every row). Page tables, lengths,
+slots, the allocator and the scheduler are host-side: the same numbers go to every device.
 
 KV-head replication rule. The mesh size ``n`` must divide ``num_heads`` ``H``. When it does
 not divide ``num_kv_heads`` ``G``, every KV head is stored ``r = lcm(G, n) / G`` times, so the
 cache holds ``G' = lcm(G, n)`` heads, ``G' / n`` on each device (``G / gcd(G, n)`` instead of
 the ideal ``G / n``). The copies are made from the projected K/V rows (``wk``/``wv``
 replicated), and query head ``h`` reads cache head ``h // (H / G')``, a copy of its own KV
-head ``h // (H / G)``, so the numbers are those of the unsharded model.
+head ``h // (H / G)``, so the numbers are those of the unsharded model. DeltaNet q/k heads
+follow the same rule against the value heads (``state_pool.stored_key_heads``): their
+columns of ``w_qkv`` and ``conv_w`` are gathered device by device (``arrange``: device d's
+q heads, k heads, then v heads), copies included, so the conv and its state split by
+channel and each device runs the model's DeltaNet on whole heads.
+
+Every ``shard_map`` here runs with ``check_vma=False``: a Pallas kernel's outputs carry no
+varying-axes type (with the check on, ``pallas_call`` refuses to trace), and the outputs
+declared replicated are so by construction (computed from replicated inputs, or summed).
 
 Multi-host: the mesh takes ``jax.devices()[:n]``, which is this process's devices in one
 process and spans hosts after ``jax.distributed.initialize()`` (see docs/architecture.md).
@@ -47,20 +67,30 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache import scale_modes
-from jfp8kv.kvcache.cache import KVCache, LayerKV, reduce_stat_rows
-from jfp8kv.kvcache.layout import Cache
+from jfp8kv.kvcache.cache import LayerKV, reduce_stat_rows
+from jfp8kv.kvcache.layout import Cache, CacheLayout, fit_shardings
+from jfp8kv.kvcache.state_pool import stored_key_heads
 from jfp8kv.models import families
-from jfp8kv.models.layers import store_and_attend
+from jfp8kv.models.layers import map_named, store_and_attend
 
 AXIS = "tp"
-_HEAD_COLUMNS = ("wq", "bq")  # [.., H*hd]: always sharded by query heads
-_KV_COLUMNS = ("wk", "wv", "bk", "bv")  # [.., G*hd]: sharded by KV heads unless replicated
-_MLP_COLUMNS = ("w_gate", "w_up")
+# leaf name -> the axis split over the mesh (negative: from the end)
+_SPLIT = {**dict.fromkeys(("wq", "bq", "wq_b", "wkv_b", "w_qkv", "w_z", "w_b", "w_a",
+                           "w_gate", "w_up", "shared_gate", "shared_up", "lm_head"), -1),
+          **dict.fromkeys(("wo", "wo_b", "w_out", "w_down", "shared_down", "embed", "conv_w",
+                           "dt_bias", "A_log", "sinks", "wo_a"), 0),
+          "experts_gate": 2, "experts_up": 2, "experts_down": 1}
+_KV = ("wk", "wv", "bk", "bv")  # split by KV heads unless those are replicated
+_MLP = ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down",
+        "experts_gate", "experts_up", "experts_down")  # an MLP block's split weights
+_ARRANGED = {"w_qkv": -1, "conv_w": 0}  # DeltaNet channels, gathered device by device
 
 
 def valid_sizes(cfg: ModelConfig, num_devices: int) -> list[int]:
-    """Mesh sizes that fit ``num_devices`` and divide ``num_heads``."""
-    return [n for n in range(1, num_devices + 1) if cfg.num_heads % n == 0]
+    """Mesh sizes that fit ``num_devices`` and divide every count the family splits
+    (``Family.tp_counts``: attention heads, and DeltaNet value heads / V4 output groups)."""
+    counts = families.of(cfg).tp_counts(cfg).values()
+    return [n for n in range(1, num_devices + 1) if all(c % n == 0 for c in counts)]
 
 
 def check_device_count(size: int) -> None:
@@ -76,37 +106,60 @@ def check_device_count(size: int) -> None:
 
 def plan(cfg: ModelConfig, size: int) -> "TensorParallel | None":
     """The layout of ``cfg`` over ``size`` devices; None for one device (the unsharded path).
-    Raises ValueError naming the valid sizes when ``size`` does not divide ``num_heads``."""
-    if size > 1 and not families.of(cfg).supports.tensor_parallel:
+    Raises ValueError naming the valid sizes when ``size`` does not divide the counts the
+    family splits."""
+    fam = families.of(cfg)
+    if size > 1 and not fam.supports.tensor_parallel:
         raise ValueError(f"tensor_parallel_size={size} is not supported for {cfg.family} yet "
                          "(its heads and pools are not sharded); use tensor_parallel_size=1")
     check_device_count(size)
     if size == 1:
         return None
-    if cfg.num_heads % size:
+    bad = [f"{c} {what}" for what, c in fam.tp_counts(cfg).items() if c % size]
+    if bad:
         raise ValueError(
-            f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} "
-            f"attention heads; valid sizes on {len(jax.devices())} device(s): "
+            f"tensor_parallel_size={size} does not divide the model's {' and '.join(bad)}; "
+            f"valid sizes on {len(jax.devices())} device(s): "
             f"{valid_sizes(cfg, len(jax.devices()))}")
     mesh = Mesh(np.asarray(jax.devices()[:size]), (AXIS,))
-    repeat = math.lcm(cfg.num_kv_heads, size) // cfg.num_kv_heads
-    return TensorParallel(mesh, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size, repeat)
+    return TensorParallel(mesh, cfg, math.lcm(cfg.num_kv_heads, size) // cfg.num_kv_heads)
+
+
+def delta_columns(cfg: ModelConfig, size: int) -> np.ndarray:
+    """The model's DeltaNet channel (``w_qkv`` column, ``conv_w`` row) at each stored channel
+    over ``size`` devices: device by device its stored q heads, k heads (copies included,
+    ``state_pool.stored_key_heads``), then its v heads. The identity for one device."""
+    hy = cfg.hybrid
+    hk, dk, dv = hy.linear_num_key_heads, hy.linear_key_head_dim, hy.linear_value_head_dim
+    stored = stored_key_heads(hy, size)
+    kpd, vpd = stored // size, hy.linear_num_value_heads // size
+    cols = []
+    for d in range(size):
+        heads = np.arange(d * kpd, (d + 1) * kpd) // (stored // hk)
+        q = (heads[:, None] * dk + np.arange(dk)).ravel()
+        v = (np.arange(d * vpd, (d + 1) * vpd)[:, None] * dv + np.arange(dv)).ravel()
+        cols += [q, hk * dk + q, 2 * hk * dk + v]
+    return np.concatenate(cols)
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
     """One model's layout over a 1-D mesh. Hashable: the runner's jitted steps take it as a
-    static argument. ``kv_repeat`` is ``r`` of the replication rule (1: none)."""
+    static argument. ``kv_repeat`` is ``r`` of the replication rule (1: none). The models'
+    per-device hooks (``layers.OneDevice`` is their one-device form): ``attend``,
+    ``split`` and ``mlp``."""
 
     mesh: Mesh
-    num_kv_heads: int  # the model's
-    intermediate_size: int
-    vocab_size: int
+    cfg: ModelConfig
     kv_repeat: int
 
     @property
     def size(self) -> int:
         return self.mesh.shape[AXIS]
+
+    @property
+    def num_kv_heads(self) -> int:  # the model's
+        return self.cfg.num_kv_heads
 
     @property
     def cache_kv_heads(self) -> int:
@@ -118,22 +171,40 @@ class TensorParallel:
         return self.cache_kv_heads // self.size
 
     # -- weights ------------------------------------------------------------------------
-    def param_spec(self, key: str, ndim: int) -> P:
-        """Where the params leaf named ``key`` (``transformer``'s names) lives."""
-        n = self.size
-        last = P(*([None] * (ndim - 1)), AXIS)
-        if key in _HEAD_COLUMNS or (key in _KV_COLUMNS and self.kv_repeat == 1):
-            return last
-        if key in _MLP_COLUMNS and self.intermediate_size % n == 0:
-            return last
-        if key == "wo" or (key == "w_down" and self.intermediate_size % n == 0):
-            return P(AXIS, None)
-        if self.vocab_size % n == 0 and key in ("embed", "lm_head"):
-            return P(AXIS, None) if key == "embed" else P(None, AXIS)
-        return P()
+    def param_spec(self, key: str, shape: tuple[int, ...]) -> P:
+        """Where the params leaf named ``key`` (its layer dict's key; nested dicts join
+        theirs with "/") of ``shape`` (as stored: ``arrange``d) lives."""
+        axis = _SPLIT.get(key, -1 if key in _KV and self.kv_repeat == 1 else None)
+        if axis is None or shape[axis] % self.size:
+            return P()
+        axis %= len(shape)
+        return P(*([None] * axis), AXIS, *([None] * (len(shape) - axis - 1)))
 
-    def sharding(self, key: str, ndim: int) -> NamedSharding:
-        return NamedSharding(self.mesh, self.param_spec(key, ndim))
+    def sharding(self, key: str, shape: tuple[int, ...]) -> NamedSharding:
+        """The placement of leaf ``key`` whose model shape is ``shape`` (``arrange``d)."""
+        return NamedSharding(self.mesh, self.param_spec(key, self.arranged_shape(key, shape)))
+
+    def arranged_shape(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if key not in _ARRANGED or self.cfg.hybrid is None:
+            return tuple(shape)
+        axis = _ARRANGED[key] % len(shape)
+        cols = len(delta_columns(self.cfg, self.size))
+        return tuple(cols if i == axis else s for i, s in enumerate(shape))
+
+    def arrange(self, key: str, x, size: int | None = None):
+        """``x`` (leaf ``key`` in the model's order, numpy or jax) in the stored order of
+        ``size`` devices (default: this mesh's; ``delta_columns``)."""
+        if key not in _ARRANGED or self.cfg.hybrid is None:
+            return x
+        cols = delta_columns(self.cfg, size or self.size)
+        return x[..., cols] if _ARRANGED[key] == -1 else x[cols]
+
+    def unarrange(self, key: str, x, size: int):
+        """``x`` stored for ``size`` devices, back in the model's order."""
+        if key not in _ARRANGED or self.cfg.hybrid is None or size == 1:
+            return x
+        first = np.unique(delta_columns(self.cfg, size), return_index=True)[1]
+        return x[..., first] if _ARRANGED[key] == -1 else x[first]
 
     def replicate(self, x):
         """``x`` on every device of the mesh (a committed, replicated array): host inputs that
@@ -142,45 +213,87 @@ class TensorParallel:
         return jax.device_put(x, NamedSharding(self.mesh, P()))
 
     def put(self, key: str, host: np.ndarray) -> jax.Array:
-        """A host array straight onto its shards: each device receives only its slice."""
-        return jax.make_array_from_callback(host.shape, self.sharding(key, host.ndim),
-                                            lambda index: host[index])
+        """A host array (the model's order) straight onto its shards: each device receives
+        only its slice."""
+        host = self.arrange(key, host)
+        where = NamedSharding(self.mesh, self.param_spec(key, host.shape))
+        return jax.make_array_from_callback(host.shape, where, lambda index: host[index])
 
-    def place_params(self, params: dict) -> dict:
-        """Move an already loaded params pytree onto the mesh (no-op for placed leaves)."""
-        def place(tree: dict) -> dict:
-            return {k: jax.device_put(v, self.sharding(k, v.ndim)) for k, v in tree.items()}
+    def place_params(self, params: dict, arranged_for: int = 1) -> dict:
+        """Move an already loaded params pytree onto the mesh (no-op for placed leaves);
+        ``arranged_for``: the mesh size its leaves are stored for (``arrange``)."""
+        def place(key, v):
+            if arranged_for != self.size:
+                v = self.arrange(key, self.unarrange(key, v, arranged_for))
+            return jax.device_put(v, NamedSharding(self.mesh, self.param_spec(key, v.shape)))
 
-        out = place({k: v for k, v in params.items() if k != "layers"})
-        out["layers"] = [place(lp) for lp in params["layers"]]
-        return out
+        return map_named(place, params)
 
     # -- cache --------------------------------------------------------------------------
-    def cache_shardings(self, ccfg: CacheConfig) -> KVCache:
-        """A KVCache-shaped pytree of NamedShardings: heads sharded, stats replicated
-        (``KVPool.init`` allocates each device's share in place with it)."""
-        heads = NamedSharding(self.mesh, P(AXIS))
-        scales = heads if scale_modes.of(ccfg).name is not None else NamedSharding(self.mesh, P())
-        layers = range(ccfg.num_layers)
-        return KVCache([heads for _ in layers], [heads for _ in layers],
-                       [scales for _ in layers], [scales for _ in layers],
-                       NamedSharding(self.mesh, P()), ccfg)
+    def cache_shardings(self, layout: CacheLayout) -> dict:
+        """Each pool's placement (its ``partition``: a pytree prefix of NamedShardings),
+        for ``Cache.init`` / ``abstract_cache`` to allocate every device's share in place."""
+        def named(spec):
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec,
+                                is_leaf=lambda x: isinstance(x, P))
+
+        return {p.name: named(p.partition(AXIS)) for p in layout.pools}
 
     def constrain_cache(self, cache: Cache) -> Cache:
-        """Pin a jitted step's output cache to the pool's layout (so donation reuses it):
-        its K/V pool (the only pool of the families that shard)."""
-        kv = cache["kv"]
-        return cache.replace(kv=jax.lax.with_sharding_constraint(
-            kv, self.cache_shardings(kv.config)))
+        """Pin a jitted step's output cache to the pools' layout (so donation reuses it)."""
+        where = self.cache_shardings(cache.plan.layout)
+        return cache.replace(**{name: jax.lax.with_sharding_constraint(
+            pool, fit_shardings(where[name], pool)) for name, pool in cache.pools.items()})
 
     def expand_kv_heads(self, x: np.ndarray, axis: int = 1) -> np.ndarray:
         """Per-head host arrays (static scales [layers, G, ...]) to the cache's G' heads."""
         return x if self.kv_repeat == 1 else np.repeat(x, self.kv_repeat, axis=axis)
 
-    # -- attention ----------------------------------------------------------------------
+    # -- per-device sections --------------------------------------------------------------
+    def split(self, fn: Callable, in_axes, out_axes) -> Callable:
+        """``fn`` per device (``jax.shard_map``): each argument split on its axis of
+        ``in_axes`` (a pytree prefix of the arguments: an int, or None for replicated), each
+        output likewise by ``out_axes``, where "sum" marks an output summed over the
+        devices (partial sums: one all-reduce). The one-device form returns ``fn``."""
+        def spec(a):
+            return P() if a is None or a == "sum" else P(*([None] * a), AXIS)
+
+        def specs(axes):
+            return jax.tree.map(spec, axes, is_leaf=lambda a: a is None or isinstance(a, str))
+
+        def per_device(*args):
+            out = fn(*args)
+            return jax.tree.map(
+                lambda a, sub: jax.tree.map(lambda x: jax.lax.psum(x, AXIS), sub)
+                if a == "sum" else sub, out_axes, out,
+                is_leaf=lambda a: a is None or isinstance(a, (int, str)))
+
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=specs(tuple(in_axes)),
+                             out_specs=specs(out_axes), check_vma=False)
+
+    def mlp(self, fn: Callable, h, lp: dict, *rest):
+        """``fn(h, lp, *rest)``, an MLP or MoE block (linear in its intermediate axis), per
+        device over its slice of the block's weights (``_MLP`` names, as placed), summed over
+        the devices. ``h`` and ``rest`` replicated. When a block weight does not divide, the
+        block runs whole on every device (nothing summed)."""
+        specs = map_named(lambda k, v: self.param_spec(k, v.shape), lp)
+        names = [k for k in lp if k in _MLP]
+        if not names or any(specs[k] == P() for k in names):
+            specs, out = jax.tree.map(lambda s: P(), specs), P()
+            body = fn
+        else:
+            out = P()
+
+            def body(*args):
+                return jax.lax.psum(fn(*args), AXIS)
+
+        n = len(rest)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), specs, *([P()] * n)),
+                             out_specs=out, check_vma=False)(h, lp, *rest)
+
     def attend(self, q, k, v, pro, layer: LayerKV, slots, page_tables, seq_lens, positions,
                ccfg: CacheConfig, sm_scale: float, backend: str):
-        """``transformer.store_and_attend`` per device over its KV heads (shard_map).
+        """``layers.store_and_attend`` per device over its KV heads (shard_map).
 
         q [N, H, hd] and k, v [N, G, hd] as the model computes them (``pro``, the RoPE
         tables and norm weights, replicated); ``layer`` holds G' heads. The stats row is
@@ -203,12 +316,12 @@ class TensorParallel:
         run = jax.shard_map(per_device, mesh=self.mesh,
                             in_specs=(heads_kv, heads_kv, heads_kv, P(), layer_spec, P(), P(),
                                       P(), P()),
-                            out_specs=(heads_q, layer_spec, P()))
+                            out_specs=(heads_q, layer_spec, P()), check_vma=False)
         return run(q, k, v, pro, layer, slots, page_tables, seq_lens, positions)
 
 
 def weight_placer(cfg: ModelConfig, size: int) -> Callable[[str, np.ndarray], jax.Array]:
     """``put(key, host_array)`` for the loaders: onto the default device for one device,
-    else straight onto the shards of ``plan(cfg, size)``."""
+    else straight onto the shards of ``plan(cfg, size)`` (in its stored order)."""
     tp = plan(cfg, size)
     return (lambda key, host: jnp.asarray(host)) if tp is None else tp.put

@@ -19,8 +19,8 @@ through ``kernels.paged_attention``.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from jfp8kv.config import ModelConfig
 from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
 from jfp8kv.kvcache.cache import KVCache, accumulate_stats, reduce_stat_rows
 from jfp8kv.models import moe
-from jfp8kv.models.layers import linear, store_and_attend
+from jfp8kv.models.layers import ONE_DEVICE, linear
 
 
 def rope_inv_freq(cfg: ModelConfig, dtype=np.float32) -> np.ndarray:
@@ -61,17 +61,19 @@ def _dense_mlp(h, lp):
 def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
             positions: Int[Array, "b t"], slots: Int[Array, "b t"],
             page_tables: Int[Array, "b max_pages"], seq_lens: Int[Array, "b"], *,
-            cfg: ModelConfig, backend: str = "reference", attend: Callable | None = None,
+            cfg: ModelConfig, backend: str = "reference", par=None,
             ) -> tuple[Float[Array, "b t hidden"], KVCache]:
     """Run the model over a (possibly padded) chunk of new tokens.
 
     tokens, positions, slots: int32[B, T] (padding lanes: slot in page 0);
     page_tables: int32[B, max_pages]; seq_lens: int32[B] cached length after this chunk.
     Returns (hidden [B, T, D] after the final norm, updated cache). Static: cfg, backend.
-    ``attend``: ``store_and_attend`` (the default) or a caller's wrapper of it with the same
-    signature (tensor parallelism runs it per device: ``models/sharding.py``).
+    ``par``: the per-device hooks (``layers.OneDevice``, the default): each layer's cache
+    step goes through ``par.attend`` (``store_and_attend``'s signature) and a routed MLP
+    through ``par.mlp`` (tensor parallelism runs them per device: ``models/sharding.py``).
     """
-    attend = attend or store_and_attend
+    par = par or ONE_DEVICE
+    attend = par.attend
     b, t = tokens.shape
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
@@ -92,7 +94,8 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
                                  seq_lens, positions, cache.config, sm_scale, backend)
         x = x + linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (moe.qwen3_moe_mlp(h, lp, cfg, backend) if "router" in lp else _dense_mlp(h, lp))
+        x = x + (par.mlp(functools.partial(moe.qwen3_moe_mlp, cfg=cfg, backend=backend), h, lp)
+                 if "router" in lp else _dense_mlp(h, lp))
         new_k.append(layer.k)
         new_v.append(layer.v)
         k_scale.append(layer.k_scale)

@@ -49,6 +49,7 @@ from jfp8kv.kernels import v4_paged_sparse as vps
 from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models import v4_attention as va
 from jfp8kv.models import v4_paged_attention as v4pa
+from jfp8kv.models.layers import ONE_DEVICE
 
 QUERY_BLOCK = 512  # queries per attention block of a long chunk, reference (``forward``)
 
@@ -120,8 +121,8 @@ class _Step:
     replaced as the layers store into them while the forward is traced)."""
 
     def __init__(self, cache: Cache, cfg: ModelConfig, pos, n_new, page_tables, slots, dtype,
-                 backend: str, query_block, index_block: int):
-        self.cache0, self.cfg, self.spec = cache, cfg, _spec(cache)
+                 backend: str, query_block, index_block: int, par):
+        self.cache0, self.cfg, self.spec, self.par = cache, cfg, _spec(cache), par
         self.at = _state_layout(cache, cfg)
         self.pos, self.page_tables, self.slots = pos, page_tables, slots
         self.dtype, self.backend = dtype, backend
@@ -185,37 +186,56 @@ class _Step:
 
     def _attend(self, i: int, q, keys, qpos, sinks, kind: str, per_query: dict):
         """The layer's attention from the pools: decode (keys None) reads the ring in
-        place, a chunk its ``keys``; entries: none, the CSA index lists or the HCA walk."""
+        place, a chunk its ``keys``; entries: none, the CSA index lists or the HCA walk.
+        Per query head (``par.split``: q and sinks split, the pools whole)."""
         at, cfg = self.at[i], self.cfg
-        kw = dict(block=self.index_block, backend=self.backend)
+        static = dict(block=self.index_block, backend=self.backend)
+        rows: dict = {}
         if kind != "window":
             c = at["compressed"]
             m = self.spec.compressed_ratios[c]
             pool = self.compressed[c]
-            kw.update(comp=pool[0], comp_scale=pool[1] if len(pool) > 1 else None)
+            rows.update(comp=pool[0], comp_scale=pool[1] if len(pool) > 1 else None)
             if kind == "hca":
-                kw.update(page_tables=self.page_tables, ratio=m)
+                rows["page_tables"] = self.page_tables
+                static["ratio"] = m
             else:
-                kw["idx"] = self._csa_index(at["indexer"], per_query, qpos, m)
+                rows["idx"] = self._csa_index(at["indexer"], per_query, qpos, m)
         sm = cfg.head_dim ** -0.5
         if keys is None:
             win = self.window[i]
-            return v4pa.decode(q[:, 0], win[0], win[1] if len(win) > 1 else None, self.slots,
-                               qpos[:, 0], sinks, sm, **kw)[:, None]
-        return v4pa.chunk(q, keys, qpos, self.pos, sinks, sm, cfg.v4.sliding_window,
-                          query_block=self.query_block, **kw)
+            ring = (win[0], win[1] if len(win) > 1 else None, self.slots, qpos[:, 0])
+
+            def decode(q, sinks, ring, rows):
+                win, win_scale, slots, pos = ring
+                return v4pa.decode(q, win, win_scale, slots, pos, sinks, sm, **rows, **static)
+
+            return self.par.split(decode, (1, 0, None, None), 1)(q[:, 0], sinks, ring,
+                                                                 rows)[:, None]
+
+        def chunk(q, sinks, keys, qpos, start, rows):
+            return v4pa.chunk(q, keys, qpos, start, sinks, sm, cfg.v4.sliding_window,
+                              query_block=self.query_block, **rows, **static)
+
+        return self.par.split(chunk, (2, 0, None, None, None, None), 2)(
+            q, sinks, keys, qpos, self.pos, rows)
 
     def _csa_index(self, x: int, per_query: dict, qpos, m: int):
-        """Each query's top-k flat entry ids: [B, k] for decode, [B, T, k] for a chunk."""
-        ids = v4pa.csa_index(per_query["iq"], per_query["iw"], self.indexer[x][0],
-                             self.page_tables, vps.closed_entries(qpos, m),
-                             self.cfg.v4.index_topk, self.index_block, self.backend)
+        """Each query's top-k flat entry ids: [B, k] for decode, [B, T, k] for a chunk
+        (the indexer's heads are not split: every device computes the same lists)."""
+        def index(iq, iw, keys, page_tables, n):
+            return v4pa.csa_index(iq, iw, keys, page_tables, n, self.cfg.v4.index_topk,
+                                  self.index_block, self.backend)
+
+        ids = self.par.split(index, (None,) * 5, None)(
+            per_query["iq"], per_query["iw"], self.indexer[x][0], self.page_tables,
+            vps.closed_entries(qpos, m))
         return ids[:, 0] if qpos.shape[1] == 1 else ids
 
 
 def forward(params, cache: Cache, tokens, positions, page_tables, seq_lens, slots, *,
             cfg: ModelConfig, backend: str, query_block: int | None = QUERY_BLOCK,
-            index_block: int = v4pa.INDEX_BLOCK):
+            index_block: int = v4pa.INDEX_BLOCK, par=None):
     """tokens [B, T] from positions[:, 0] on (row b's real tokens: seq_lens[b] -
     positions[b, 0]) of the sequences in state ``slots`` int32[B] with ``page_tables``
     [B, P] -> (final-normed hidden [B, T, D], cache). ``backend``: the engine's
@@ -225,14 +245,17 @@ def forward(params, cache: Cache, tokens, positions, page_tables, seq_lens, slot
     each expert's weights once per chunk); the reference attention of a chunk longer than
     ``query_block`` (a divisor of T; None: one block) runs in query blocks of that length.
     ``index_block``: entries per block of the CSA top-k and the jnp HCA walk
-    (``v4_paged_attention.block_size``); memory per block, never per table width."""
+    (``v4_paged_attention.block_size``); memory per block, never per table width.
+    ``par``: the per-device hooks (``layers.OneDevice``): the attention kernels run per
+    query head, the MoE per slice of its experts (``models/sharding.py``)."""
+    par = par or ONE_DEVICE
     pos = positions[:, 0]
     n_new = jnp.clip(seq_lens - pos, 0, tokens.shape[1]).astype(jnp.int32)
     dtype = params["embed"].dtype
     step = _Step(cache, cfg, pos, n_new, page_tables, slots, dtype, backend, query_block,
-                 index_block)
+                 index_block, par)
     ref = backend == "reference"
     h, _, _ = dv4.hidden_states(params, [None] * cfg.num_layers, tokens, pos, n_new, cfg,
                                 step.spec.storage_dtype, backend, None if ref else backend,
-                                query_block, attention=step.layer)
+                                query_block, attention=step.layer, mlp=par.mlp)
     return h, step.cache()

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jfp8kv.config import ModelConfig
+from jfp8kv.models.layers import map_named
 
 FLASH = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
@@ -58,9 +59,21 @@ def v4_config(name: str) -> ModelConfig:
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal(key, shape: tuple[int, ...], dtype: str):
-    """N(0, 1 / fan_in) of ``shape`` (fan_in: the second-to-last axis), made on the device."""
+def _normal_on_device(key, shape: tuple[int, ...], dtype: str):
     return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
+
+
+@functools.cache
+def _normal_on(shape: tuple[int, ...], dtype: str, where):
+    return jax.jit(lambda key: _normal_on_device(key, shape, dtype), out_shardings=where)
+
+
+def _normal(key, shape: tuple[int, ...], dtype: str, where=None):
+    """N(0, 1 / fan_in) of ``shape`` (fan_in: the second-to-last axis), made on the device
+    (``where``: made in place on the shards of that sharding, the same random bits)."""
+    if where is None:
+        return _normal_on_device(key, shape, dtype)
+    return _normal_on(shape, dtype, where)(key)
 
 
 def _layer_shapes(cfg: ModelConfig, i: int) -> dict:
@@ -86,15 +99,17 @@ def _layer_shapes(cfg: ModelConfig, i: int) -> dict:
     return out
 
 
-def _random_layer(cfg: ModelConfig, i: int, key, dtype: str) -> dict:
+def _random_layer(cfg: ModelConfig, i: int, key, dtype: str, sharding_of=None) -> dict:
     """Layer ``i``'s params: matrices N(0, 1/fan_in), norms 1, sinks / biases 0, mHC scales
-    1; a hash layer's table sends token v to experts (7v + j) mod E, j < k (distinct)."""
+    1; a hash layer's table sends token v to experts (7v + j) mod E, j < k (distinct).
+    ``sharding_of(name, shape)``: where each matrix is made (None: the default device)."""
     v4, d, hd, n = cfg.v4, cfg.hidden_size, cfg.head_dim, cfg.v4.hc_mult
     ones, zeros = (lambda *s: jnp.ones(s, dtype)), (lambda *s: jnp.zeros(s, dtype))
     lp: dict = {"attn_norm": ones(d), "mlp_norm": ones(d), "q_a_norm": ones(cfg.q_lora_rank),
                 "kv_norm": ones(hd), "sinks": zeros(cfg.num_heads)}
     for j, (name, shape) in enumerate(_layer_shapes(cfg, i).items()):
-        arr = _normal(jax.random.fold_in(key, j), shape, dtype)
+        arr = _normal(jax.random.fold_in(key, j), shape, dtype,
+                      None if sharding_of is None else sharding_of(name, shape))
         if "/" in name:
             outer, inner = name.split("/")
             lp.setdefault(outer, {})[inner] = arr
@@ -117,16 +132,25 @@ def _random_layer(cfg: ModelConfig, i: int, key, dtype: str) -> dict:
     return lp
 
 
-def init_random_params(cfg: ModelConfig, key, dtype: str = "bfloat16") -> dict:
+def init_random_params(cfg: ModelConfig, key, dtype: str = "bfloat16",
+                       sharding_of=None) -> dict:
     """Random weights in ``deepseek_v4``'s params layout (for benchmarks and tests: the
     bytes and FLOPs are Flash's at its presets, the outputs meaningless), made on the
-    default device one matrix at a time."""
+    default device one matrix at a time; with ``sharding_of(name, shape)`` (tensor
+    parallelism) each matrix is made on its shards (the same numbers) and the small
+    leaves are placed there after."""
     d, n = cfg.hidden_size, cfg.v4.hc_mult
     keys = jax.random.split(key, cfg.num_layers + 3)
-    return {"embed": _normal(keys[0], (cfg.vocab_size, d), dtype) * cfg.vocab_size ** 0.5,
-            "lm_head": _normal(keys[1], (d, cfg.vocab_size), dtype),
-            "final_norm": jnp.ones((d,), dtype),
-            "hc_head": {"fn": _normal(keys[2], (n * d, n), dtype),
-                        "base": jnp.zeros((n,), dtype), "scale": jnp.ones((1,), dtype)},
-            "layers": [_random_layer(cfg, i, keys[3 + i], dtype)
-                       for i in range(cfg.num_layers)]}
+    where = (lambda name, shape: None) if sharding_of is None else sharding_of
+    embed = _normal(keys[0], (cfg.vocab_size, d), dtype)
+    params = {"embed": embed * cfg.vocab_size ** 0.5,
+              "lm_head": _normal(keys[1], (d, cfg.vocab_size), dtype,
+                                 where("lm_head", (d, cfg.vocab_size))),
+              "final_norm": jnp.ones((d,), dtype),
+              "hc_head": {"fn": _normal(keys[2], (n * d, n), dtype),
+                          "base": jnp.zeros((n,), dtype), "scale": jnp.ones((1,), dtype)},
+              "layers": [_random_layer(cfg, i, keys[3 + i], dtype, sharding_of)
+                         for i in range(cfg.num_layers)]}
+    if sharding_of is None:
+        return params
+    return map_named(lambda name, x: jax.device_put(x, sharding_of(name, x.shape)), params)

@@ -100,8 +100,8 @@ def test_capacity_at_a_fixed_budget_is_the_byte_model(loaded):
 
 def test_refusals_name_what_works(loaded):
     cfg = loaded.config
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        load_model("random:deepseek-v4-tiny", "float32", 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices"):
+        load_model("random:deepseek-v4-tiny", "float32", 2)  # TP: test_tp_families.py
     with pytest.raises(ValueError, match="leave kv_scale_mode unset"):
         _llm(loaded, kv_cache_dtype="fp8_e4m3", kv_scale_mode="token")
     with pytest.raises(ValueError, match="'fp8_e4m3' or 'auto'"):

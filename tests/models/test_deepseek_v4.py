@@ -130,8 +130,8 @@ def test_checkpoint_directory_loads(tiny, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     llm = LLM(loaded=loaded, dtype="float32", kv_cache_dtype="fp8_e4m3", max_model_len=64)
     assert llm.cache_info()["kv_layout"] == "v4"
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        load_model(str(tmp_path), "float32", 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices"):
+        load_model(str(tmp_path), "float32", 2)  # one device here (TP: test_tp_families.py)
     # DeepSeek's release spelling (no "model." prefix, embed / hc_head_* / norm) loads alike
     from safetensors.numpy import load_file, save_file
 
