@@ -43,8 +43,8 @@ from jfp8kv.engine.scheduler import Scheduler
 from jfp8kv.engine.static_scales import static_pool_args
 from jfp8kv.kvcache import fp8, scale_modes
 from jfp8kv.kvcache.allocator import PageAllocator
-from jfp8kv.kvcache.layout import (Cache, CacheLayout, CachePlan, CacheRequest, abstract_cache,
-                                   choices, refuse)
+from jfp8kv.kvcache.cache_tree import Cache, abstract_cache
+from jfp8kv.kvcache.layout import CacheLayout, CachePlan, CacheRequest, choices, refuse
 from jfp8kv.models import families, sharding
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.kvcache import k_transform
 from jfp8kv.kvcache.cache import KVPool
 from jfp8kv.kvcache.calibrate import KVAmax, fingerprint, fold_amax, fold_k_sum
-from jfp8kv.kvcache.layout import Cache, CacheLayout, CachePlan
+from jfp8kv.kvcache.cache_tree import Cache
+from jfp8kv.kvcache.layout import CacheLayout, CachePlan
 
 
 def _run(model_cfg, params, token_chunks, ccfg, k_shift, fold, *, page_size, backend, chunk,

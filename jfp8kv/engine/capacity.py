@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from jfp8kv.config import EngineConfig, ModelConfig
 from jfp8kv.engine.memory import (CPU_DEFAULT_CACHE_MEMORY, GiB, DeviceMemory, MemoryPlan,
                                   PeakMemo, executable_peak)
-from jfp8kv.kvcache.layout import (EXTRA_SLOTS, CacheLayout, CachePlan, abstract_cache,
-                                   plan_cache)
+from jfp8kv.kvcache.cache_tree import abstract_cache
+from jfp8kv.kvcache.layout import EXTRA_SLOTS, CacheLayout, CachePlan, plan_cache
 
 log = logging.getLogger(__name__)
 

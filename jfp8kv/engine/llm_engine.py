@@ -17,7 +17,7 @@ from jfp8kv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.engine.overlap import InFlight, feed
 from jfp8kv.engine.overlap import host_outputs as _host, host_parts, pick_logprob as _pick
-from jfp8kv.engine.runner import ModelRunner, bucket
+from jfp8kv.engine.runner import ModelRunner
 from jfp8kv.engine.sampler import SamplingArrays, sampling_of
 from jfp8kv.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from jfp8kv.engine.stats import StepStats

@@ -39,7 +39,7 @@ from jfp8kv.engine.compile_cache import compile_fresh
 from jfp8kv.engine.device_policy import cpu_float32_weights
 from jfp8kv.engine.sampler import SamplingArrays
 from jfp8kv.engine.variants import Variants
-from jfp8kv.kvcache.layout import Cache
+from jfp8kv.kvcache.cache_tree import Cache
 
 
 _STATIC = ("cfg", "backend", "tp", "all_greedy", "num_steps")  # the steps' static arguments

@@ -123,7 +123,7 @@ class SnapshotPolicy:
     def on_chunk(self, chunk) -> None:
         """Attach the restore a chunk's dispatch copies in first, and the capture after it
         when the chunk ends on a page boundary."""
-        seq, st = chunk.seq, self.of(chunk.seq)
+        st = self.of(chunk.seq)
         chunk.restore, st.restore = st.restore, 0
         end = chunk.start + chunk.length
         if end == st.cut_at:

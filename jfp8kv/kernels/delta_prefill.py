@@ -66,7 +66,6 @@ from __future__ import annotations
 import functools
 import importlib
 
-import jax
 import jax.numpy as jnp
 
 from jfp8kv.kernels import delta_rule

@@ -50,8 +50,8 @@ from jaxtyping import Array, Float, Float32, Shaped
 
 from jfp8kv.config import KV_ROTATIONS, KV_SCALE_MODES, CacheConfig, ModelConfig
 from jfp8kv.kvcache import k_transform, scale_modes
-from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, PagedPool, Supports,
-                                   array_bytes, resolve_scale_mode)
+from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, PagedPool, Supports, array_bytes,
+                                   resolve_scale_mode)
 
 STAT_FIELDS = ("k_saturated", "v_saturated", "k_nan", "v_nan", "k_amax", "v_amax")
 

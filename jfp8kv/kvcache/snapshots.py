@@ -24,7 +24,7 @@ A snapshot never outlives its page: when the prefix cache forgets a page (evicte
 calls ``drop`` with the page's key. A page may outlive its snapshot; then a match that needs
 a state stops at an earlier snapshot. Where a state is saved and restored, and when it is
 valid, is the scheduler's (``engine.snapshot_policy``); the copies are the device's
-(``layout.Cache.copy_slots``).
+(``cache_tree.Cache.copy_slots``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from jfp8kv.config import KV_SCALE_MODES, ModelConfig
 from jfp8kv.kvcache.cache import DEFAULT_FP8_SCALE_MODE, kv_pool
-from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, SlotPool, Supports,
-                                   array_bytes, resolve_scale_mode)
+from jfp8kv.kvcache.layout import (CacheLayout, CacheRequest, SlotPool, Supports, array_bytes,
+                                   resolve_scale_mode)
 
 STATE_DTYPES = ("float32", "bfloat16", "float64")  # float64: the float64 check mode only
 

@@ -43,7 +43,8 @@ from collections.abc import Callable
 from jfp8kv import kernels
 from jfp8kv.config import ModelConfig
 from jfp8kv.kvcache import cache as kv_cache, latent, state_pool, v4_pools
-from jfp8kv.kvcache.layout import Cache, CacheLayout, CacheRequest, Supports
+from jfp8kv.kvcache.cache_tree import Cache
+from jfp8kv.kvcache.layout import CacheLayout, CacheRequest, Supports
 from jfp8kv.models import mla, qwen3_hybrid, random_weights, transformer, v4_paged, v4_presets
 
 log = logging.getLogger(__name__)

@@ -68,7 +68,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jfp8kv.config import CacheConfig, ModelConfig
 from jfp8kv.kvcache import scale_modes
 from jfp8kv.kvcache.cache import LayerKV, reduce_stat_rows
-from jfp8kv.kvcache.layout import Cache, CacheLayout, fit_shardings
+from jfp8kv.kvcache.cache_tree import Cache, fit_shardings
+from jfp8kv.kvcache.layout import CacheLayout
 from jfp8kv.kvcache.state_pool import stored_key_heads
 from jfp8kv.models import families
 from jfp8kv.models.layers import map_named, store_and_attend

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's forward over the engine's cache (a ``kvcache.layout.Cache`` of
+"""DeepSeek-V4's forward over the engine's cache (a ``kvcache.cache_tree.Cache`` of
 ``v4_pools.v4_layout``'s pools, addressed as below), reading the pools in place (issue 57).
 The reference layers run (``deepseek_v4.hidden_states``, the code the reference forward
 runs) with one attention per layer of this module's: its projections and compressors run
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from jfp8kv.config import ModelConfig
 from jfp8kv.kvcache import v4_pools
-from jfp8kv.kvcache.layout import Cache
+from jfp8kv.kvcache.cache_tree import Cache
 from jfp8kv.kernels import v4_paged_sparse as vps
 from jfp8kv.models import deepseek_v4 as dv4
 from jfp8kv.models import v4_attention as va

@@ -45,7 +45,6 @@ before any product, so NaN in rows no query may see never reaches the output.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax

@@ -22,7 +22,8 @@ def capacity_row(preset: str, kv: str, mode: str | None, budget: int, seqs: int)
     (``models.families``), ``plan_cache``, and the pools' bytes as ``Cache.init`` allocates
     them (``jax.eval_shape``: shapes only)."""
     from jfp8kv.kvcache import fp8
-    from jfp8kv.kvcache.layout import CacheRequest, abstract_cache, plan_cache
+    from jfp8kv.kvcache.cache_tree import abstract_cache
+    from jfp8kv.kvcache.layout import CacheRequest, plan_cache
     from jfp8kv.models import families
 
     cfg = model_config(preset)

@@ -13,7 +13,8 @@ import pytest
 
 from bench import fakequant
 from jfp8kv.kvcache import v4_pools
-from jfp8kv.kvcache.layout import EXTRA_SLOTS, Cache, CacheRequest, plan_cache
+from jfp8kv.kvcache.cache_tree import Cache
+from jfp8kv.kvcache.layout import EXTRA_SLOTS, CacheRequest, plan_cache
 from jfp8kv.models.presets import PRESETS
 from jfp8kv.config import ModelConfig
 from jfp8kv.models.v4_presets import TINY, v4_config

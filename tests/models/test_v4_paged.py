@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jfp8kv.kvcache import v4_pools
-from jfp8kv.kvcache.layout import Cache, CachePlan, CacheRequest
+from jfp8kv.kvcache.cache_tree import Cache
+from jfp8kv.kvcache.layout import CachePlan, CacheRequest
 from jfp8kv.models import v4_paged
 from jfp8kv.models.v4_presets import init_random_params, v4_config
 
