@@ -74,9 +74,13 @@ def snapshot_memory(engine: EngineConfig, layout: CacheLayout, budget: int) -> i
     if not layout.slots or not engine.enable_prefix_caching:
         return 0
     asked = engine.state_snapshot_memory
-    if asked is None:
+    if asked is None:  # never so many that one max_model_len sequence no longer fits
         per_seq = SNAPSHOTS_PER_SEQUENCE * engine.max_num_seqs * layout.bytes_per_slot()
-        return int(min(SNAPSHOT_SHARE * budget, per_seq))
+        need = math.ceil(engine.max_model_len / engine.page_size) * \
+            layout.bytes_per_page(engine.page_size)
+        room = (budget - (engine.max_num_seqs + EXTRA_SLOTS) * layout.bytes_per_slot()
+                - layout.fixed_bytes() - need)
+        return int(max(0, min(SNAPSHOT_SHARE * budget, per_seq, room)))
     return int(asked * budget if asked < 1 else asked)
 
 

@@ -105,7 +105,8 @@ def _twin_scores(iq, iw, keys, pt, n, ids):
         wh = jax.lax.dynamic_index_in_dim(w, h, 2, keepdims=False)  # [R, G]
         return acc + wh[..., None] * jax.nn.relu(jnp.einsum("rgd,rkd->rgk", qh, got))
 
-    s = jax.lax.fori_loop(0, q.shape[2], head, jnp.zeros(n.shape + ids.shape[-1:]))
+    s = jax.lax.fori_loop(0, q.shape[2], head,
+                          jnp.zeros(n.shape + ids.shape[-1:], jnp.float32))
     return jnp.where(jnp.arange(ids.shape[-1]) < n[..., None], s, -jnp.inf)
 
 
@@ -123,7 +124,7 @@ def csa_index(iq, iw, keys, page_tables, n_entries, k: int, block: int,
         pt = _block_table(page_tables, j, pages)
         nj = jnp.clip(n - j * block, 0, block)
         got = vps.entry_ids(pt, jnp.max(nj, 1), per_page, block)  # [R, block]
-        scores = scorer(iq, iw, keys, pt, nj, got)
+        scores = scorer(iq, iw, keys, pt, nj, got).astype(jnp.float32)
         got = jnp.where(jnp.arange(block) < nj[..., None], got[:, None], -1)
         vals, at = jax.lax.top_k(jnp.concatenate([vals, scores], -1), k)
         return vals, jnp.take_along_axis(jnp.concatenate([ids, got], -1), at, -1)

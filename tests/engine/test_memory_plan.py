@@ -267,3 +267,22 @@ def test_an_unset_context_follows_a_given_pool_on_the_cpu():
         capacity.Sizer(cfg, layout, dataclasses.replace(engine, max_model_len=4096),
                        dataclasses.replace(asked, max_model_len=4096),
                        sizer.dm, None, memory.PeakMemo(None)).size()
+
+
+def test_default_snapshots_never_crowd_out_one_sequence():
+    """The default snapshot memory (4 per sequence, at most a fifth of the pools) shrinks,
+    to none at all, rather than leave less than one max_model_len sequence of pages."""
+    from jfp8kv.models.v4_presets import v4_config
+
+    cfg = v4_config("deepseek-v4-tiny")
+    layout = families.V4.cache_layout(cfg, CacheRequest("bfloat16"), "reference")
+    e = EngineConfig(max_model_len=64, max_num_seqs=64, page_size=16)
+    slots = (64 + EXTRA_SLOTS) * layout.bytes_per_slot()
+    one = 4 * layout.bytes_per_page(16)  # 64 tokens of pages
+    for spare in (0, layout.bytes_per_slot() // 2, 3 * layout.bytes_per_slot()):
+        budget = slots + one + spare
+        snaps = capacity.snapshot_memory(e, layout, budget)
+        assert snaps <= spare
+        plan = plan_cache(layout, budget, 16, 64, 64, snaps)  # one sequence still fits
+        assert plan.max_tokens >= 64
+    assert capacity.snapshot_memory(e, layout, 10 ** 12) == 4 * 64 * layout.bytes_per_slot()

@@ -139,9 +139,11 @@ def test_scheduler_state_slots_follow_the_pages():
 
 def _llm_on(monkeypatch, loaded, backend, **kw):
     """``_llm`` whose engine runs ``backend``: the builder takes no Pallas backend without a
-    GPU ("pallas_interpret" is not a user option), so its choice is replaced."""
+    GPU ("pallas_interpret" is not a user option), so its choice is replaced. Prefix
+    caching is off: its state snapshots copy slots too (``test_state_snapshots.py``), and
+    these tests look at what the DeltaNet step alone writes."""
     monkeypatch.setattr(builder, "choose_backend", lambda *a: backend)
-    llm = _llm(loaded, **kw)
+    llm = _llm(loaded, **{"enable_prefix_caching": False, **kw})
     assert llm.engine.runner.backend == backend
     return llm
 
