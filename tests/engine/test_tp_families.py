@@ -179,8 +179,11 @@ def test_each_device_holds_the_planned_bytes(engine, family):
     if family == "hybrid":  # 2 KV heads and 2 DeltaNet q/k heads, each stored twice at TP 4
         assert bpt * 2 == bpt1 and info["kv_head_replication"] == 2
         state = cache["deltanet"]
-        assert _shard_shapes(state.recurrent[0]) == {(6, 1, 32, 32)}  # 1 value head each
-        assert _shard_shapes(state.conv[0]) == {(6, 3, 2 * 32 + 32)}  # its q, k and v
+        # every slot (4 sequences, the sink, the scratch and the state snapshots) on each
+        # device, 1 value head each
+        assert _shard_shapes(state.recurrent[0]) == {(plan.num_slots, 1, 32, 32)}
+        assert plan.num_slots == 6 + plan.num_snapshots
+        assert _shard_shapes(state.conv[0]) == {(plan.num_slots, 3, 2 * 32 + 32)}  # q, k, v
     else:  # replicated pools: one device's bytes per token
         assert bpt == bpt1 and info["num_pages"] == one.cache_info()["num_pages"]
 
