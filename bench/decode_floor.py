@@ -9,7 +9,7 @@ timed over full batches whose pages hold random data (never zeros).
         --out bench/results/decode-floor-h200.json
 
 ``--decode-one-wave off`` times it with the decode kernel's splits chosen as before the
-one-wave rule (``pallas_decode.ONE_WAVE``), for an A/B in one call.
+one-wave rule (``pallas_decode.one_wave``), for an A/B in one call.
 A config ``fp8_e4m3:block+smooth`` times a K transform (``kv_rotation``) beside the others
 (issue 36 point 4: the cost of a default candidate against ``token``).
 ``--decode-variant pagepf+asm+vmask`` times the step with another decode kernel variant for

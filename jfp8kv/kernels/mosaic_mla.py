@@ -44,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jfp8kv.config import CacheConfig
+from jfp8kv.kernels import device
 from jfp8kv.kernels.mosaic_ops import (SplitProgram, interpret_kwargs, load_plgpu,
                                        page_chunks, split_page_tables, stage_page_table,
                                        swizzled, walk_tiles)
@@ -71,9 +72,9 @@ class MosaicMLATuning:
     stages: int = 2
     head_block: int = 0
     num_splits: int = 0
-    # 128, not the H200's 132 SMs: the setting measured (bench.mla_kernels "st2 tp128"; at
-    # B = 64 it gives 2 splits a row where 132 gives 4)
-    target_programs: int = 128
+    # 128 on the H200's 132 SMs, the setting measured (bench.mla_kernels "st2 tp128"; at
+    # B = 64 it gives 2 splits a row where 132 gives 4); the same per SM elsewhere
+    target_programs: int = dataclasses.field(default_factory=lambda: device.scaled(128))
 
     def block(self, num_heads: int) -> int:
         return self.head_block or (8 if num_heads <= 8 else 16)

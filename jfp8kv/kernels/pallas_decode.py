@@ -41,14 +41,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jfp8kv.config import CacheConfig
+from jfp8kv.kernels import device
 from jfp8kv.kernels.tiles import (LOG2E, KVLayout, Launch, QueryRotation, Variant, as_variant,
                                   check_dot_tile, check_head_dim, cols, dequant_kv, init_state,
                                   k_variant, key_loop, load_kv_raw, next_pow2, normalize,
                                   prepare_q, scale_output, softmax_step)
 from jfp8kv.kvcache.cache import LayerKV
-
-NUM_SMS_H200 = 132
-
 
 @dataclasses.dataclass(frozen=True)
 class SplitTuning(Launch):
@@ -59,7 +57,7 @@ class SplitTuning(Launch):
 
     block_k: int = 64
     num_splits: int = 0
-    target_programs: int = 4 * NUM_SMS_H200
+    target_programs: int = dataclasses.field(default_factory=lambda: 4 * device.num_sms())
     variant: Variant = Variant()
 
     def __post_init__(self):
@@ -75,20 +73,23 @@ class DecodeTuning(SplitTuning):
     unsplit_programs: tuple[int, int] = (0, 0)
 
 
-# One wave without splits: from 1.5 programs per SM up to the three CTAs an SM holds at
-# three stages (72-76 KB of shared memory each); measured in docs/lab/kernels-notes.md.
-ONE_WAVE = (3 * NUM_SMS_H200 // 2, 3 * NUM_SMS_H200)
+def one_wave() -> tuple[int, int]:
+    """One wave without splits: from 1.5 programs per SM up to the three CTAs an SM holds at
+    three stages (72-76 KB of shared memory each); measured in docs/lab/kernels-notes.md."""
+    sms = device.num_sms()
+    return (3 * sms // 2, 3 * sms)
 
 
 def default_tuning(cfg: CacheConfig) -> DecodeTuning:
-    """The measured best per storage family (see docs/lab/kernels-notes.md)."""
+    """The measured best per storage family (see docs/lab/kernels-notes.md); program
+    counts per SM of the card it runs on (``kernels.device``)."""
     if cfg.is_fp8:  # head_dim 256: half the tile keeps registers and shared memory in bounds
         bk = 128 if cfg.head_dim <= 128 else 64
-        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3, target_programs=528,
+        return DecodeTuning(block_k=bk, num_warps=4, num_stages=3,
                             variant=Variant(page_prefetch=True, asm=True),
-                            unsplit_programs=ONE_WAVE)
-    return DecodeTuning(block_k=64, num_warps=4, num_stages=3, target_programs=528,
-                        variant=Variant(page_prefetch=True), unsplit_programs=ONE_WAVE)
+                            unsplit_programs=one_wave())
+    return DecodeTuning(block_k=64, num_warps=4, num_stages=3,
+                        variant=Variant(page_prefetch=True), unsplit_programs=one_wave())
 
 
 def _decode_kernel(len_ref, pt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs,
