@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import nvidia_smi_gpu
+from bench.long_request import startup_summary
 from bench.cpu_decode import cpu_model, loadavg
 
 
@@ -116,8 +117,10 @@ def fresh_install(root: str) -> tuple[str, float]:
 
 def run_once(args, cache_dir: str, label: str, python: str = sys.executable,
              extra_env: dict | None = None) -> dict:
+    profile = Path(tempfile.gettempdir()) / f"cpu-start-{label}-profile.json"
+    profile.unlink(missing_ok=True)
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1",
-               **(extra_env or {}))
+               JFP8KV_STARTUP_PROFILE=str(profile), **(extra_env or {}))
     cmd = [python, "-m", "jfp8kv.serve", "--kv-cache-dtype", args.kv_cache_dtype,
            "--max-model-len", str(args.max_model_len), "--port", str(args.port)]
     if args.model:
@@ -141,7 +144,7 @@ def run_once(args, cache_dir: str, label: str, python: str = sys.executable,
                 cpu_s_at_health=cpu_health,
                 first_chat_s=first_s, first_chat_tokens=n1, second_chat_s=second_s,
                 second_chat_tokens=n2, second_chat_tok_per_s=n2 / second_s,
-                first_feature_requests=features,
+                first_feature_requests=features, startup_profile=startup_summary(str(profile)),
                 total_s=time.perf_counter() - t_start, loadavg_start=la0,
                 loadavg_at_health=la_health, loadavg_end=loadavg())
 

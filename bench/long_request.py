@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import time
@@ -94,6 +95,18 @@ def _unwind(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def startup_summary(path: str) -> dict | None:
+    """The server's start-up profile (``jfp8kv.engine.startup_profile``: executables by
+    phase and source, trace/lower and XLA seconds; its rows stay in ``path``), or None when
+    the server wrote none (``--warmup off``)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return {"path": os.path.basename(path), "phases": doc["phases"], "slowest": doc["slowest"]}
+
+
 def summarize(doc: dict) -> dict:
     """``doc`` with ``served`` (every request answered 200 with the whole prompt counted) and
     ``summary``: the last request's TTFT and decode speed (``warm``: it was the repeat)."""
@@ -127,11 +140,14 @@ def main(argv=None) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
+    profile = os.path.splitext(args.out)[0] + "-startup-profile.json"
     proc, url, server_cmd = start_server(
         SimpleNamespace(log_dir=args.log_dir, model=args.model, api_key=None,
-                        startup_timeout=args.startup_timeout), server_args)
+                        startup_timeout=args.startup_timeout, startup_profile=profile),
+        server_args)
     doc = {"machine": machine_info(), "command": command_line("bench.long_request", list(argv)) if argv else command_line(),
            "server_command": server_cmd, "startup_s": time.perf_counter() - t0,
+           "startup_profile": startup_summary(profile),
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "requests": []}
     signal.signal(signal.SIGTERM, _unwind)  # a stage's time limit: still stop the server
     try:

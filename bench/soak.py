@@ -373,6 +373,8 @@ def start_server(args, server_args: list[str]) -> tuple[subprocess.Popen, str, s
     env = dict(os.environ)
     if args.api_key:
         env["JFP8KV_API_KEY"] = args.api_key
+    if getattr(args, "startup_profile", None):  # jfp8kv.engine.startup_profile's JSON
+        env["JFP8KV_STARTUP_PROFILE"] = os.path.abspath(args.startup_profile)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -33,7 +33,7 @@ import numpy as np
 from jfp8kv import kernels
 from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheOptions,
                            EngineConfig, LoadConfig, check_compute_dtype)
-from jfp8kv.engine import memory
+from jfp8kv.engine import memory, startup_profile
 from jfp8kv.engine.capacity import Sizer
 from jfp8kv.engine.compile_cache import cache_dir, setup_compile_cache
 from jfp8kv.engine.device_policy import device_defaults
@@ -249,7 +249,8 @@ def size_cache(loaded, layout: CacheLayout, engine: EngineConfig, asked: EngineC
            tp.size if tp else 1)
     sizer = Sizer(loaded.config, layout, engine, asked, dm, new_runner, memory.PeakMemo(memo_dir),
                   shardings, key, families.of(loaded.config).default_max_model_len)
-    return sizer.size()
+    with startup_profile.phase("sizing"):
+        return sizer.size()
 
 
 def pool_shardings(layout: CacheLayout, tp) -> dict | None:

@@ -15,6 +15,7 @@ from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
 # that import them from here.
 from jfp8kv.engine.builder import build_engine, cache_info, check_fp8_support, resolve_backend
 from jfp8kv.engine.compile_cache import ExecutableStore
+from jfp8kv.engine import startup_profile
 from jfp8kv.engine.overlap import warm_helpers
 from jfp8kv.engine.types import RequestOutput, SamplingParams
 from jfp8kv.kvcache.cache import DEFAULT_FP8_SCALE_MODE, STAT_FIELDS
@@ -106,15 +107,21 @@ class LLM:
         parallel compile missed are always compiled by running them."""
         sched, runner = self.engine.scheduler, self.engine.runner
         shapes = self._shapes()
-        compiled = self._precompile(shapes, progress)
-        if run is None:
-            run = not runner.on_cpu
-        if run or compiled < len(shapes):
-            runner.warmup(shapes, progress and compiled < len(shapes))
-        if self.engine.overlap_scheduling:
-            batches = sorted({runner.decode_bucket(n) for n in range(1, sched.max_num_seqs + 1)})
-            warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches, sched.step_counts,
-                         sched.max_num_seqs)
+        with startup_profile.phase("warmup"):
+            compiled = self._precompile(shapes, progress)
+            if run is None:
+                run = not runner.on_cpu
+            if run or compiled < len(shapes):
+                runner.warmup(shapes, progress and compiled < len(shapes))
+            if self.engine.overlap_scheduling:
+                batches = sorted({runner.decode_bucket(n)
+                                  for n in range(1, sched.max_num_seqs + 1)})
+                warm_helpers(runner.decode_bucket(sched.max_num_seqs), batches,
+                             sched.step_counts, sched.max_num_seqs)
+        log.info(startup_profile.log_line(startup_profile.summary()))
+        written = startup_profile.write_if_asked()
+        if written:
+            log.info("start-up profile written to %s", written)
 
     def _precompile(self, shapes, progress: bool = False) -> int:
         """Compile ``shapes`` on parallel threads (XLA compiles outside the GIL; on the

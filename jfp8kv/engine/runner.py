@@ -30,11 +30,13 @@ replicated by jit.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
 from jfp8kv.config import ModelConfig
-from jfp8kv.engine import steps
+from jfp8kv.engine import startup_profile, steps
 from jfp8kv.engine.compile_cache import compile_fresh
 from jfp8kv.engine.device_policy import cpu_float32_weights
 from jfp8kv.engine.sampler import SamplingArrays
@@ -254,6 +256,7 @@ class ModelRunner:
         if register and sig in self._executables:
             return self._executables[sig]
         key = compiled = None
+        t0 = time.perf_counter()
         if store is not None and self.tp is None:
             dynamic = {k: v for k, v in kw.items() if k not in _STATIC}  # their structure too
             key = store.key(self._labels[fn], (args, dynamic),
@@ -261,9 +264,18 @@ class ModelRunner:
             compiled = store.load(key)
             self.stored_loads += compiled is not None
         if compiled is None:
-            compiled, fresh = compile_fresh(fn.lower(*args, **kw))
+            t1 = time.perf_counter()
+            lowered = fn.lower(*args, **kw)
+            t2 = time.perf_counter()
+            compiled, fresh = compile_fresh(lowered)
+            startup_profile.record(self._labels[fn], shape, greedy, switched,
+                                   "compiled" if fresh else "jax-cache", t2 - t1,
+                                   time.perf_counter() - t2)
             if key is not None and fresh:
                 store.save(key, compiled)
+        else:
+            startup_profile.record(self._labels[fn], shape, greedy, switched, "store", 0.0,
+                                   time.perf_counter() - t0)
         if register:
             self._executables[sig] = compiled
         return compiled
