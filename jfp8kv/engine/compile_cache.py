@@ -48,6 +48,9 @@ def setup_compile_cache(enabled: bool = True) -> Path | None:
 # Names in jax.config / the environment that say where (or whether) things are cached, not
 # what a traced program is: left out of the fingerprint so a moved cache still hits.
 _NOT_PROGRAM = ("cache", "log", "debug_infs", "traceback", "explain")
+# The same for the environment: where things are cached or reported (a start-up profile's
+# path differs between a cold and a warm start and must not make the warm one miss).
+_NOT_PROGRAM_ENV = ("CACHE", "STARTUP_PROFILE")
 
 
 @functools.cache
@@ -76,7 +79,7 @@ def fingerprint() -> str:
     cfg = {k: v for k, v in jax.config.values.items()
            if not any(w in k for w in _NOT_PROGRAM)}
     env = {k: v for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_", "JFP8KV_"))
-           and "CACHE" not in k}
+           and not any(w in k for w in _NOT_PROGRAM_ENV)}
     for part in (sys.version, jax.__version__, jaxlib.__version__, np.__version__,
                  ml_dtypes.__version__, dev.platform, dev.device_kind, len(jax.devices()),
                  getattr(dev.client, "platform_version", ""), cpu, sorted(cfg.items(), key=str),

@@ -104,6 +104,15 @@ def test_key_covers_shapes_statics_and_environment(llama_bf16, tmp_path, monkeyp
         monkeypatch.undo()
         compile_cache.fingerprint.cache_clear()
     assert store.key("decode", args, static) == key
+    # where things are cached or reported is not part of the program
+    for name in ("JFP8KV_CACHE", "JFP8KV_STARTUP_PROFILE"):
+        monkeypatch.setenv(name, str(tmp_path / "elsewhere"))
+        compile_cache.fingerprint.cache_clear()
+        try:
+            assert store.key("decode", args, static) == key, name
+        finally:
+            monkeypatch.undo()
+            compile_cache.fingerprint.cache_clear()
     assert store.load("0" * 64) is None
     (tmp_path / ("1" * 64)).write_bytes(b"not a pickle")
     assert store.load("1" * 64) is None  # a bad entry is a miss
