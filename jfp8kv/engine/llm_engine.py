@@ -78,9 +78,9 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit); shorten the prompt or "
                 f"raise max_model_len")
-        if len(self.scheduler.waiting) + len(self._scoring) >= self.max_queue_len:
+        if self.num_waiting() >= self.max_queue_len:
             raise EngineOverloaded(
-                f"{len(self.scheduler.waiting)} requests are waiting (max_queue_len="
+                f"{self.num_waiting()} requests are waiting (max_queue_len="
                 f"{self.max_queue_len}); retry later")
         n = next(self._counter)
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + n)
@@ -110,6 +110,10 @@ class LLMEngine:
             self._aborted.append(seq)
         else:
             self._forget(seq)
+
+    def num_waiting(self) -> int:
+        """Requests admitted and not yet running (what ``max_queue_len`` bounds)."""
+        return len(self.scheduler.waiting) + len(self._scoring)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._scoring) or self._inflight is not None

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from jfp8kv.engine.errors import EngineOverloaded
 from jfp8kv.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("jfp8kv.serve")
@@ -156,6 +157,18 @@ class AsyncEngine:
         self.failed_steps_in_a_row = 0
         self.thread_error: str | None = None
         self._metrics_time = 0.0  # engine thread only
+        # The queue bound, checked on the event loop before a request crosses to the engine
+        # thread: the waiting requests the engine last reported (written by the engine
+        # thread after each command batch and step) plus the adds sent and not yet settled.
+        # Under a burst the refused requests then cost no round trip through the engine
+        # thread, which would otherwise handle each between its steps (the engine's own
+        # check stays the authority).
+        # A hint older than an abort the loop sent is not used (that abort may have freed
+        # a place): aborts sent (loop) against aborts the hint had seen (engine thread).
+        self._waiting_seen = (0, 0)  # (waiting, aborts applied), written as one tuple
+        self._adds_pending = 0  # event loop only
+        self._aborts_sent = 0  # event loop only
+        self._aborts_applied = 0  # engine thread only
 
     # ---- event-loop side -------------------------------------------------------------
     def start(self) -> None:
@@ -180,9 +193,15 @@ class AsyncEngine:
             raise ServerDraining("server is shutting down")
         if not self.healthy:
             raise EngineUnavailable(self.thread_error or "engine is unhealthy (steps keep failing)")
+        bound = self.engine.max_queue_len
+        waiting, aborts_seen = self._waiting_seen
+        if aborts_seen == self._aborts_sent and waiting + self._adds_pending >= bound:
+            raise EngineOverloaded(f"{waiting} requests are waiting and {self._adds_pending} "
+                                   f"arriving (max_queue_len={bound}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         accepted = self._loop.create_future()
         self._inflight.add(request_id)
+        self._adds_pending += 1
         self._send(("add", request_id, prompt, params, queue, accepted, time.monotonic()))
         try:
             await accepted
@@ -192,11 +211,14 @@ class AsyncEngine:
         except BaseException:
             self._inflight.discard(request_id)
             raise
+        finally:
+            self._adds_pending -= 1
         return RequestStream(self, request_id, queue)
 
     def _release(self, request_id: str, abort: bool) -> None:
         self._inflight.discard(request_id)
         if abort:
+            self._aborts_sent += 1
             self._send(("abort", request_id))
 
     def _send(self, command: tuple) -> None:
@@ -238,6 +260,7 @@ class AsyncEngine:
                 stop = self._stop
             for command in commands:
                 self._apply(command)
+            self._waiting_seen = (self.engine.num_waiting(), self._aborts_applied)
             if stop:
                 for rid in list(self._states):
                     self._abort(rid, "abort")
@@ -246,12 +269,14 @@ class AsyncEngine:
             has_work = self.engine.has_unfinished()
             if has_work:
                 self._step()
+                self._waiting_seen = (self.engine.num_waiting(), self._aborts_applied)
             if not has_work or time.monotonic() - self._metrics_time > METRICS_REFRESH_S:
                 self._refresh_engine_metrics()
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
             self._abort(command[1], "abort")
+            self._aborts_applied += 1
             return
         _, rid, prompt, params, queue, accepted, arrival = command
         try:

@@ -51,6 +51,9 @@ class FakeEngine:
         self.running.pop(request_id, None)
         self.waiting.pop(request_id, None)
 
+    def num_waiting(self):
+        return len(self.waiting)
+
     def has_unfinished(self):
         self._check_thread()
         return bool(self.running or self.waiting)

@@ -139,3 +139,66 @@ def test_draining_refuses_new_requests():
             await ae.submit("a", [1], SamplingParams())
 
     run(_with_engine(FakeEngine(), body))
+
+
+def test_a_full_queue_refuses_on_the_event_loop():
+    """At the queue bound, a new request is refused (EngineOverloaded, a 503) before it is
+    sent to the engine thread: a burst's refusals cost the engine no work between steps.
+    Once the queue drains, requests are admitted again."""
+    fake = FakeEngine(max_running=1, max_queue_len=2)
+    added = []
+    real_add = fake.add_request
+
+    def counting_add(rid, prompt, params):
+        added.append(rid)
+        return real_add(rid, prompt, params)
+
+    fake.add_request = counting_add
+
+    async def body(ae):
+        s1 = await ae.submit("r1", [1], SamplingParams(max_tokens=10_000))
+        await s1.__anext__()  # r1 runs; the queue is empty
+        waiting = [await ae.submit(f"w{i}", [1], SamplingParams(max_tokens=10_000))
+                   for i in range(2)]
+        for _ in range(100):  # the engine thread reports the queue after its next step
+            if ae._waiting_seen[0] == 2:
+                break
+            await asyncio.sleep(0.01)
+        n = len(added)
+        for i in range(20):
+            with pytest.raises(EngineOverloaded, match="max_queue_len=2"):
+                await ae.submit(f"x{i}", [1], SamplingParams())
+        assert len(added) == n  # none of the 20 reached the engine
+        assert ae._adds_pending == 0
+        for s in [s1, *waiting]:
+            s.close()
+        await _wait_idle(ae, fake)
+        s4 = await ae.submit("after", [2], SamplingParams(max_tokens=2))
+        assert (await s4.final()).finish_reason == "length"
+
+    run(_with_engine(fake, body))
+
+
+def test_concurrent_submits_never_exceed_the_bound():
+    """Many submits at once (a burst): the adds in flight count against the bound, so no
+    more than max_queue_len can be waiting, and the engine's own check refuses none of them
+    on the event loop's behalf."""
+    fake = FakeEngine(max_running=1, max_queue_len=3)
+
+    async def body(ae):
+        s1 = await ae.submit("r1", [1], SamplingParams(max_tokens=10_000))
+        await s1.__anext__()
+
+        async def one(i):
+            try:
+                return await ae.submit(f"b{i}", [1], SamplingParams(max_tokens=10_000))
+            except EngineOverloaded:
+                return None
+        got = await asyncio.gather(*(one(i) for i in range(40)))
+        admitted = [s for s in got if s is not None]
+        assert 1 <= len(admitted) <= 3
+        for s in [s1, *admitted]:
+            s.close()
+        await _wait_idle(ae, fake)
+
+    run(_with_engine(fake, body))
