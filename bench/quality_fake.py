@@ -166,7 +166,12 @@ def main(argv=None):
                          "targets (0: no pruning)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot-only", metavar="JSON", help="only redraw JSON's PNG")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()),
+             args.plot_only.removesuffix(".json") + ".png")
+        return
 
     import torch
 
@@ -235,7 +240,40 @@ def main(argv=None):
             active = prune(doc, active, args.keep, context)
         doc["wall_s"] = round(time.time() - t0, 1)
         write_result(out, doc)
+    plot(doc, out.removesuffix(".json") + ".png")
     print(json.dumps(doc["targets"]["text_met_by"]), f"wall {doc['wall_s']}s -> {out}")
+
+
+def plot(doc: dict, path: str) -> None:
+    """Two panels against context: the NLL increase over the unquantized cache and the KL
+    ratio to e4m3 token, each with one standard error and the rule's target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = doc["targets"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for x in t["configs"]:
+        rows = x["contexts"]
+        ctx = [r["context"] for r in rows]
+        for ax, k, se in ((axes[0], "nll_increase_pct", "nll_increase_pct_se"),
+                          (axes[1], "kl_ratio", "kl_ratio_se")):
+            ax.errorbar(ctx, [r[k] for r in rows], yerr=[r[se] for r in rows], marker="o",
+                        ms=3, capsize=2, label=x["config"].replace("fp8_e4m3:", ""))
+    for ax, target, title in ((axes[0], qs.NLL_PCT, "mean-NLL increase over the unquantized "
+                               "cache, %"), (axes[1], qs.KL_RATIO, "KL / KL of e4m3 token")):
+        ax.axhline(target, color="k", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title, fontsize=9)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"{doc['model']}: fp8 e4m3 KV candidates, {doc['scorer']} "
+                 f"({doc['dtype']}), >= {doc['text']['min_scored']} positions per context, "
+                 "+-1 se; dashed: the rule's targets", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def quality_versions() -> dict:

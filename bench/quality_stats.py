@@ -238,6 +238,10 @@ def decide(docs: list[dict], costs: dict | None = None, models_required: int = 3
             if x is None:
                 missed.append(f"{model}: not measured")
                 continue
+            ref = by.get(REFERENCE)
+            have = {r["context"] for r in x["contexts"]}
+            for ctx in sorted({r["context"] for r in ref["contexts"]} - have if ref else ()):
+                missed.append(f"{model} {ctx}: not measured")  # pruned, skipped or failed
             for r in x["contexts"]:
                 checks += 2
                 if not r["nll_met"]:

@@ -187,3 +187,21 @@ def test_decide_picks_the_first_candidate_meeting_everything_on_every_model():
     # two models only: no decision
     d = qs.decide(docs[:2])
     assert d["winner"] is None and "incomplete" in d["note"]
+
+
+def test_a_context_the_candidate_lacks_is_not_measured():
+    """A candidate pruned after the first context (bench.quality_fake --keep) misses the
+    contexts the reference has, so it cannot come out closest by having fewer checks."""
+    good = (0.05, 0.004, 0.05)
+    spec = {qs.REFERENCE: REF, "fp8_e4m3:block": good, "fp8_e4m3:block+hadamard": good}
+    docs = [_doc(spec, {"bf16": (0, 200), "fp8_e4m3:block": (0, 200),
+                        "fp8_e4m3:block+hadamard": (0, 200)}, key=k, seed=i)
+            for i, k in enumerate("abc")]
+    for d in docs:  # block lost its rows past the first context on model "b"
+        d["runs"] = [r for r in d["runs"] if not (
+            d["model_key"] == "b" and r["config"] == "fp8_e4m3:block" and r["context"] > CTXS[0])]
+    d = qs.decide(docs)
+    rows = {r["config"]: r for r in d["candidates"]}
+    assert [m for m in rows["fp8_e4m3:block"]["missed"] if "not measured" in m] == [
+        f"b {c}: not measured" for c in CTXS[1:]]
+    assert d["winner"] == "fp8_e4m3:block+hadamard"
