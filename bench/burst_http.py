@@ -49,7 +49,8 @@ APP = textwrap.dedent('''
             try:
                 for i in range(16):
                     await asyncio.sleep(0.0025)
-                    yield "data: " + json.dumps({"choices": [{"text": "x", "index": 0}]}) + "\\n\\n"
+                    chunk = {"choices": [{"text": "x", "index": 0}]}
+                    yield "data: " + json.dumps(chunk) + "\\n\\n"
                 yield "data: [DONE]\\n\\n"
             finally:
                 running[0] -= 1
@@ -116,7 +117,8 @@ def main(argv=None) -> dict:
     app.close()
     mod = os.path.basename(app.name)[:-3]
     srv = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{mod}:app", "--port", str(port),
-                            "--log-level", "warning", *args.uvicorn_args.split()], cwd=os.path.dirname(app.name),
+                            "--log-level", "warning", *args.uvicorn_args.split()],
+                           cwd=os.path.dirname(app.name),
                            env=dict(os.environ, ADMIT=str(args.admit)))
     url = f"http://127.0.0.1:{port}"
     try:

@@ -22,9 +22,10 @@ the unloaded baseline are sent from ``--burst-processes`` processes, each with i
 loop and connections, which time their own requests: one asyncio loop sending hundreds of
 requests and reading hundreds of 503s delays the reading of the admitted answers by
 seconds (a 40 ms endpoint measured 1.7 s at the median from one loop under a 512-request
-burst on a 2-core machine), which the earlier single-loop figure charged to the server. End checks, each true or
-false: no 5xx for a client mistake, no 5xx but 503 at all, every KV page back in the pool
-(and so every prefix-cache reference released: cached pages all evictable), greedy answers
+burst on a 2-core machine), which the earlier single-loop figure charged to the server.
+End checks, each true or false: no 5xx for a client mistake, no 5xx but 503 at all, every
+KV page back in the pool (and so every prefix-cache reference released: cached pages all
+evictable), greedy answers
 of a fixed probe set unchanged from the start, host RSS of the server flat after warm-up
 (growth from the first sample after the run's last XLA compile below max(5%, 64 MiB), that
 stretch at least the run's second half). Only loopback addresses are contacted.

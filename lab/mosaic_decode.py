@@ -36,7 +36,8 @@ from jfp8kv.kernels.mosaic_ops import (ROWS, MosaicOps,  # ROWS: wgmma's M, the 
                                        load_plgpu, page_chunks, SplitProgram,
                                        split_page_tables, stage_page_table, swizzled,
                                        walk_tiles)
-from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
+from jfp8kv.kernels.device import num_sms
+from jfp8kv.kernels.pallas_decode import combine_splits
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -51,7 +52,7 @@ class MosaicDecodeTuning:
 
     stages: int = 4
     num_splits: int = 0
-    target_programs: int = NUM_SMS_H200
+    target_programs: int = dataclasses.field(default_factory=num_sms)  # one per SM
     compute_wgs: int = 2
     probe: str = ""  # bench diagnostics, wrong results: "compute" | "convert" | "mma" skipped
     overlap_v: bool = False  # V's upcast while q.K^T runs (not yet measured)

@@ -70,7 +70,8 @@ from jfp8kv.kernels.mosaic_ops import (drain_slots, grouped_queries,
                                        page_chunks, SplitProgram, split_page_tables,
                                        stage_page_table, swizzled, walk_tiles)
 from jfp8kv.kernels.mosaic_transposed import TransposedOps
-from jfp8kv.kernels.pallas_decode import NUM_SMS_H200, combine_splits
+from jfp8kv.kernels.device import num_sms
+from jfp8kv.kernels.pallas_decode import combine_splits
 from jfp8kv.kernels.tiles import LOG2E, KVLayout
 from jfp8kv.kvcache.cache import LayerKV
 
@@ -102,7 +103,7 @@ class MosaicDecodeTTuning:
     compute_wgs: int = 1
     f16_stages: int = 2
     num_splits: int = 0
-    target_programs: int = NUM_SMS_H200
+    target_programs: int = dataclasses.field(default_factory=num_sms)  # one per SM
     wide_upcast: bool = True
     k_regs: bool = False
     probe: str = ""  # bench diagnostics, wrong results: one of PROBES skipped

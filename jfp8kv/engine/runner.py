@@ -21,16 +21,12 @@ finite: ``warmup_shapes`` lists them all, and nothing compiles after ``warmup``.
 runner holds float32 copies of the matmul weights (``device_policy.cpu_float32_weights``).
 
 With snapshot slots in the plan every prefill row carries (restore, capture) slots and every
-decode row (capture step, capture slot); ``steps`` runs the copies on the device.
-
-Tensor parallelism: ``tp`` (a ``models.sharding.TensorParallel``; None on one device) is
-passed to the steps; params and cache arrive already placed on the mesh, host arrays are
-replicated by jit.
+decode row (capture step, capture slot); ``steps`` runs the copies on the device. Tensor
+parallelism: ``tp`` (a ``models.sharding.TensorParallel``; None on one device) is passed to
+the steps; params and cache arrive placed on the mesh, host arrays are replicated by jit.
 """
 
 from __future__ import annotations
-
-import time
 
 import jax
 import numpy as np
@@ -42,7 +38,6 @@ from jfp8kv.engine.device_policy import cpu_float32_weights
 from jfp8kv.engine.sampler import SamplingArrays
 from jfp8kv.engine.variants import Variants
 from jfp8kv.kvcache.cache_tree import Cache
-
 
 _STATIC = ("cfg", "backend", "tp", "all_greedy", "num_steps")  # the steps' static arguments
 
@@ -72,13 +67,13 @@ class ModelRunner:
         the pool is allocated: set ``runner.cache`` to the allocated cache before a step runs).
         ``feature_executables``: which executables each shape compiles (``variants.Variants``;
         on a CPU device, where a compile costs more than a branch, plain decode shares the
-        switched one). ``tp``: the
-        ``models.sharding.TensorParallel`` that params and cache are placed on, or None.
-        ``decode_gemm_autotune``: which of ``steps.DECODE_JITS`` runs the decode steps."""
+        switched one). ``tp``: the ``models.sharding.TensorParallel`` that params and cache
+        are placed on, or None. ``decode_gemm_autotune``: which of ``steps.DECODE_JITS`` runs
+        the decode steps."""
         self.cfg = model_cfg
-        on_cpu = all(d.platform == "cpu" for d in jax.tree_util.tree_leaves(params)[0].devices())
+        self.on_cpu = on_cpu = all(d.platform == "cpu"
+                                   for d in jax.tree_util.tree_leaves(params)[0].devices())
         self.params = cpu_float32_weights(params) if on_cpu else params
-        self.on_cpu = on_cpu
         self.cache = cache
         self.backend = backend
         self.page_size = cache.plan.page_size
@@ -91,8 +86,7 @@ class ModelRunner:
         self.chunk_factor = chunk_factor
         self.max_chunk = max_chunk
         self.variants = Variants(feature_executables, on_cpu, max_pages_per_seq * self.page_size)
-        # Rows carry state slots where the cache has slot pools (the family's layout), and
-        # snapshot copies where the plan has snapshot slots.
+        # Rows carry state slots where the layout has slot pools, snapshot copies with snapshots
         self.slotted = cache.plan.num_slots > 0
         self.snapshots = cache.plan.num_snapshots > 0
         self.tp = tp
@@ -256,7 +250,7 @@ class ModelRunner:
         if register and sig in self._executables:
             return self._executables[sig]
         key = compiled = None
-        t0 = time.perf_counter()
+        clock = startup_profile.Clock(self._labels[fn], shape, greedy, switched)
         if store is not None and self.tp is None:
             dynamic = {k: v for k, v in kw.items() if k not in _STATIC}  # their structure too
             key = store.key(self._labels[fn], (args, dynamic),
@@ -264,18 +258,12 @@ class ModelRunner:
             compiled = store.load(key)
             self.stored_loads += compiled is not None
         if compiled is None:
-            t1 = time.perf_counter()
-            lowered = fn.lower(*args, **kw)
-            t2 = time.perf_counter()
-            compiled, fresh = compile_fresh(lowered)
-            startup_profile.record(self._labels[fn], shape, greedy, switched,
-                                   "compiled" if fresh else "jax-cache", t2 - t1,
-                                   time.perf_counter() - t2)
+            compiled, fresh = compile_fresh(clock.lowered(fn.lower(*args, **kw)))
+            clock.done("compiled" if fresh else "jax-cache")
             if key is not None and fresh:
                 store.save(key, compiled)
         else:
-            startup_profile.record(self._labels[fn], shape, greedy, switched, "store", 0.0,
-                                   time.perf_counter() - t0)
+            clock.done("store")
         if register:
             self._executables[sig] = compiled
         return compiled

@@ -52,6 +52,23 @@ def record(step: str, shape: tuple, greedy: bool, switched, source: str, lower_s
         _rows.append(row)
 
 
+class Clock:
+    """Times one executable from its creation: ``lowered(x)`` marks the end of tracing and
+    lowering (returns ``x``), ``done(source)`` records the row (XLA or loading time since
+    the mark, or since the start when nothing was lowered)."""
+
+    def __init__(self, step: str, shape: tuple, greedy: bool, switched):
+        self.what = (step, shape, greedy, switched)
+        self.t0 = self.t1 = time.perf_counter()
+
+    def lowered(self, x):
+        self.t1 = time.perf_counter()
+        return x
+
+    def done(self, source: str) -> None:
+        record(*self.what, source, self.t1 - self.t0, time.perf_counter() - self.t1)
+
+
 def rows() -> list[dict]:
     with _lock:
         return list(_rows)
