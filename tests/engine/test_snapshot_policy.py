@@ -69,6 +69,22 @@ def take(s: Scheduler, seq: Sequence, toks: list[int], base: int, eos=11) -> Non
         s.remove(seq)
 
 
+def run_step(s: Scheduler, dev: Device) -> None:
+    """One scheduler step on the device stand-in: decode rows, then prefill chunks, each
+    row's tokens through the engine's stop rules (``take``)."""
+    plan = s.schedule()
+    for r in plan.decode:
+        n0 = r.seq.num_cached
+        toks = dev.decode(r)
+        r.seq.num_cached += r.steps
+        take(s, r.seq, toks, n0 + 1)
+    for c in plan.prefill:
+        tok = dev.prefill(c)
+        c.seq.num_cached += c.length
+        if c.completes:
+            take(s, c.seq, [tok], c.seq.num_cached)
+
+
 def check(s: Scheduler, dev: Device) -> None:
     pool, ps = s.snapshots.pool, s.page_size
     for key, slot in pool._slot_of.items():
@@ -102,17 +118,7 @@ def converse(caching: bool, seed: int, sessions=6, turns=3, snapshots=5):
     for i in range(sessions):
         submit(i)
     while s.has_work():
-        plan = s.schedule()
-        for r in plan.decode:
-            n0 = r.seq.num_cached
-            toks = dev.decode(r)
-            r.seq.num_cached += r.steps
-            take(s, r.seq, toks, n0 + 1)
-        for c in plan.prefill:
-            tok = dev.prefill(c)
-            c.seq.num_cached += c.length
-            if c.completes:
-                take(s, c.seq, [tok], c.seq.num_cached)
+        run_step(s, dev)
         if caching:
             check(s, dev)
         for rid, (i, q) in list(live.items()):
@@ -155,17 +161,7 @@ def test_a_finished_turn_leaves_its_last_page_boundary(run):
                      seed=0)
         s.add(q)
         while s.has_work():
-            plan = s.schedule()
-            for r in plan.decode:
-                n0 = r.seq.num_cached
-                toks = dev.decode(r)
-                r.seq.num_cached += r.steps
-                take(s, r.seq, toks, n0 + 1)
-            for c in plan.prefill:
-                tok = dev.prefill(c)
-                c.seq.num_cached += c.length
-                if c.completes:
-                    take(s, c.seq, [tok], c.seq.num_cached)
+            run_step(s, dev)
             check(s, dev)
         if prev is not None:
             assert q.num_cached_prompt_tokens == (len(prev.tokens) - 1) // ps * ps
@@ -190,17 +186,7 @@ def test_round_robin_sessions_keep_their_last_turn(run):
                 max_tokens=rnd.randint(5, 12)), seed=0)
             s.add(q)
             while s.has_work():
-                plan = s.schedule()
-                for r in plan.decode:
-                    n0 = r.seq.num_cached
-                    toks = dev.decode(r)
-                    r.seq.num_cached += r.steps
-                    take(s, r.seq, toks, n0 + 1)
-                for c in plan.prefill:
-                    tok = dev.prefill(c)
-                    c.seq.num_cached += c.length
-                    if c.completes:
-                        take(s, c.seq, [tok], c.seq.num_cached)
+                run_step(s, dev)
                 check(s, dev)
             if i in prev:
                 assert q.num_cached_prompt_tokens == (len(prev[i].tokens) - 1) // ps * ps

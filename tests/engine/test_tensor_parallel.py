@@ -35,9 +35,6 @@ compiles to one prefill, one decode and one NLL program per engine.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -48,11 +45,11 @@ from jax.sharding import PartitionSpec as P
 from jfp8kv import LLM, SamplingParams
 from jfp8kv.config import EngineConfig
 from jfp8kv.kvcache.cache import bytes_per_token
+from tests.engine.virtual_devices import run_child
 from tests.tiny_checkpoints import build_tiny_checkpoint, first_layers
 from tests.x64 import x64
 
 DEVICES = 4
-REPO_ROOT = Path(__file__).resolve().parents[2]
 four_devices = pytest.mark.skipif(
     jax.device_count() < DEVICES,
     reason="runs in test_on_four_virtual_devices's child pytest (XLA_FLAGS sets 4 devices)")
@@ -84,18 +81,10 @@ SLOW_MATRIX = {("kv4", "channel"), ("kv4", "block"), ("kv3", "tensor"), ("kv3", 
 
 
 def _run_child(*args: str) -> str:
-    """This file in a child pytest with 4 CPU devices (``args`` added); its stdout."""
-    # The child's ~30 engines are all compile: it inherits tests/conftest.py's XLA_FLAGS
-    # (LLVM at -O0), and every TP size is compared with TP 1 in that same child.
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip())
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args,
-           str(Path(__file__).relative_to(REPO_ROOT))]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, f"child pytest failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    """This file in a child pytest with ``DEVICES`` CPU devices (``args`` added); its stdout."""
+    # The child's engines are all compile: it inherits tests/conftest.py's XLA_FLAGS (LLVM
+    # at -O0), and every TP size is compared with TP 1 in that same child.
+    return run_child(__file__, DEVICES, *args)
 
 
 def test_on_four_virtual_devices():

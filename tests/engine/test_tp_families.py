@@ -23,21 +23,16 @@ device as at TP 4) and the Pallas kernels in interpret mode under TP are ``slow`
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jfp8kv import LLM, SamplingParams
+from tests.engine.virtual_devices import run_child
 from tests.models.test_qwen3_hybrid import hybrid_checkpoint  # noqa: F401 (fixture)
 
 DEVICES = 4
-REPO_ROOT = Path(__file__).resolve().parents[2]
 four_devices = pytest.mark.skipif(
     jax.device_count() < DEVICES,
     reason="runs in test_on_four_virtual_devices's child pytest (XLA_FLAGS sets 4 devices)")
@@ -57,17 +52,10 @@ SLOW = {(f, "fp8_e4m3", n) for f in PRESETS for n in SIZES[f][1:-1]}
 
 
 def _run_child(*args: str) -> str:
-    """This file in a child pytest with 4 CPU devices (``args`` added); its stdout."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip())
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args,
-           str(Path(__file__).relative_to(REPO_ROOT))]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, \
-        f"child pytest failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    """This file in a child pytest with ``DEVICES`` CPU devices (``args`` added); its stdout."""
+    # The child's engines are all compile: it inherits tests/conftest.py's XLA_FLAGS (LLVM
+    # at -O0), and every TP size is compared with TP 1 in that same child.
+    return run_child(__file__, DEVICES, *args)
 
 
 def test_on_four_virtual_devices():
