@@ -28,7 +28,7 @@ import time
 import httpx
 
 from bench.common import command_line, write_result
-from bench.soak import BURST_BODY, _timed_stream, burst_worker, free_port, percentile
+from bench.soak import BURST_BODY, _timed_stream, free_port, percentile, send_burst, start_senders
 
 APP = textwrap.dedent('''
     import asyncio, json
@@ -73,17 +73,12 @@ def one_loop(url: str, n: int, sequential: bool) -> list[tuple]:
 
 
 def processes(url: str, n: int, p: int, sequential: bool) -> list[tuple]:
-    import concurrent.futures
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(
-            p, mp_context=multiprocessing.get_context("spawn")) as ex:
-        list(ex.map(int, range(p)))  # the senders are up before anything is timed
-        at = time.time() + 0.3
-        parts = [1] if sequential else [n // p + (i < n % p) for i in range(p)]
-        futs = [ex.submit(burst_worker, url, {}, n if sequential else k, at, 120, sequential)
-                for k in parts]
-        return [r[:3] for f in futs for r in f.result()]
+    pool = start_senders(p)
+    try:
+        return [r[:3] for f in send_burst(pool, p, url, {}, n, 120, sequential)
+                for r in f.result()]
+    finally:
+        pool.shutdown()
 
 
 def stats(unloaded, burst) -> dict:

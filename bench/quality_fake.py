@@ -173,7 +173,9 @@ def main(argv=None):
              args.plot_only.removesuffix(".json") + ".png")
         return
 
+    import ml_dtypes
     import torch
+    import transformers
 
     from bench import quality
     from bench.rotation_cpu import load
@@ -200,7 +202,10 @@ def main(argv=None):
             np.save(f, k_mean)
     quants = {n: quantizer(c, k_mean) for n, c in cfgs.items()}
     contexts = [int(c) for c in args.contexts.split(",")]
-    doc = {"machine": machine_info(), "versions": quality_versions(),
+    machine = machine_info()
+    machine["versions"].update(torch=torch.__version__, transformers=transformers.__version__,
+                               ml_dtypes=ml_dtypes.__version__, numpy=np.__version__)
+    doc = {"machine": machine,
            "command": command_line("bench.quality_fake", argv),
            "model": key, "model_key": key, "dtype": "float32", "scorer": "fake32",
            "scorer_note": "transformers float32 + bench.fakequant (bit-exact to the engine's "
@@ -274,18 +279,6 @@ def plot(doc: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def quality_versions() -> dict:
-    import ml_dtypes
-    import torch
-    import transformers
-
-    import jax
-
-    return {"jax": jax.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "ml_dtypes": ml_dtypes.__version__,
-            "numpy": np.__version__}
 
 
 def report(doc: dict, context: int) -> None:

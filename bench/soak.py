@@ -96,8 +96,28 @@ def burst_worker(url: str, headers: dict, n: int, at: float, timeout: float,
     return asyncio.run(go())
 
 
-def _ready() -> bool:
-    return True
+def start_senders(processes: int):
+    """A pool of ``processes`` sender processes (spawned: no copy of this process's event
+    loop or sockets), each started before anything is timed."""
+    import concurrent.futures
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(
+        processes, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(int, range(processes)))  # blocks until every process answered
+    return pool
+
+
+def send_burst(pool, processes: int, url: str, headers: dict, n: int, timeout: float,
+               sequential: bool = False) -> list:
+    """Futures of ``burst_worker`` results: ``n`` requests split evenly over ``processes``
+    senders that all start at the same wall-clock moment, or, ``sequential``, one sender
+    sending them one after another."""
+    p = 1 if sequential else min(processes, n)
+    at = time.time() + 0.2  # every sender has its request bodies ready by then
+    parts = [n // p + (i < n % p) for i in range(p)]
+    return [pool.submit(burst_worker, url, headers, k, at, timeout, sequential)
+            for k in parts if k]
 
 
 def _metric(text: str, name: str) -> float:
@@ -247,24 +267,13 @@ class Soak:
         self.burst_windows.append((t, time.monotonic()))
 
     async def _from_senders(self, n: int, sequential: bool = False) -> list[tuple]:
-        """``n`` burst requests from the sender processes (split evenly; all of them start
-        at the same wall-clock moment), or, ``sequential``, from one of them in turn."""
-        import concurrent.futures
-        import multiprocessing
-
+        """``n`` burst requests from the sender processes (``send_burst``)."""
         if self.pool is None:
-            p = self.args.burst_processes
-            self.pool = concurrent.futures.ProcessPoolExecutor(
-                p, mp_context=multiprocessing.get_context("spawn"))
-            await asyncio.gather(*(asyncio.wrap_future(self.pool.submit(_ready))
-                                   for _ in range(p)))  # started before anything is timed
-        p = 1 if sequential else min(self.args.burst_processes, n)
-        at = time.time() + 0.2  # every sender has its request bodies ready by then
-        parts = [n // p + (i < n % p) for i in range(p)]
-        futs = [asyncio.wrap_future(self.pool.submit(
-            burst_worker, self.url, self.headers, k, at, self.args.request_timeout, sequential))
-            for k in parts if k]
-        return [r for part in await asyncio.gather(*futs) for r in part]
+            self.pool = await asyncio.to_thread(start_senders, self.args.burst_processes)
+        futs = send_burst(self.pool, self.args.burst_processes, self.url, self.headers, n,
+                          self.args.request_timeout, sequential)
+        return [r for part in await asyncio.gather(*map(asyncio.wrap_future, futs))
+                for r in part]
 
     async def _sample_rss(self, client, end: float):
         """Each second: the server's RSS and its XLA compile count (/metrics; NaN if absent)."""
@@ -304,7 +313,7 @@ class Soak:
                 await asyncio.gather(*(self._send(client, "/v1/completions", body, "request")
                                        for _ in range(self.args.burst_size)))
 
-    async def unloaded(self, client) -> list[tuple]:
+    async def unloaded(self) -> list[tuple]:
         """The burst's request alone on the idle server, from a sender process: (status,
         ttft_s, total_s, start) each."""
         return [r for r in await self._from_senders(self.args.unloaded_requests,
@@ -340,7 +349,7 @@ class Soak:
                                      *(self._client_loop(client, end) for _ in range(a.clients)))
                 self.records, self.burst_windows = [], []
             self.start_state = await self.idle_state(client)
-            unloaded = await self.unloaded(client)  # alone, on an idle server, shape compiled
+            unloaded = await self.unloaded()  # alone, on an idle server, shape compiled
             self.t0 = time.monotonic()
             end = self.t0 + a.duration
             await asyncio.gather(self._sample_rss(client, end), self._bursts(client, end),

@@ -265,6 +265,7 @@ def build_engine(load: LoadConfig, cache: CacheOptions, engine: EngineConfig, *,
     ``load.model``; ``device`` defaults to JAX's first device. Logs the memory plan and one
     KV-cache summary line."""
     storage, mode = resolve_storage(cache, load.dtype)
+    startup_profile.reset()  # the profile is this engine's start-up, not the process's
     setup_compile_cache(engine.compile_cache)
     memory.claim_device_memory(engine.gpu_memory_utilization)
     device = device or jax.devices()[0]

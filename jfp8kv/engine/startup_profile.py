@@ -5,13 +5,14 @@ memory plan's probes, the warm-up's parallel precompile) is recorded with the ph
 belongs to (``phase("sizing")``, ``phase("warmup")``; anything later is "serving", which a
 server should never see), its step and shape, where it came from ("store": jfp8kv's
 executable store, no tracing; "jax-cache": traced and lowered, then found in JAX's
-persistent cache; "compiled": XLA compiled it here) and the seconds spent tracing and
+compilation caches, persistent or in this process's memory; "compiled": XLA compiled it) and the seconds spent tracing and
 lowering, and in XLA (or loading). Threads overlap, so per-phase sums exceed the phase's
 wall time, which is recorded too.
 
 ``summary()`` is what ``LLM.warmup`` logs and what ``JFP8KV_STARTUP_PROFILE=<path>`` writes
 as JSON at the end of the warm-up (the benchmarks set it to keep the breakdown of a GPU
-start beside their results). Plain Python, thread-safe; one profile per process.
+start beside their results). Plain Python, thread-safe; one profile at a time, begun
+again by each ``build_engine`` (so a second engine in a process reports its own start-up).
 """
 
 from __future__ import annotations

@@ -53,4 +53,11 @@ def test_warmup_records_every_executable_and_writes_the_profile(llama, tmp_path,
     assert all(r["lower_s"] > 0 and r["compile_s"] > 0 for r in warm)
     assert {tuple(r["shape"]) for r in warm} == {tuple(s) for s in llm._shapes()}
     assert any("start-up: " in m and "warmup: " in m for m in caplog.messages)
+    # a second engine in the process reports its own start-up only
+    LLM(loaded=llama, dtype="bfloat16", page_size=8, kv_cache_memory=1 << 22,
+        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, compile_cache=False,
+        warmup=True)
+    again = json.loads(path.read_text())
+    assert again["phases"]["warmup"]["executables"] == want
+    assert {r["source"] for r in again["rows"]} == {"jax-cache"}  # in memory from the first
     sp.reset()
