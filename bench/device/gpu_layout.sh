@@ -12,7 +12,8 @@
 set -u
 OUT=${OUT:-/tmp/jfp8kv-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-"hybrid dense v4"}
-export PYTHONUNBUFFERED=1 JFP8KV_CACHE=/tmp/jfp8kv-cache
+# JFP8KV_CACHE may name a folder kept between calls on a warm machine (an ignored path)
+export PYTHONUNBUFFERED=1 JFP8KV_CACHE=${JFP8KV_CACHE:-/tmp/jfp8kv-cache}
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -25,7 +26,7 @@ run() { local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 12 "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 run hybrid ${HYBRID_LIMIT:-540} python3 -m bench.long_request --model random:qwen3.6-35b-a3b \
-  --prompt-tokens 131072 --max-tokens 64 --startup-timeout 420 --request-timeout 300 \
+  --prompt-tokens 131072 --max-tokens 64 --startup-timeout ${HYBRID_STARTUP:-420} --request-timeout 300 \
   --log-dir "$OUT" --out "$OUT/long-hybrid-131k-default.json" -- --kv-cache-dtype fp8_e4m3 \
   --log-level info
 run dense ${DENSE_LIMIT:-300} env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m bench.offline \
