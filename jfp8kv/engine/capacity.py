@@ -253,6 +253,44 @@ class Sizer:
         return Sizing(plan, mem, e), runner
 
     def _default(self, e: EngineConfig, cpu_budget: int):
+        key = PeakMemo.key("plan", repr(self.cfg), repr(self.layout), self.ps, repr(e),
+                           self.program_key, self.dm.capacity, self.dm.total)
+        kept = self._kept(e, key) if self.dm.on_gpu else None
+        if kept is not None:
+            return kept, None
+        sizing, runner = self._measure(e, cpu_budget)
+        m, got = sizing.memory, sizing.engine
+        self.memo.put_record(key, {
+            "pool_budget": m.pool_budget, "peak": m.peak, "measured": m.measured,
+            "in_use": m.in_use, "max_num_seqs": got.max_num_seqs,
+            "max_num_batched_tokens": got.max_num_batched_tokens,
+            "max_model_len": got.max_model_len})
+        return sizing, runner
+
+    def _kept(self, e: EngineConfig, key: str) -> Sizing | None:
+        """The plan an earlier start with the same program, flags and card measured, when
+        its pools still fit beside its peak (weights a few MB apart borrow at most a quarter
+        of the margin): the same pages give the same executables, so a second start finds
+        every one in the compilation cache and compiles nothing to size the pools."""
+        kept = self.memo.get_record(key)
+        try:
+            budget, peak = int(kept["pool_budget"]), int(kept["peak"])
+            e = dataclasses.replace(e, **{k: int(kept[k]) for k in (
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len")})
+        except (TypeError, KeyError, ValueError):
+            return None
+        if budget > self.dm.free_for(peak) + self.dm.margin // 4:
+            log.info("the memory plan of an earlier start (%.2f GiB of pools) no longer fits "
+                     "(%.2f GiB in use); measuring again", budget / GiB, self.dm.in_use / GiB)
+            return None
+        log.info("memory plan kept from an earlier start with these flags on this card "
+                 "(weights then %.2f GiB, now %.2f GiB)", int(kept.get("in_use", 0)) / GiB,
+                 self.dm.in_use / GiB)
+        mem = MemoryPlan(self.dm.capacity, self.dm.in_use, peak, self.dm.margin, budget,
+                         "measured", f"{kept.get('measured', '')}, kept", self.dm.total)
+        return Sizing(self.plan(budget, e), mem, dataclasses.replace(e, kv_cache_memory=budget))
+
+    def _measure(self, e: EngineConfig, cpu_budget: int):
         # sequences first, from the memory after the weights and the margin (an upper bound
         # of the pools): their slots bound the probe's rows; fitted again once measured
         e = self._fit_sequences(e, self.dm.free_for(0))

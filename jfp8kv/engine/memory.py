@@ -124,13 +124,13 @@ def executable_peak(compiled) -> int:
 
 
 class PeakMemo:
-    """Measured peaks, in memory and kept beside the compilation cache (one small JSON per
-    key), so a second start with the same program skips the probe compiles. ``None`` dir:
-    this process only."""
+    """Measured peaks and resolved plans, in memory and kept beside the compilation cache
+    (one small JSON per key), so a second start with the same program skips the probe
+    compiles and plans the same pools. ``None`` dir: this process only."""
 
     def __init__(self, directory: Path | None):
         self.dir = directory
-        self.seen: dict[str, int] = {}
+        self.seen: dict[str, dict] = {}
 
     @staticmethod
     def key(*parts) -> str:
@@ -139,20 +139,32 @@ class PeakMemo:
         return hashlib.sha256(repr((fingerprint(),) + parts).encode()).hexdigest()[:32]
 
     def get(self, key: str) -> int | None:
-        if key in self.seen or self.dir is None:
-            return self.seen.get(key)
+        record = self.get_record(key)
         try:
-            return int(json.loads((self.dir / f"{key}.json").read_text())["peak_bytes"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return int(record["peak_bytes"]) if record is not None else None
+        except (ValueError, KeyError, TypeError):
             return None
 
     def put(self, key: str, peak: int) -> None:
-        self.seen[key] = peak
+        self.put_record(key, {"peak_bytes": peak})
+
+    def get_record(self, key: str) -> dict | None:
+        """The JSON object kept under ``key`` (this process's, else the directory's)."""
+        if key in self.seen or self.dir is None:
+            return self.seen.get(key)
+        try:
+            record = json.loads((self.dir / f"{key}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def put_record(self, key: str, record: dict) -> None:
+        self.seen[key] = record
         if self.dir is None:
             return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / f"{key}.json").write_text(json.dumps({"peak_bytes": peak}))
+            (self.dir / f"{key}.json").write_text(json.dumps(record))
         except OSError as e:
             log.warning("memory plan not kept (%s)", e)
 

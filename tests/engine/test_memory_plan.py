@@ -316,3 +316,24 @@ def test_temporaries_that_differ_between_compiles_are_planned_from_the_largest()
     assert sizing.memory.peak == top
     assert sizing.memory.pool_budget + sizing.memory.peak <= sizer.dm.free_for(0)
     assert [registered for _, _, registered in log] == [False, False] + [True] * 6
+
+
+def test_a_second_start_keeps_the_plan_and_compiles_nothing_to_size(tmp_path):
+    """The same flags on the same card: the pools an earlier start measured are planned again
+    page for page (so every executable is the cached one) without a compile; weights a few
+    MB heavier borrow from the margin; weights that leave too little are measured again."""
+    first, log1, _ = _sizer(per_token=4 << 20, limit=34 * GiB, max_model_len=4096,
+                            memo_dir=tmp_path)
+    one, _ = first.size()
+    again, log2, _ = _sizer(per_token=4 << 20, limit=34 * GiB, in_use=10 * GiB + (8 << 20),
+                            max_model_len=4096, memo_dir=tmp_path)
+    two, runner = again.size()
+    assert log1 and log2 == [] and runner is None
+    assert two.plan == one.plan and two.engine == one.engine
+    assert two.memory.peak == one.memory.peak and two.memory.in_use == 10 * GiB + (8 << 20)
+    assert two.memory.measured.endswith(", kept")
+    heavier, log3, _ = _sizer(per_token=4 << 20, limit=34 * GiB, in_use=11 * GiB,
+                              max_model_len=4096, memo_dir=tmp_path)
+    three, _ = heavier.size()
+    assert [r for _, _, r in log3 if r] and not three.memory.measured.endswith("kept")
+    assert three.memory.pool_budget == heavier.dm.free_for(three.memory.peak)
