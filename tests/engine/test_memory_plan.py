@@ -214,7 +214,8 @@ def test_a_wider_verification_re_plans_once():
         sizing, _ = sizer.size()
     finally:
         FakeRunner.compile_variant = widest
-    assert sizing.memory.peak == DECODE_PEAK + 2 * GiB
+    # held: the measured peak and the cushion for compile-to-compile variation
+    assert sizing.memory.peak == int((DECODE_PEAK + 2 * GiB) * (1 + capacity.REPLAN_CUSHION))
     assert sizing.memory.pool_budget == sizer.dm.free_for(sizing.memory.peak)
     assert [registered for _, _, registered in log] == [False, False] + [True] * 4
 
@@ -288,16 +289,11 @@ def test_default_snapshots_never_crowd_out_one_sequence():
     assert capacity.snapshot_memory(e, layout, 10 ** 12) == 4 * 64 * layout.bytes_per_slot()
 
 
-def test_temporaries_that_differ_between_compiles_are_planned_from_the_largest():
-    """Seen on an H100 (35B hybrid): the verification at the first plan measured 1.63 GiB,
-    the one at the re-planned (smaller) pool 1.75 GiB: no growth with the pool, the
-    compiler's choices differ per program. The pools come from the largest peak measured,
-    verified again; the start-up is not refused (the slope of two such points was negative,
-    and the extrapolation from it left more pools than memory)."""
-    sizer, log, _ = _sizer(per_token=1, max_model_len=4096)
+def _varying_verifications(sizer, extras):
+    """``sizer.size()`` with each registered (verification) compile's peak raised by the
+    next of ``extras``."""
     widest = FakeRunner.compile_variant
-    extra = iter([1 * GiB, 1 * GiB, 1 * GiB + GiB // 4, 1 * GiB + GiB // 4,
-                  1 * GiB + GiB // 5, 1 * GiB + GiB // 5])
+    extra = iter(extras)
 
     def varying(self, shape, *a, register=False, **kw):
         out = widest(self, shape, *a, register=register, **kw)
@@ -308,10 +304,35 @@ def test_temporaries_that_differ_between_compiles_are_planned_from_the_largest()
 
     FakeRunner.compile_variant = varying
     try:
-        sizing, _ = sizer.size()
+        return sizer.size()
     finally:
         FakeRunner.compile_variant = widest
-    top = DECODE_PEAK + GiB + GiB // 4  # the largest measured (the second verification)
+
+
+def test_a_re_plan_within_the_cushion_holds_after_one_more_verification():
+    """The H100 numbers: 1.63 GiB at the first plan, 1.79 GiB (+10%) at the re-planned
+    pool: the re-plan held 10% above the first measurement, so it holds."""
+    sizer, log, _ = _sizer(per_token=1, max_model_len=4096)
+    first, second = int(1.63 * GiB), int(1.79 * GiB)
+    sizing, _ = _varying_verifications(sizer, [first, first, second, second])
+    held = int((DECODE_PEAK + first) * (1 + capacity.REPLAN_CUSHION))
+    assert held >= DECODE_PEAK + second and sizing.memory.peak == held
+    assert sizing.memory.pool_budget == sizer.dm.free_for(held)
+    assert [registered for _, _, registered in log] == [False, False] + [True] * 4
+
+
+def test_temporaries_that_differ_between_compiles_are_planned_from_the_largest():
+    """More at the re-planned (smaller) pool than the cushion held (an H100 start of the 35B
+    hybrid measured 1.63 then 1.75 GiB: no growth with the pool, the compiler's choices
+    differ per program): the pools come from the largest peak measured, verified again; the
+    start-up is not refused (the slope of two such points was negative, and the
+    extrapolation from it left more pools than memory)."""
+    sizer, log, _ = _sizer(per_token=1, max_model_len=4096)
+    sizing, _ = _varying_verifications(sizer, [1 * GiB, 1 * GiB, 1 * GiB + GiB // 3,
+                                               1 * GiB + GiB // 3, 1 * GiB + GiB // 4,
+                                               1 * GiB + GiB // 4])
+    top = DECODE_PEAK + GiB + GiB // 3  # the largest measured (the second verification,
+    # beyond the first's cushion)
     assert sizing.memory.pool_budget == sizer.dm.free_for(top)
     assert sizing.memory.peak == top
     assert sizing.memory.pool_budget + sizing.memory.peak <= sizer.dm.free_for(0)
