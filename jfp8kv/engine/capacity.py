@@ -21,13 +21,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from jfp8kv.config import EngineConfig, ModelConfig
 from jfp8kv.engine.memory import (CPU_DEFAULT_CACHE_MEMORY, GiB, DeviceMemory, MemoryPlan,
-                                  PeakMemo, executable_peak)
+                                  PeakMemo, largest_shapes, peak_bytes)
 from jfp8kv.kvcache.cache_tree import abstract_cache
 from jfp8kv.kvcache.layout import EXTRA_SLOTS, CacheLayout, CachePlan, plan_cache
 
@@ -40,7 +38,6 @@ MIN_AUTO_BATCHED_TOKENS = 512
 # another pool size measured up to 10% apart on an H100 (XLA's choices differ per program),
 # and a re-plan that holds saves a verification (~80 s of compiles at 35B).
 REPLAN_CUSHION = 0.10
-MAX_COMPILE_THREADS = min(8, os.cpu_count() or 1)
 # The default snapshots: a running sequence holds one or two (its latest page-boundary state,
 # a capture in flight) and leaves one when it ends; the rest serve other conversations.
 SNAPSHOTS_PER_SEQUENCE = 4
@@ -95,43 +92,6 @@ def cpu_default_budget(layout: CacheLayout, page_size: int, max_len: int, seqs: 
     pages = int(min(CPU_DEFAULT_CACHE_MEMORY, bpt * max_len * max(8, seqs // 4)))
     slots = (seqs + EXTRA_SLOTS) * layout.bytes_per_slot() if layout.slots else 0
     return pages + slots
-
-
-def largest_shapes(runner, max_num_seqs: int, max_num_batched_tokens: int,
-                   decode_steps: int) -> list[tuple]:
-    """The runner's ``warmup_shapes`` whose executables need the most memory beside the
-    cache: the largest decode bucket at the widest page table, and the largest prefill
-    dispatches (one row of the largest chunk, and the most rows that share the area)."""
-    shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, (decode_steps,))
-    decode = max((s for s in shapes if s[0] == "decode"), key=lambda s: (s[1], s[3]))
-    prefill = [s for s in shapes if s[0] == "prefill"]
-    one = max((s for s in prefill if s[1] == 1), key=lambda s: s[2])
-    rows = max(prefill, key=lambda s: (s[1], s[2]))
-    return [decode, one] + ([rows] if rows != one else [])
-
-
-def peak_bytes(runner, shapes, abstract, every_variant: bool = False,
-               register: bool = False) -> dict[tuple, int]:
-    """Per shape, the most device memory (``memory.executable_peak``) its executables need
-    beside their arguments, compiled by ``runner`` against ``abstract`` (the cache's shapes)
-    on parallel threads (XLA compiles outside the GIL): every variant, or only the one with
-    every feature (switched, else sampled); ``register``: the runner dispatches those
-    shapes through these executables."""
-    jobs = [(shape, greedy, switched) for shape in shapes
-            for greedy, switched in (runner.variants.of(shape[0]) if every_variant
-                                     else runner.variants.of(shape[0])[-1:])]
-
-    def one(job):
-        shape, greedy, switched = job
-        return executable_peak(runner.compile_variant(shape, greedy, switched, abstract,
-                                                      register=register))
-
-    with ThreadPoolExecutor(max(1, min(MAX_COMPILE_THREADS, len(jobs)))) as pool:
-        peaks = list(pool.map(one, jobs))
-    out: dict[tuple, int] = {}
-    for (shape, _, _), peak in zip(jobs, peaks):
-        out[shape] = max(out.get(shape, 0), peak)
-    return out
 
 
 class Sizer:
@@ -397,13 +357,17 @@ class Sizer:
         return dataclasses.replace(e, max_num_seqs=seqs)
 
     def _fit_context(self, e: EngineConfig, free: int) -> EngineConfig:
-        """``max_model_len`` (unset by the user) lowered to what the pages hold."""
+        """``max_model_len`` (unset by the user) lowered to what the pages hold beside the
+        state snapshots' default share (``snapshot_memory``)."""
         if self.asked.max_model_len:
             return e
         slots = (e.max_num_seqs + EXTRA_SLOTS) * self.layout.bytes_per_slot() \
             if self.layout.slots else 0
-        slots += snapshot_memory(e, self.layout, free) // max(1, self.layout.bytes_per_slot()) \
-            * self.layout.bytes_per_slot()
+        # the snapshots' default share first: a context that adapts to the pages must not
+        # take them all (an H100's 35B hybrid kept none and served its agent uncached)
+        share = snapshot_memory(dataclasses.replace(e, max_model_len=self.ps), self.layout,
+                                free)
+        slots += share // max(1, self.layout.bytes_per_slot()) * self.layout.bytes_per_slot()
         pages = (free - slots - self.layout.fixed_bytes()) // self.layout.bytes_per_page(self.ps)
         fits = pages * self.ps
         if fits >= e.max_model_len:

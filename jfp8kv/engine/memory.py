@@ -14,8 +14,9 @@
   the widest page table. A first measurement uses a two-page probe pool (temporaries do
   not grow with the pool: the cache is donated and updated in place); the builder then
   compiles the same shapes at the planned pool (the executables warm-up runs) and checks
-  them again before anything is allocated. Measurements are kept beside the compilation
-  cache, so a second start with the same settings compiles no probe.
+  them again before anything is allocated (``largest_shapes``, ``peak_bytes``). Measurements
+  and the resolved plan are kept beside the compilation cache (``PeakMemo``), so a second
+  start with the same settings compiles no probe and plans the same pages.
 * **margin**: ``MARGIN_FRACTION`` of the capacity, at least ``MIN_MARGIN``: XLA's autotuning
   of executables compiled after the pool exists (warm-up's other shapes), the allocator's
   fragmentation, the sampler's and scheduler's small arrays.
@@ -32,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -121,6 +123,46 @@ def executable_peak(compiled) -> int:
         return 0
     return int(m.temp_size_in_bytes + m.generated_code_size_in_bytes
                + max(0, m.output_size_in_bytes - m.alias_size_in_bytes))
+
+
+MAX_COMPILE_THREADS = min(8, os.cpu_count() or 1)
+
+
+def largest_shapes(runner, max_num_seqs: int, max_num_batched_tokens: int,
+                   decode_steps: int) -> list[tuple]:
+    """The runner's ``warmup_shapes`` whose executables need the most memory beside the
+    cache: the largest decode bucket at the widest page table, and the largest prefill
+    dispatches (one row of the largest chunk, and the most rows that share the area)."""
+    shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, (decode_steps,))
+    decode = max((s for s in shapes if s[0] == "decode"), key=lambda s: (s[1], s[3]))
+    prefill = [s for s in shapes if s[0] == "prefill"]
+    one = max((s for s in prefill if s[1] == 1), key=lambda s: s[2])
+    rows = max(prefill, key=lambda s: (s[1], s[2]))
+    return [decode, one] + ([rows] if rows != one else [])
+
+
+def peak_bytes(runner, shapes, abstract, every_variant: bool = False,
+               register: bool = False) -> dict[tuple, int]:
+    """Per shape, the most device memory (``memory.executable_peak``) its executables need
+    beside their arguments, compiled by ``runner`` against ``abstract`` (the cache's shapes)
+    on parallel threads (XLA compiles outside the GIL): every variant, or only the one with
+    every feature (switched, else sampled); ``register``: the runner dispatches those
+    shapes through these executables."""
+    jobs = [(shape, greedy, switched) for shape in shapes
+            for greedy, switched in (runner.variants.of(shape[0]) if every_variant
+                                     else runner.variants.of(shape[0])[-1:])]
+
+    def one(job):
+        shape, greedy, switched = job
+        return executable_peak(runner.compile_variant(shape, greedy, switched, abstract,
+                                                      register=register))
+
+    with ThreadPoolExecutor(max(1, min(MAX_COMPILE_THREADS, len(jobs)))) as pool:
+        peaks = list(pool.map(one, jobs))
+    out: dict[tuple, int] = {}
+    for (shape, _, _), peak in zip(jobs, peaks):
+        out[shape] = max(out.get(shape, 0), peak)
+    return out
 
 
 class PeakMemo:

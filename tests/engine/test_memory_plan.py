@@ -83,7 +83,7 @@ def _sizer(preset="qwen3-tiny", *, limit=40 * GiB, in_use=10 * GiB, per_token=1 
 @pytest.fixture(autouse=True)
 def _jax_fraction(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    monkeypatch.setattr(capacity, "MAX_COMPILE_THREADS", 1)  # the compiles' order, logged
+    monkeypatch.setattr(memory, "MAX_COMPILE_THREADS", 1)  # the compiles' order, logged
 
 
 def test_capacity_is_the_utilization_of_the_device():
@@ -358,3 +358,24 @@ def test_a_second_start_keeps_the_plan_and_compiles_nothing_to_size(tmp_path):
     three, _ = heavier.size()
     assert [r for _, _, r in log3 if r] and not three.memory.measured.endswith("kept")
     assert three.memory.pool_budget == heavier.dm.free_for(three.memory.peak)
+
+
+def test_a_context_that_adapts_leaves_the_snapshots_their_share():
+    """The hybrid with default flags where the pages hold less than the model's context
+    (an H100 and the 35B): max_model_len becomes what the pages hold beside the default
+    snapshot share, so prefix caching keeps snapshots (it kept none: the context took every
+    page, and the snapshots never crowd out one max_model_len sequence)."""
+    probe, _, layout = _sizer("qwen3.6-tiny", per_token=1)
+    ctx = probe.cfg.max_position_embeddings
+    # pools of about a quarter of one full-context sequence, beside the slots
+    budget = ctx // 4 * layout.bytes_per_token(16) + 80 * layout.bytes_per_slot()
+    limit = GiB + int(budget) + memory.MIN_MARGIN + 2 * DECODE_PEAK  # < 33 GiB: the least margin
+    sizer, _, layout = _sizer("qwen3.6-tiny", per_token=1, limit=limit, in_use=GiB,
+                              max_num_seqs=8)
+    sizing, _ = sizer.size()
+    plan, e = sizing.plan, sizing.engine
+    assert e.max_model_len < ctx and plan.num_snapshots > 0
+    assert plan.max_tokens >= e.max_model_len
+    share = capacity.snapshot_memory(dataclasses.replace(e, max_model_len=16), layout,
+                                     sizing.memory.pool_budget)
+    assert plan.num_snapshots == share // layout.bytes_per_slot()
