@@ -94,6 +94,15 @@ def cpu_default_budget(layout: CacheLayout, page_size: int, max_len: int, seqs: 
     return pages + slots
 
 
+def _line(seen: dict[int, int], at: int, peak: int) -> Callable[[int], float]:
+    """Prefill temporaries by tokens: proportional to ``peak`` at ``at`` from one
+    measurement, else the line through the two smallest budgets measured (``seen``)."""
+    if len(seen) < 2:
+        return lambda t: peak * t / at
+    (t0, p0), (t1, p1) = sorted(seen.items())[:2]  # the line, or proportional if above it
+    return lambda t: max(p0 + (p1 - p0) / (t1 - t0) * (t - t0), p0 * t / t0)
+
+
 class Sizer:
     """One engine's sizing. ``engine``: the config with the device's defaults filled in;
     ``asked``: as the user gave it (what was left unset may adapt). ``new_runner(plan,
@@ -137,34 +146,45 @@ class Sizer:
         return peaks
 
     def _fit_batched_tokens(self, e: EngineConfig) -> tuple[EngineConfig, dict]:
-        """(engine, probe peaks) with ``max_num_batched_tokens`` (unset by the user) halved
-        while the largest prefill's temporaries would take more than ``TEMP_SHARE`` of the
-        memory left after the weights: the halvings the probe's prefill peak predicts
-        (temporaries that scale with the tokens), then a probe to confirm. Where halving
-        stops paying (less than a quarter off: a floor that does not scale with the tokens),
-        the larger budget is kept."""
+        """(engine, peaks) with ``max_num_batched_tokens`` (unset by the user) halved while
+        the largest prefill's temporaries would take more than ``TEMP_SHARE`` of the memory
+        left after the weights. From one probe the halvings assume temporaries proportional
+        to the tokens, and a probe confirms; from two, the line through them (a floor plus
+        a share per token) predicts the budget and its peak, and the verification at the
+        planned pool measures it instead of another probe (~45 s of compiles at 35B). Where
+        halving stops paying (less than a quarter off), the larger budget is kept."""
         peaks = self.probe(e)
         room = TEMP_SHARE * (self.dm.capacity - self.dm.in_use)
 
         def prefill_peak(p):
             return max(v for s, v in p.items() if s[0] == "prefill")
 
+        seen = {e.max_num_batched_tokens: prefill_peak(peaks)}
         while not self.asked.max_num_batched_tokens:
             prefill, tokens = prefill_peak(peaks), e.max_num_batched_tokens
-            while tokens > MIN_AUTO_BATCHED_TOKENS and prefill * tokens / \
-                    e.max_num_batched_tokens > room:
+            predict = _line(seen, tokens, prefill)
+            while tokens > MIN_AUTO_BATCHED_TOKENS and predict(tokens) > room:
                 tokens = max(MIN_AUTO_BATCHED_TOKENS, tokens // 2)
-            if tokens == e.max_num_batched_tokens:
+            if tokens == e.max_num_batched_tokens or predict(tokens) > 0.75 * prefill:
                 break
             smaller = dataclasses.replace(e, max_num_batched_tokens=tokens)
-            fewer = self.probe(smaller)
+            if len(seen) > 1:
+                fewer = {(s[0], s[1], tokens, s[3]) if s[0] == "prefill" else s:
+                         int(predict(tokens)) if s[0] == "prefill" else v
+                         for s, v in peaks.items()}
+            else:
+                fewer = self.probe(smaller)
             if prefill_peak(fewer) > 0.75 * prefill:
                 break
             log.info("max_num_batched_tokens %d -> %d: the largest prefill's temporaries "
-                     "(%.2f GiB -> %.2f GiB) would take more than a third of the %.2f GiB "
+                     "(%.2f GiB -> %.2f GiB%s) would take more than a third of the %.2f GiB "
                      "left after the weights", e.max_num_batched_tokens, tokens, prefill / GiB,
-                     prefill_peak(fewer) / GiB, (self.dm.capacity - self.dm.in_use) / GiB)
+                     prefill_peak(fewer) / GiB, ", predicted" if len(seen) > 1 else "",
+                     (self.dm.capacity - self.dm.in_use) / GiB)
+            if len(seen) > 1:
+                return smaller, fewer
             e, peaks = smaller, fewer
+            seen[tokens] = prefill_peak(fewer)
         return e, peaks
 
     def plan(self, budget: int, e: EngineConfig) -> CachePlan:

@@ -379,3 +379,19 @@ def test_a_context_that_adapts_leaves_the_snapshots_their_share():
     share = capacity.snapshot_memory(dataclasses.replace(e, max_model_len=16), layout,
                                      sizing.memory.pool_budget)
     assert plan.num_snapshots == share // layout.bytes_per_slot()
+
+
+def test_two_probes_predict_the_budget_without_a_third():
+    """Temporaries of 1.5 GiB + 1 MiB per token, 3 GiB of room (a third of 9 GiB after the
+    weights): from 8,192 (9.5 GiB) the proportional halving predicts 2,048, whose probe
+    measures 3.5 GiB; the line through the two predicts 1,024 at 2.5 GiB, planned without a
+    third probe (the H100's 35B hybrid probed 8,192, 2,048 and 1,024), and the verification
+    at the planned pool measures it."""
+    sizer, log, _ = _sizer(per_token=1 << 20, floor=3 * GiB // 2, limit=19 * GiB,
+                           max_model_len=4096)
+    sizing, _ = sizer.size()
+    assert sizing.engine.max_num_batched_tokens == 1024
+    assert [name for name, _, registered in log if not registered] == [
+        "decode", "prefill8192", "prefill2048"]
+    assert [name for name, _, registered in log if registered] == ["decode", "prefill1024"]
+    assert sizing.memory.peak == 3 * GiB // 2 + 1024 * (1 << 20)  # measured = predicted
