@@ -53,14 +53,14 @@ def run_one(preset: str, layers: int, max_len: int, dtype: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b")
     ap.add_argument("--layers", default="4,8,16,28")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-cache-dtype", default="fp8_e4m3")
     ap.add_argument("--out", default="bench/results/compile-layers-cpu.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     for n in (int(x) for x in args.layers.split(",")):
         rows.append(run_one(args.preset, n, args.max_model_len, args.kv_cache_dtype))
@@ -72,7 +72,7 @@ def main() -> None:
     deepest = max(rows, key=lambda r: r["layers"])
     per = fit["compile_s"]["per_layer_s"] + fit["lower_s"]["per_layer_s"]
     total = deepest["compile_s"] + deepest["lower_s"]
-    doc = {"command": command_line("bench.compile_layers"), "machine": machine_info(),
+    doc = {"command": command_line("bench.compile_layers", argv), "machine": machine_info(),
            "preset": args.preset, "max_model_len": args.max_model_len,
            "kv_cache_dtype": args.kv_cache_dtype, "rows": rows, "fit": fit,
            "per_layer_share_at_deepest": round(per * (deepest["layers"] - 1) / total, 3)}
