@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import time
 
 import jax
@@ -26,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8kv.config import CacheConfig, ModelConfig
-from jfp8kv.kernels.prologue import QKPrologue, acc_dtype, rms_norm, rope_tables
+from jfp8kv.kernels.prologue import rms_norm
 from jfp8kv.kvcache.cache import KVCache, LayerKV, accumulate_stats, reduce_stat_rows
 from jfp8kv.models import transformer
-from jfp8kv.models.layers import ONE_DEVICE, linear
 
 
 def stack_layers(params: dict) -> dict:
@@ -43,33 +41,18 @@ def stack_cache(cache: KVCache) -> tuple:
 
 def forward_scan(params, pools, stats, tokens, positions, slots, page_tables, seq_lens, *,
                  cfg: ModelConfig, cache_cfg: CacheConfig, backend: str = "reference"):
-    """``transformer.forward`` of a dense model (no MoE, no K smoothing) over stacked
+    """``transformer.forward`` of a dense model (no K smoothing) over stacked
     ``params["layers"]`` and stacked ``pools`` (k, v, k_scale, v_scale): (hidden, pools,
-    stats)."""
-    b, t = tokens.shape
-    dtype = params["embed"].dtype
+    stats), the layer body ``transformer.layer_step`` under ``lax.scan``."""
     x = params["embed"][tokens]
-    inv_freq = jnp.asarray(transformer.rope_inv_freq(cfg, acc_dtype(dtype)))
-    cos, sin = rope_tables(positions.reshape(-1), inv_freq)
-    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    flat_slots = slots.reshape(-1)
-    n, hd = b * t, cfg.head_dim
+    ctx = transformer.layer_context(cfg, positions, slots, page_tables, seq_lens, x.dtype)
 
     def body(carry, layer_in):
         x, k_all, v_all, ks_all, vs_all = carry
         lp, i = layer_in
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q = linear(h, lp["wq"], lp.get("bq")).reshape(n, cfg.num_heads, hd)
-        k = linear(h, lp["wk"], lp.get("bk")).reshape(n, cfg.num_kv_heads, hd)
-        v = linear(h, lp["wv"], lp.get("bv")).reshape(n, cfg.num_kv_heads, hd)
-        pro = QKPrologue(cos, sin, lp.get("q_norm") if cfg.qk_norm else None,
-                         lp.get("k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps)
         layer = LayerKV(k_all[i], v_all[i], ks_all[i], vs_all[i])
-        attn, layer, st = ONE_DEVICE.attend(q, k, v, pro, layer, flat_slots, page_tables,
-                                            seq_lens, positions, cache_cfg, sm_scale, backend)
-        x = x + linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + transformer._dense_mlp(h, lp)
+        x, layer, st = transformer.layer_step(x, lp, layer, ctx, cfg=cfg, cache_cfg=cache_cfg,
+                                              backend=backend)
         carry = (x, k_all.at[i].set(layer.k), v_all.at[i].set(layer.v),
                  ks_all.at[i].set(layer.k_scale), vs_all.at[i].set(layer.v_scale))
         return carry, st

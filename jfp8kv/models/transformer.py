@@ -73,29 +73,12 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
     through ``par.mlp`` (tensor parallelism runs them per device: ``models/sharding.py``).
     """
     par = par or ONE_DEVICE
-    attend = par.attend
-    b, t = tokens.shape
-    dtype = params["embed"].dtype
     x = params["embed"][tokens]
-    inv_freq = jnp.asarray(rope_inv_freq(cfg, acc_dtype(dtype)))
-    cos, sin = rope_tables(positions.reshape(-1), inv_freq)  # once for every layer
-    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    flat_slots = slots.reshape(-1)
-    n, hd = b * t, cfg.head_dim
+    ctx = layer_context(cfg, positions, slots, page_tables, seq_lens, x.dtype)
     new_k, new_v, k_scale, v_scale, stats = [], [], [], [], []
     for i, lp in enumerate(params["layers"]):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q = linear(h, lp["wq"], lp.get("bq")).reshape(n, cfg.num_heads, hd)
-        k = linear(h, lp["wk"], lp.get("bk")).reshape(n, cfg.num_kv_heads, hd)
-        v = linear(h, lp["wv"], lp.get("bv")).reshape(n, cfg.num_kv_heads, hd)
-        pro = QKPrologue(cos, sin, lp.get("q_norm") if cfg.qk_norm else None,
-                         lp.get("k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps)
-        attn, layer, st = attend(q, k, v, pro, cache.layer(i), flat_slots, page_tables,
-                                 seq_lens, positions, cache.config, sm_scale, backend)
-        x = x + linear(attn.reshape(b, t, -1).astype(dtype), lp["wo"])
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (par.mlp(functools.partial(moe.qwen3_moe_mlp, cfg=cfg, backend=backend), h, lp)
-                 if "router" in lp else _dense_mlp(h, lp))
+        x, layer, st = layer_step(x, lp, cache.layer(i), ctx, cfg=cfg,
+                                  cache_cfg=cache.config, backend=backend, par=par)
         new_k.append(layer.k)
         new_v.append(layer.v)
         k_scale.append(layer.k_scale)
@@ -105,6 +88,39 @@ def forward(params: dict, cache: KVCache, tokens: Int[Array, "b t"],
     merged = accumulate_stats(cache.stats, reduce_stat_rows(jnp.stack(stats)))
     cache = KVCache(new_k, new_v, k_scale, v_scale, merged, cache.config, cache.k_shift)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def layer_context(cfg: ModelConfig, positions, slots, page_tables, seq_lens, dtype) -> dict:
+    """What every layer of one forward shares: the RoPE tables (computed once), the flat
+    slots, the page tables and lengths, the model's dtype (the embedding's)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, acc_dtype(dtype)))
+    cos, sin = rope_tables(positions.reshape(-1), inv_freq)
+    return dict(cos=cos, sin=sin, positions=positions, flat_slots=slots.reshape(-1),
+                page_tables=page_tables, seq_lens=seq_lens, dtype=dtype)
+
+
+def layer_step(x, lp: dict, layer, ctx: dict, *, cfg: ModelConfig, cache_cfg, backend: str,
+               par=None):
+    """One decoder layer: attention through the cache step ``par.attend`` (storing the new
+    K/V in ``layer``, a ``LayerKV``) and the MLP (routed through ``par.mlp``) -> (x, the
+    layer's new pages and scales, its statistics rows). ``ctx``: ``layer_context``."""
+    par = par or ONE_DEVICE
+    b, t = x.shape[:2]
+    n, hd = b * t, cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = linear(h, lp["wq"], lp.get("bq")).reshape(n, cfg.num_heads, hd)
+    k = linear(h, lp["wk"], lp.get("bk")).reshape(n, cfg.num_kv_heads, hd)
+    v = linear(h, lp["wv"], lp.get("bv")).reshape(n, cfg.num_kv_heads, hd)
+    pro = QKPrologue(ctx["cos"], ctx["sin"], lp.get("q_norm") if cfg.qk_norm else None,
+                     lp.get("k_norm") if cfg.qk_norm else None, cfg.rms_norm_eps)
+    attn, layer, st = par.attend(q, k, v, pro, layer, ctx["flat_slots"], ctx["page_tables"],
+                                 ctx["seq_lens"], ctx["positions"], cache_cfg,
+                                 1.0 / math.sqrt(hd), backend)
+    x = x + linear(attn.reshape(b, t, -1).astype(ctx["dtype"]), lp["wo"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (par.mlp(functools.partial(moe.qwen3_moe_mlp, cfg=cfg, backend=backend), h, lp)
+             if "router" in lp else _dense_mlp(h, lp))
+    return x, layer, st
 
 
 def logits(params, hidden):
