@@ -38,6 +38,7 @@ MIN_AUTO_BATCHED_TOKENS = 512
 # another pool size measured up to 10% apart on an H100 (XLA's choices differ per program),
 # and a re-plan that holds saves a verification (~80 s of compiles at 35B).
 REPLAN_CUSHION = 0.10
+KEPT_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a plan's defaults
 # The default snapshots: a running sequence holds one or two (its latest page-boundary state,
 # a capture in flight) and leaves one when it ends; the rest serve other conversations.
 SNAPSHOTS_PER_SEQUENCE = 4
@@ -94,12 +95,14 @@ def cpu_default_budget(layout: CacheLayout, page_size: int, max_len: int, seqs: 
     return pages + slots
 
 
-def _line(seen: dict[int, int], at: int, peak: int) -> Callable[[int], float]:
-    """Prefill temporaries by tokens: proportional to ``peak`` at ``at`` from one
-    measurement, else the line through the two smallest budgets measured (``seen``)."""
-    if len(seen) < 2:
-        return lambda t: peak * t / at
-    (t0, p0), (t1, p1) = sorted(seen.items())[:2]  # the line, or proportional if above it
+def _line(seen: dict[int, int]) -> Callable[[int], float]:
+    """Prefill temporaries by tokens from the budgets measured (``seen``: tokens -> peak):
+    proportional to one, else the line through the two smallest (never under proportional
+    to the smaller)."""
+    (t0, p0), *rest = sorted(seen.items())
+    if not rest:
+        return lambda t: p0 * t / t0
+    t1, p1 = rest[0]
     return lambda t: max(p0 + (p1 - p0) / (t1 - t0) * (t - t0), p0 * t / t0)
 
 
@@ -162,10 +165,10 @@ class Sizer:
         seen = {e.max_num_batched_tokens: prefill_peak(peaks)}
         while not self.asked.max_num_batched_tokens:
             prefill, tokens = prefill_peak(peaks), e.max_num_batched_tokens
-            predict = _line(seen, tokens, prefill)
+            predict = _line(seen)
             while tokens > MIN_AUTO_BATCHED_TOKENS and predict(tokens) > room:
                 tokens = max(MIN_AUTO_BATCHED_TOKENS, tokens // 2)
-            if tokens == e.max_num_batched_tokens or predict(tokens) > 0.75 * prefill:
+            if tokens == e.max_num_batched_tokens:
                 break
             smaller = dataclasses.replace(e, max_num_batched_tokens=tokens)
             if len(seen) > 1:
@@ -200,6 +203,14 @@ class Sizer:
                            abstract_cache(plan, shardings=self.shardings), every_variant=True,
                            register=runner.tp is None)
         return runner, max(peaks.values())
+
+    def _verified(self, e: EngineConfig, free: int):
+        """(engine, plan, runner, peak): ``free`` bytes of pools planned (the context fitted
+        to them) and the largest executables verified against them."""
+        e = self._fit_context(e, free)
+        plan = self.plan(free, e)
+        runner, peak = self.verify(plan, e)
+        return e, plan, runner, peak
 
     def size(self) -> tuple[Sizing, object]:
         """(sizing, runner or None): the runner when executables were compiled for the plan
@@ -237,18 +248,18 @@ class Sizer:
         return Sizing(plan, mem, e), runner
 
     def _default(self, e: EngineConfig, cpu_budget: int):
+        if not self.dm.on_gpu:  # plans are kept on a GPU, where measuring them compiles
+            return self._measure(e, cpu_budget)
         key = PeakMemo.key("plan", repr(self.cfg), repr(self.layout), self.ps, repr(e),
                            self.program_key, self.dm.capacity, self.dm.total)
-        kept = self._kept(e, key) if self.dm.on_gpu else None
+        kept = self._kept(e, key)
         if kept is not None:
             return kept, None
         sizing, runner = self._measure(e, cpu_budget)
-        m, got = sizing.memory, sizing.engine
-        self.memo.put_record(key, {
-            "pool_budget": m.pool_budget, "peak": m.peak, "measured": m.measured,
-            "in_use": m.in_use, "max_num_seqs": got.max_num_seqs,
-            "max_num_batched_tokens": got.max_num_batched_tokens,
-            "max_model_len": got.max_model_len})
+        m = sizing.memory
+        self.memo.put_record(key, dict(
+            pool_budget=m.pool_budget, peak=m.peak, measured=m.measured, in_use=m.in_use,
+            **{k: getattr(sizing.engine, k) for k in KEPT_KNOBS}))
         return sizing, runner
 
     def _kept(self, e: EngineConfig, key: str) -> Sizing | None:
@@ -259,8 +270,7 @@ class Sizer:
         kept = self.memo.get_record(key)
         try:
             budget, peak = int(kept["pool_budget"]), int(kept["peak"])
-            e = dataclasses.replace(e, **{k: int(kept[k]) for k in (
-                "max_num_seqs", "max_num_batched_tokens", "max_model_len")})
+            e = dataclasses.replace(e, **{k: int(kept[k]) for k in KEPT_KNOBS})
         except (TypeError, KeyError, ValueError):
             return None
         if budget > self.dm.free_for(peak) + self.dm.margin // 4:
@@ -284,10 +294,7 @@ class Sizer:
         free = self.dm.free_for(peak)
         if not self.dm.on_gpu:
             free = min(free, cpu_budget)
-        e = self._fit_sequences(e, free)
-        e = self._fit_context(e, free)
-        plan = self.plan(free, e)
-        runner, real = self.verify(plan, e)
+        e, plan, runner, real = self._verified(self._fit_sequences(e, free), free)
         if real > peak:
             e, plan, free, runner, real = self._regrow(e, plan, free, peak, real)
         mem = MemoryPlan(self.dm.capacity, self.dm.in_use, real, self.dm.margin, free,
@@ -299,8 +306,8 @@ class Sizer:
         prefill and every variant (a constant), or temporaries that grow with the pool (a
         copy of a pool the compiler could not update in place). Re-planned with the measured
         peak and ``REPLAN_CUSHION`` held (the peak reported); where a second measurement at
-        fewer pages shows growth, each page's share is
-        taken from the two and the pools shrink so that pools and temporaries fit."""
+        fewer pages shows growth, each page's share is taken from the two and the pools
+        shrink so that pools and temporaries fit."""
         log.info("the step's temporaries at the planned pool (%.2f GiB: every variant, the "
                  "widest prefill) exceed the probe's (%.2f GiB); re-planning", real / GiB,
                  peak / GiB)
@@ -308,9 +315,7 @@ class Sizer:
         held = int(real * (1 + REPLAN_CUSHION))
         if self.dm.free_for(held) > 0:
             free = self.dm.free_for(held)
-            e = self._fit_context(e, free)
-            plan = self.plan(free, e)
-            runner, again = self.verify(plan, e)
+            e, plan, runner, again = self._verified(e, free)
             if 0.95 * real <= again <= held:  # a constant (give or take a compile): it holds
                 return e, plan, free, runner, held
             if again > held:  # more at fewer pages: no growth with the pool, the compiler's
@@ -323,9 +328,7 @@ class Sizer:
         base = t0 - per_page * p0
         page = self.layout.bytes_per_page(self.ps)
         free = int((self.dm.free_for(base) - per_page) / (1 + per_page / page))
-        e = self._fit_context(e, free)
-        plan = self.plan(free, e)
-        runner, real = self.verify(plan, e)
+        e, plan, runner, real = self._verified(e, free)
         if free + real > self.dm.free_for(0):
             raise ValueError(f"the step's temporaries grow with the pool ({real} bytes beside "
                              f"{free} bytes of pools) past the {self.dm.free_for(0)} bytes "
@@ -333,16 +336,13 @@ class Sizer:
         return e, plan, free, runner, real
 
     def _settle(self, e: EngineConfig, top: int, rounds: int = 3):
-        """Temporaries that do not grow with the pool but differ from one compile to the next
-        (XLA's rematerialization and autotuning choose per program): the pools planned from
-        the largest peak measured so far, verified, until a verification measures no more
-        than 5% above it (its excess is the margin's)."""
+        """Temporaries that differ between compiles without growing with the pool (XLA's
+        choices are per program): pools planned from the largest peak measured so far until
+        a verification measures no more than 5% above it (the margin holds the excess)."""
         for _ in range(rounds):
             free = self.dm.free_for(top)
             self._check_room(free, e)
-            e = self._fit_context(e, free)
-            plan = self.plan(free, e)
-            runner, again = self.verify(plan, e)
+            e, plan, runner, again = self._verified(e, free)
             log.info("the step's temporaries measured %.2f GiB at %d pages against %.2f GiB "
                      "planned for", again / GiB, plan.num_pages, top / GiB)
             if again <= 1.05 * top:
@@ -384,7 +384,7 @@ class Sizer:
         slots = (e.max_num_seqs + EXTRA_SLOTS) * self.layout.bytes_per_slot() \
             if self.layout.slots else 0
         # the snapshots' default share first: a context that adapts to the pages must not
-        # take them all (an H100's 35B hybrid kept none and served its agent uncached)
+        # take them all (a model filling most of the card would keep none: no prefix caching)
         share = snapshot_memory(dataclasses.replace(e, max_model_len=self.ps), self.layout,
                                 free)
         slots += share // max(1, self.layout.bytes_per_slot()) * self.layout.bytes_per_slot()
