@@ -35,7 +35,7 @@ from jfp8kv.config import (ATTENTION_BACKENDS, CHECK_DTYPES, CacheOptions,
                            EngineConfig, LoadConfig, check_compute_dtype)
 from jfp8kv.engine import memory, startup_profile
 from jfp8kv.engine.capacity import Sizer
-from jfp8kv.engine.compile_cache import cache_dir, setup_compile_cache
+from jfp8kv.engine.compile_cache import ExecutableStore, cache_dir, setup_compile_cache
 from jfp8kv.engine.device_policy import device_defaults
 from jfp8kv.engine.llm_engine import LLMEngine
 from jfp8kv.engine.runner import ModelRunner
@@ -189,7 +189,7 @@ def make_runner(loaded, cache, engine_cfg: EngineConfig, backend: str, on_gpu: b
     if backend == "reference":
         widths = (max(1, CPU_PAGE_WIDTH_FLOOR_TOKENS // page_size), max_pages)
     family = families.of(loaded.config)
-    return ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
+    runner = ModelRunner(loaded.config, loaded.params, cache, backend, max_pages,
                        decode_buckets=engine_cfg.decode_buckets,
                        min_chunk=engine_cfg.min_prefill_chunk, page_widths=widths,
                        prefill_one_row=not on_gpu or family.one_row_prefill,
@@ -197,6 +197,9 @@ def make_runner(loaded, cache, engine_cfg: EngineConfig, backend: str, on_gpu: b
                        max_chunk=engine_cfg.max_num_batched_tokens, tp=tp,
                        decode_gemm_autotune=engine_cfg.decode_gemm_autotune,
                        feature_executables=engine_cfg.feature_executables)
+    # what sizing compiles for the plan is dispatched too: kept for the next start
+    runner.store = ExecutableStore.default(engine_cfg.compile_cache)
+    return runner
 
 
 def assemble_engine(loaded, plan: CachePlan, engine_cfg: EngineConfig, runner: ModelRunner,

@@ -90,6 +90,8 @@ def fingerprint() -> str:
 
 def _aval(x) -> str:
     sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        sharding = None  # one device: the sizer's abstract pools and the live ones compile alike
     return f"{getattr(x, 'shape', None)}:{getattr(x, 'dtype', type(x).__name__)}:" + (
         "" if sharding is None else repr(sharding))
 
@@ -141,8 +143,11 @@ class ExecutableStore:
         self.path = Path(path)
 
     @classmethod
-    def default(cls) -> "ExecutableStore | None":
-        """The store beside JAX's persistent cache, or None when that cache is off."""
+    def default(cls, enabled: bool = True) -> "ExecutableStore | None":
+        """The store beside JAX's persistent cache, or None when that cache is off (or not
+        ``enabled``: ``compile_cache=False``, ``JFP8KV_COMPILE_CACHE=0``)."""
+        if not enabled or os.environ.get("JFP8KV_COMPILE_CACHE", "1") == "0":
+            return None
         d = jax.config.jax_compilation_cache_dir
         if not d or not jax.config.jax_enable_compilation_cache:
             return None
@@ -182,4 +187,4 @@ class ExecutableStore:
                 tmp.write(blob)
             os.replace(tmp.name, self.path / key)
         except Exception as e:  # noqa: BLE001 - storing is an optimisation
-            log.debug("executable not stored (%s: %s)", type(e).__name__, e)
+            log.info("executable not stored (%s: %s)", type(e).__name__, e)

@@ -144,10 +144,7 @@ class LLM:
     def _executable_store(self):
         """Where compiled steps are kept between starts (``compile_cache.ExecutableStore``:
         a warm start loads them without tracing), or None with the compile cache off."""
-        if not self.engine_config.compile_cache or os.environ.get("JFP8KV_COMPILE_CACHE",
-                                                                  "1") == "0":
-            return None
-        return ExecutableStore.default()
+        return ExecutableStore.default(self.engine_config.compile_cache)
 
     # -- generation -------------------------------------------------------------------
     def _submit(self, prompts, sampling_params) -> list[str]:

@@ -15,15 +15,14 @@ buckets). A prefill dispatch is at most ``prefill_area`` padded tokens (the buck
 full-budget chunk): a step's chunks are cut into consecutive groups that fit
 (``prefill_groups``). The decode page-table width is fixed (max_model_len / page_size)
 unless ``page_widths`` is given: then it is the smallest of those that holds every row's
-pages, so a short sequence attends over a short table (the reference backend reads every
-page in the table; the Pallas decode kernel stops at each row's length). So the shapes are
-finite: ``warmup_shapes`` lists them all, and nothing compiles after ``warmup``. On CPU the
-runner holds float32 copies of the matmul weights (``device_policy.cpu_float32_weights``).
+pages (the reference backend reads every page in the table; the Pallas decode kernel stops
+at each row's length). So the shapes are finite: ``warmup_shapes`` lists them all, and
+nothing compiles after ``warmup``. On CPU the matmul weights are held in float32.
 
-With snapshot slots in the plan every prefill row carries (restore, capture) slots and every
-decode row (capture step, capture slot); ``steps`` runs the copies on the device. Tensor
-parallelism: ``tp`` (a ``models.sharding.TensorParallel``; None on one device) is passed to
-the steps; params and cache arrive placed on the mesh, host arrays are replicated by jit.
+With snapshot slots every prefill row carries (restore, capture) slots and every decode row
+(capture step, capture slot); ``steps`` runs the copies. Tensor parallelism: ``tp`` (a
+``models.sharding.TensorParallel``; None on one device) is passed to the steps; params and
+cache arrive placed on the mesh, host arrays are replicated by jit.
 """
 
 from __future__ import annotations
@@ -97,6 +96,7 @@ class ModelRunner:
         # calls it directly, anything else goes through the jitted function.
         self._executables: dict = {}
         self.stored_loads = 0  # executables ``compile_only`` took from an ExecutableStore
+        self.store = None  # the ExecutableStore of registered executables (compile_variant)
 
     def device_memory(self) -> dict:
         """``memory.device_counts`` of the device the params live on (the first)."""
@@ -184,8 +184,7 @@ class ModelRunner:
                                    kw, snapshots=self._snapshot_pairs([], b, 0))
 
     def _state_slots(self, slots: list[int], b: int):
-        """int32[b] state slots of the rows (0: the padding slot), or None when the cache has
-        no slot pools."""
+        """int32[b] state slots of the rows (0: the padding slot); None without slot pools."""
         if not self.slotted:
             return None
         out = np.zeros(b, np.int32)
@@ -244,7 +243,9 @@ class ModelRunner:
 
     def compile_variant(self, shape, greedy, switched, abstract, store=None, register=False):
         """The compiled executable of one (shape, variant) against the ``abstract`` cache:
-        registered already, loaded from ``store``, or traced, lowered and compiled."""
+        registered already, loaded from ``store`` (with ``register``: ``self.store`` unless
+        given), or traced, lowered and compiled."""
+        store = self.store if store is None and register else store
         fn, args, kw = self._warm_call(*shape, greedy, abstract, switched)
         sig = self._signature(fn, args, kw)
         if register and sig in self._executables:
@@ -292,8 +293,7 @@ class ModelRunner:
         return done
 
     def _page_table(self, rows: list[list[int]], b: int, width: int | None = None) -> np.ndarray:
-        # Prefill keeps the fixed width (one compile per (batch, chunk) bucket, not one per
-        # context-length bucket too); decode passes its width bucket.
+        # prefill keeps the fixed width (one compile per bucket); decode passes its width
         pt = np.zeros((b, width or self.max_pages_per_seq), np.int32)
         for i, r in enumerate(rows):
             pt[i, :len(r)] = r

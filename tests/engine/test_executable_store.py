@@ -116,3 +116,42 @@ def test_key_covers_shapes_statics_and_environment(llama_bf16, tmp_path, monkeyp
     assert store.load("0" * 64) is None
     (tmp_path / ("1" * 64)).write_bytes(b"not a pickle")
     assert store.load("1" * 64) is None  # a bad entry is a miss
+
+
+def test_executables_compiled_to_size_the_pools_are_kept_for_the_next_start(
+        llama_bf16, tmp_path):  # noqa: F811
+    """The memory plan's verification compiles the largest shapes against the pools' shapes
+    (before they exist) and registers them for dispatch: they go to the store too, so a
+    next start that keeps the plan loads them instead of tracing them (an H100 warm start
+    of the 8B shape traced 9 of its 74 executables again, the sizing's among them); an
+    unregistered compile (a probe at a two-page pool, never dispatched) is not stored."""
+    import dataclasses
+
+    from jfp8kv.kvcache.cache_tree import abstract_cache
+
+    store = ExecutableStore(tmp_path / "executables")
+    prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with persistent_cache(tmp_path / "jax"):
+        runner = make(llama_bf16, max_model_len=256).engine.runner
+        runner.store = store  # as make_runner sets it with the compile cache on
+        abstract = abstract_cache(runner.cache.plan)
+        shape = ("prefill", 1, 64, runner.max_pages_per_seq)
+        variants = runner.variants.of("prefill")
+        probe = abstract_cache(dataclasses.replace(runner.cache.plan, num_pages=2))
+        for greedy, switched in variants:
+            runner.compile_variant(shape, greedy, switched, probe)
+        assert not store.path.exists()
+        for greedy, switched in variants:
+            runner.compile_variant(shape, greedy, switched, abstract, register=True)
+        assert len(list(store.path.iterdir())) == len(variants)
+
+        jax.clear_caches()  # a new process
+        llm = make(llama_bf16, max_model_len=256)
+        warm = llm.engine.runner
+        assert warm.precompile([shape], workers=1, store=store) == 1
+        assert warm.stored_loads == len(variants)  # lowered from the live pools: same key
+        # the loaded executable serves a 40-token prompt's one-row prefill
+        served = llm.generate([list(range(3, 43))], prompt)[0].token_ids
+    jax.clear_caches()
+    assert served == make(llama_bf16, max_model_len=256).generate(
+        [list(range(3, 43))], prompt)[0].token_ids
