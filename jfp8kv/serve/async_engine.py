@@ -159,16 +159,14 @@ class AsyncEngine:
         self._metrics_time = 0.0  # engine thread only
         # The queue bound, checked on the event loop before a request crosses to the engine
         # thread: the waiting requests the engine last reported (written by the engine
-        # thread after each command batch and step) plus the adds sent and not yet settled.
-        # Under a burst the refused requests then cost no round trip through the engine
-        # thread, which would otherwise handle each between its steps (the engine's own
-        # check stays the authority).
-        # A hint older than an abort the loop sent is not used (that abort may have freed
-        # a place): aborts sent (loop) against aborts the hint had seen (engine thread).
-        self._waiting_seen = (0, 0)  # (waiting, aborts applied), written as one tuple
-        self._adds_pending = 0  # event loop only
-        self._aborts_sent = 0  # event loop only
-        self._aborts_applied = 0  # engine thread only
+        # thread after each command batch and step) plus the adds sent that it had not
+        # applied yet: a request counts once, arriving, then waiting.
+        # Under a burst the refused requests cost no round trip through the engine thread
+        # (the engine's own check stays the authority). A hint older than an abort the loop
+        # sent is not used (that abort may have freed a place).
+        self._waiting_seen = (0, 0, 0)  # (waiting, aborts applied, adds applied): one tuple
+        self._adds_sent = self._aborts_sent = 0  # event loop only
+        self._adds_applied = self._aborts_applied = 0  # engine thread only
 
     # ---- event-loop side -------------------------------------------------------------
     def start(self) -> None:
@@ -194,14 +192,15 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineUnavailable(self.thread_error or "engine is unhealthy (steps keep failing)")
         bound = self.engine.max_queue_len
-        waiting, aborts_seen = self._waiting_seen
-        if aborts_seen == self._aborts_sent and waiting + self._adds_pending >= bound:
-            raise EngineOverloaded(f"{waiting} requests are waiting and {self._adds_pending} "
-                                   f"arriving (max_queue_len={bound}); retry later")
+        waiting, aborts_seen, adds_seen = self._waiting_seen
+        arriving = self._adds_sent - adds_seen
+        if aborts_seen == self._aborts_sent and waiting + arriving >= bound:
+            raise EngineOverloaded(f"{waiting} requests are waiting and {arriving} arriving "
+                                   f"(max_queue_len={bound}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         accepted = self._loop.create_future()
         self._inflight.add(request_id)
-        self._adds_pending += 1
+        self._adds_sent += 1
         self._send(("add", request_id, prompt, params, queue, accepted, time.monotonic()))
         try:
             await accepted
@@ -211,8 +210,6 @@ class AsyncEngine:
         except BaseException:
             self._inflight.discard(request_id)
             raise
-        finally:
-            self._adds_pending -= 1
         return RequestStream(self, request_id, queue)
 
     def _release(self, request_id: str, abort: bool) -> None:
@@ -260,7 +257,7 @@ class AsyncEngine:
                 stop = self._stop
             for command in commands:
                 self._apply(command)
-            self._waiting_seen = (self.engine.num_waiting(), self._aborts_applied)
+            self._publish_waiting()
             if stop:
                 for rid in list(self._states):
                     self._abort(rid, "abort")
@@ -269,9 +266,12 @@ class AsyncEngine:
             has_work = self.engine.has_unfinished()
             if has_work:
                 self._step()
-                self._waiting_seen = (self.engine.num_waiting(), self._aborts_applied)
+                self._publish_waiting()
             if not has_work or time.monotonic() - self._metrics_time > METRICS_REFRESH_S:
                 self._refresh_engine_metrics()
+
+    def _publish_waiting(self) -> None:
+        self._waiting_seen = (self.engine.num_waiting(), self._aborts_applied, self._adds_applied)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -279,6 +279,7 @@ class AsyncEngine:
             self._aborts_applied += 1
             return
         _, rid, prompt, params, queue, accepted, arrival = command
+        self._adds_applied += 1  # waiting now, or refused: no longer arriving
         try:
             self.engine.add_request(rid, prompt, params)
         except Exception as e:  # reported to the submitter (400 / 503 / 500)

@@ -169,12 +169,42 @@ def test_a_full_queue_refuses_on_the_event_loop():
             with pytest.raises(EngineOverloaded, match="max_queue_len=2"):
                 await ae.submit(f"x{i}", [1], SamplingParams())
         assert len(added) == n  # none of the 20 reached the engine
-        assert ae._adds_pending == 0
+        assert ae._adds_sent == ae._waiting_seen[2]  # nothing arriving
         for s in [s1, *waiting]:
             s.close()
         await _wait_idle(ae, fake)
         s4 = await ae.submit("after", [2], SamplingParams(max_tokens=2))
         assert (await s4.final()).finish_reason == "length"
+
+    run(_with_engine(fake, body))
+
+
+def test_an_applied_add_counts_once_while_its_answer_is_on_the_way():
+    """Between the engine thread applying an add (the request now waiting, reported) and the
+    event loop seeing it accepted, the request is counted once: with room for two, a second
+    request sent in that window is admitted (counting it both waiting and arriving refused
+    it with a 503, about one run in five of the HTTP queue-bound test)."""
+    import jfp8kv.serve.async_engine as mod
+
+    fake = FakeEngine(max_running=0, max_queue_len=2)  # nothing runs: requests stay waiting
+
+    async def body(ae):
+        loop, post = asyncio.get_running_loop(), ae._post
+
+        def slow_accept(fn, *args):  # the engine's answer to an add reaches the loop late
+            if fn is mod._settle:
+                return post(loop.call_later, 0.5, fn, *args)
+            return post(fn, *args)
+        ae._post = slow_accept
+        first = asyncio.ensure_future(ae.submit("r1", [1], SamplingParams(max_tokens=4)))
+        for _ in range(100):  # the engine thread has applied r1 and reported it waiting
+            if ae._waiting_seen[0] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert not first.done() and ae._waiting_seen[0] == 1
+        second = await ae.submit("r2", [2], SamplingParams(max_tokens=4))
+        for s in (await first, second):
+            s.close()
 
     run(_with_engine(fake, body))
 
