@@ -1,14 +1,12 @@
 """Bridge between the single-threaded ``LLMEngine`` and the asyncio HTTP server.
 
-Ownership: one background thread (the *engine thread*) is the only caller of the engine's
-``add_request`` / ``abort_request`` / ``step`` / ``metrics``. The event loop never touches the
-engine; it enqueues commands (add, abort) that the engine thread drains between steps, and
-receives results through per-request ``asyncio.Queue``s fed with ``call_soon_threadsafe``
+Ownership: one background thread (the *engine thread*) is the only caller of the engine.
+The event loop enqueues commands (add, abort) that the engine thread drains between steps,
+and receives results through per-request ``asyncio.Queue``s fed with ``call_soon_threadsafe``
 (one call per step for all requests that changed).
 
-Who frees a request's pages: the engine, when the request finishes, or when the engine
-thread applies an abort command. A ``RequestStream`` that is closed before its request
-finished (client disconnect, handler error, cancellation) always sends that abort.
+Who frees a request's pages: the engine, when the request finishes or an abort command is
+applied; a ``RequestStream`` closed before its request finished always sends that abort.
 
 Failure isolation: an exception while handling one request's output finishes only that
 request (with ``finish_reason="error"``) and aborts it in the engine; an exception from
@@ -280,14 +278,16 @@ class AsyncEngine:
             return
         _, rid, prompt, params, queue, accepted, arrival = command
         self._adds_applied += 1  # waiting now, or refused: no longer arriving
+        error = None
         try:
             self.engine.add_request(rid, prompt, params)
         except Exception as e:  # reported to the submitter (400 / 503 / 500)
-            self._post(_settle, accepted, e)
-            return
-        self._states[rid] = _ReqState(queue=queue, arrival=arrival,
-                                      stop=tuple(getattr(params, "stop", None) or ()))
-        self._post(_settle, accepted, None)
+            error = e
+        else:
+            self._states[rid] = _ReqState(queue=queue, arrival=arrival,
+                                          stop=tuple(getattr(params, "stop", None) or ()))
+        self._publish_waiting()  # before the answer: the loop counts this add once, always
+        self._post(_settle, accepted, error)
 
     def _abort(self, rid: str, reason: str, error: str | None = None) -> None:
         try:
