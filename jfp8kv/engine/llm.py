@@ -14,7 +14,6 @@ from jfp8kv.config import CacheOptions, EngineConfig, LoadConfig, split_options
 # DEFAULT_FP8_SCALE_MODE, check_fp8_support and resolve_backend are re-exported for callers
 # that import them from here.
 from jfp8kv.engine.builder import build_engine, cache_info, check_fp8_support, resolve_backend
-from jfp8kv.engine.compile_cache import ExecutableStore
 from jfp8kv.engine import startup_profile
 from jfp8kv.engine.overlap import warm_helpers
 from jfp8kv.engine.types import RequestOutput, SamplingParams
@@ -127,24 +126,18 @@ class LLM:
         """Compile ``shapes`` on parallel threads (XLA compiles outside the GIL; on the
         2-core CPU machine two threads halve the start); returns how many compiled. A
         failure here only costs time: warmup then compiles what is missing itself."""
-        t0, store = time.perf_counter(), self._executable_store()
-        loads = self.engine.runner.stored_loads
+        runner = self.engine.runner
+        t0, store, loads = time.perf_counter(), runner.store, runner.stored_loads
         try:
-            n = self.engine.runner.precompile(shapes, min(8, os.cpu_count() or 1, len(shapes)),
-                                              progress, store=store)
+            n = runner.precompile(shapes, min(8, os.cpu_count() or 1, len(shapes)), progress)
         except Exception as e:  # noqa: BLE001
             log.warning("parallel precompile failed (%s: %s); compiling one shape at a time",
                         type(e).__name__, e)
             return 0
         log.info("compiled %d shapes on parallel threads in %.0f s (%d executables loaded from "
-                 "%s)", n, time.perf_counter() - t0, self.engine.runner.stored_loads - loads,
+                 "%s)", n, time.perf_counter() - t0, runner.stored_loads - loads,
                  store.path if store else "nowhere: compile cache off")
         return n
-
-    def _executable_store(self):
-        """Where compiled steps are kept between starts (``compile_cache.ExecutableStore``:
-        a warm start loads them without tracing), or None with the compile cache off."""
-        return ExecutableStore.default(self.engine_config.compile_cache)
 
     # -- generation -------------------------------------------------------------------
     def _submit(self, prompts, sampling_params) -> list[str]:

@@ -276,8 +276,8 @@ class ModelRunner:
         the executables the jitted calls look up, so a following ``warmup`` (or first use)
         compiles nothing (and the persistent cache, when on, gets them too); each is also
         registered for direct dispatch. ``store``: an ``ExecutableStore`` to load them from
-        (no tracing) or save them to. ``progress``: a progress bar per shape. Returns the
-        number of shapes compiled."""
+        (no tracing) or save them to (default ``self.store``). ``progress``: a progress bar
+        per shape. Returns the number of shapes compiled."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         from tqdm import tqdm

@@ -47,7 +47,7 @@ def test_warm_start_loads_without_tracing(llama_bf16, tmp_path, monkeypatch):  #
     store = ExecutableStore(tmp_path / "executables")
     with persistent_cache(tmp_path / "jax"):
         cold = batched_prefill(make(llama_bf16, max_model_len=256))
-        cold._executable_store = lambda: store  # make() turns the compile cache off
+        cold.engine.runner.store = store  # make() turns the compile cache off
         shapes = cold._shapes()
         cold.warmup(progress=False)
         entries = sorted(p.name for p in store.path.iterdir())
@@ -60,7 +60,7 @@ def test_warm_start_loads_without_tracing(llama_bf16, tmp_path, monkeypatch):  #
         monkeypatch.setattr(runner_mod, "compile_fresh",
                             lambda lowered: traced.append(lowered) or real(lowered))
         warm = batched_prefill(make(llama_bf16, max_model_len=256))
-        warm._executable_store = lambda: store
+        warm.engine.runner.store = store
         with backend_compiles() as compiles:
             assert warm.engine.runner.precompile(shapes, workers=2, store=store) == len(shapes)
         assert traced == [] and compiles == []  # every step loaded, none traced
